@@ -1,0 +1,96 @@
+"""The whole pipeline for one kernel: spec -> IR -> object code (cached) -> function address.
+
+    mod = emit(spec, target); obj = cache or compile_object(str(mod)); addr = load_symbols(obj)
+
+A process compiles or loads each spec once; concurrent first calls of the same spec wait for the
+one compilation.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from . import cache
+from .compiler import compile_assembly, compile_object
+from .loader import load_symbols
+from .target import Target, host_target
+
+log = logging.getLogger("kwker")
+
+# family -> module exposing ``emit(spec, target) -> ir.Module``
+EMITTERS = {
+    "sorting": "kwker.codegen.sorting",
+}
+
+stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0}
+_kernels: dict = {}
+_locks: dict = {}
+_registry_lock = threading.Lock()
+
+
+def emit(spec, target: Target):
+    return importlib.import_module(EMITTERS[spec.family]).emit(spec, target)
+
+
+def build_object(spec, target: Target) -> bytes:
+    """Emit and compile without touching the cache (prewarming, tests)."""
+    ir_text = str(emit(spec, target))
+    dump_dir = os.environ.get("KWKER_DUMP_DIR")
+    if dump_dir:
+        dump(spec, target, ir_text, Path(dump_dir))
+    return compile_object(ir_text, target)
+
+
+def dump(spec, target: Target, ir_text: str, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    opt_ir, asm = compile_assembly(ir_text, target)
+    (folder / f"{spec.symbol}.ll").write_text(ir_text)
+    (folder / f"{spec.symbol}.opt.ll").write_text(opt_ir)
+    (folder / f"{spec.symbol}.s").write_text(asm)
+
+
+def expected_header(spec, target: Target, key: str) -> dict:
+    return {"key": key, "spec": spec.to_json(), "symbol": spec.symbol,
+            "target": asdict(target), **cache.versions()}
+
+
+def object_for(spec, target: Target) -> bytes:
+    """Object code for ``spec`` from the disk cache, compiling (and storing) on a miss."""
+    key = cache.entry_key(spec.id, target)
+    header = expected_header(spec, target, key)
+    obj = cache.load(key, {k: header[k] for k in ("key", "symbol", "target", "kwker", "llvm")})
+    if obj is not None:
+        stats["hits"] += 1
+        if os.environ.get("KWKER_DEBUG"):
+            log.info("kwker: cache hit %s", spec.symbol)
+        return obj
+    t0 = time.perf_counter()
+    obj = build_object(spec, target)
+    dt = time.perf_counter() - t0
+    stats["misses"] += 1
+    stats["compile_seconds"] += dt
+    if os.environ.get("KWKER_DEBUG"):
+        log.info("kwker: compiled %s in %.3f s", spec.symbol, dt)
+    cache.store(key, header, obj)
+    return obj
+
+
+def get_kernel(spec) -> int:
+    """Address of ``spec``'s exported function, built or loaded once per process."""
+    addr = _kernels.get(spec)
+    if addr is not None:
+        return addr
+    with _registry_lock:
+        lock = _locks.setdefault(spec, threading.Lock())
+    with lock:
+        addr = _kernels.get(spec)
+        if addr is None:
+            obj = object_for(spec, host_target())
+            addr = load_symbols(obj, [spec.symbol])[spec.symbol]
+            _kernels[spec] = addr
+    return addr
