@@ -10,6 +10,21 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 
+SPEC_CLASSES: dict[str, type] = {}
+
+
+def register_spec(cls):
+    """Make a spec class known to ``spec_from_json`` (manifests, ``kwker-cache prewarm``)."""
+    SPEC_CLASSES[cls.family] = cls
+    return cls
+
+
+def spec_from_json(data: dict) -> "Spec":
+    data = dict(data)
+    cls = SPEC_CLASSES[data.pop("family")]
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
 class Spec:
     family: str
 
@@ -33,6 +48,7 @@ class Spec:
         return {"family": self.family, **asdict(self)}
 
 
+@register_spec
 @dataclass(frozen=True)
 class SortingSpec(Spec):
     """An eager sorting-type kernel: generic over sizes, specialised by op, dtype and flags.
