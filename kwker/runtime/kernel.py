@@ -25,6 +25,7 @@ log = logging.getLogger("kwker")
 # family -> module exposing ``emit(spec, target) -> ir.Module``
 EMITTERS = {
     "sorting": "kwker.codegen.sorting",
+    "eltwise": "kwker.codegen.elementwise",
 }
 
 stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0}
@@ -63,20 +64,25 @@ def object_for(spec, target: Target) -> bytes:
     """Object code for ``spec`` from the disk cache, compiling (and storing) on a miss."""
     key = cache.entry_key(spec.id, target)
     header = expected_header(spec, target, key)
-    obj = cache.load(key, {k: header[k] for k in ("key", "symbol", "target", "kwker", "llvm")})
-    if obj is not None:
+    expect = {k: header[k] for k in ("key", "symbol", "target", "kwker", "llvm")}
+    timing = {}
+
+    def build() -> bytes:
+        t0 = time.perf_counter()
+        obj = build_object(spec, target)
+        timing["dt"] = time.perf_counter() - t0
+        return obj
+
+    obj, hit = cache.get_or_build(key, expect, header, build)
+    if hit:
         stats["hits"] += 1
         if os.environ.get("KWKER_DEBUG"):
             log.info("kwker: cache hit %s", spec.symbol)
         return obj
-    t0 = time.perf_counter()
-    obj = build_object(spec, target)
-    dt = time.perf_counter() - t0
     stats["misses"] += 1
-    stats["compile_seconds"] += dt
+    stats["compile_seconds"] += timing["dt"]
     if os.environ.get("KWKER_DEBUG"):
-        log.info("kwker: compiled %s in %.3f s", spec.symbol, dt)
-    cache.store(key, header, obj)
+        log.info("kwker: compiled %s in %.3f s", spec.symbol, timing["dt"])
     return obj
 
 

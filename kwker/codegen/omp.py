@@ -1,0 +1,75 @@
+"""Fork/join over torch's OpenMP pool for kernels with a direct-argument ABI.
+
+``emit_parallel`` exports ``symbol(arg0, ..., nthreads)``: the arguments are stored in a context
+block on the caller's stack, and ``GOMP_parallel`` (the libgomp torch loaded, so
+``torch.set_num_threads`` applies; ~2 us fork/join) runs ``body(ctx, tid, nt)`` on every thread.
+With ``nthreads <= 1`` the body runs on the calling thread without a fork. How the work is split is
+the body's business (GEMM splits M/N tiles, never K).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .irutil import Fn, const, i32, i64, intrinsic, ptr, void
+
+
+class Context:
+    """Typed access to the context block inside a body: ``ctx.ptr(i)``, ``ctx.i64(i)``."""
+
+    def __init__(self, fn: Fn, block: ir.Value):
+        self.fn, self.block = fn, block
+
+    def i64(self, slot: int) -> ir.Value:
+        return self.fn.arg_i64(self.block, slot)
+
+    def ptr(self, slot: int) -> ir.Value:
+        return self.fn.arg_ptr(self.block, slot)
+
+
+def body_fn(module: ir.Module, name: str) -> Fn:
+    """A body ``void name(ptr ctx, i64 tid, i64 nt)``; fill it, then ``finish()`` it."""
+    return Fn(module, name, void, [ptr, i64, i64], ["ctx", "tid", "nt"])
+
+
+def emit_parallel(module: ir.Module, symbol: str, arg_types: list[ir.Type],
+                  body: ir.Function, max_threads: int | None = None) -> ir.Function:
+    """Export ``void symbol(*args, i64 nthreads)`` forking ``body`` over up to ``nthreads``.
+
+    ``max_threads`` caps the team for kernels too small to pay for more threads.
+    """
+    gomp = intrinsic(module, "GOMP_parallel", void, [ptr, ptr, i32, i32])
+    tnum = intrinsic(module, "omp_get_thread_num", i32, [])
+    tcount = intrinsic(module, "omp_get_num_threads", i32, [])
+
+    outlined = Fn(module, f"{symbol}.omp", void, [ptr], ["ctx"])
+    t = outlined.b.sext(outlined.b.call(tnum, []), i64)
+    n = outlined.b.sext(outlined.b.call(tcount, []), i64)
+    outlined.b.call(body, [outlined.args[0], t, n])
+    outlined.finish()
+
+    names = [f"a{i}" for i in range(len(arg_types))] + ["nthreads"]
+    main = Fn(module, symbol, void, list(arg_types) + [i64], names, internal=False)
+    b = main.b
+    with b.goto_block(main.entry):
+        block = b.alloca(i64, size=max(1, len(arg_types)), name="ctx")
+    for slot, a in enumerate(main.args[:-1]):
+        b.store(a, main.gep(block, const(i64, slot), i64))  # pointers too: slots are 8 bytes
+    nthreads = main.args[-1]
+    if max_threads is not None:
+        cap = const(i64, max(1, max_threads))
+        nthreads = b.select(b.icmp_signed("<", nthreads, cap), nthreads, cap)
+    with main.if_else(b.icmp_signed("<=", nthreads, const(i64, 1))) as (serial, par):
+        with serial:
+            b.call(body, [block, const(i64, 0), const(i64, 1)])
+        with par:
+            b.call(gomp, [outlined.fn, block, b.trunc(nthreads, i32), const(i32, 0)])
+    return main.finish()
+
+
+def split(fn: Fn, total, tid: ir.Value, nt: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Contiguous share [begin, end) of ``total`` items for thread ``tid`` of ``nt``."""
+    b = fn.b
+    total = fn.i64(total)
+    begin = b.sdiv(b.mul(total, tid), nt)
+    end = b.sdiv(b.mul(total, b.add(tid, const(i64, 1))), nt)
+    return begin, end

@@ -1,0 +1,98 @@
+"""Vector helpers shared by the kernel emitters: lane counts, broadcasts, masked memory access.
+
+The vector width comes from the target (16 float lanes with AVX-512, 8 with AVX2); partial vectors
+at the edges of rows use ``llvm.masked.load`` / ``llvm.masked.store``, which lower to AVX-512 mask
+registers or AVX ``vmaskmov``, so edges need no scalar loop.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .irutil import f32, i1, i32, i64, intrinsic, ptr
+
+
+def float_lanes(target) -> int:
+    """float32 lanes per vector register on ``target``."""
+    return max(4, target.vector_bits // 32)
+
+
+def vty(lanes: int, elem: ir.Type = f32) -> ir.VectorType:
+    return ir.VectorType(elem, lanes)
+
+
+def broadcast(b: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
+    """Splat a scalar into every lane (insertelement + zero shufflevector: vbroadcastss)."""
+    vt = ir.VectorType(value.type, lanes)
+    v = b.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(i32, 0))
+    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
+                            ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+
+
+def gep(b: ir.IRBuilder, base: ir.Value, index, ty: ir.Type = f32) -> ir.Value:
+    if not isinstance(index, ir.Value):
+        index = ir.Constant(i64, index)
+    return b.gep(base, [index], inbounds=True, source_etype=ty)
+
+
+def load_vec(b: ir.IRBuilder, base: ir.Value, index, lanes: int, align: int = 4) -> ir.Value:
+    return b.load(gep(b, base, index), typ=vty(lanes), align=align)
+
+
+def store_vec(b: ir.IRBuilder, value: ir.Value, base: ir.Value, index, align: int = 4) -> None:
+    b.store(value, gep(b, base, index), align=align)
+
+
+def load_scalar(b: ir.IRBuilder, base: ir.Value, index, ty: ir.Type = f32) -> ir.Value:
+    return b.load(gep(b, base, index, ty), typ=ty)
+
+
+def const_mask(lanes: int, active: int) -> ir.Constant:
+    """A compile-time mask with the first ``active`` lanes on."""
+    return ir.Constant(ir.VectorType(i1, lanes), [int(j < active) for j in range(lanes)])
+
+
+def lane_mask(b: ir.IRBuilder, lanes: int, active: ir.Value) -> ir.Value:
+    """Lanes ``j < active`` (a runtime i64) on."""
+    ids = ir.Constant(ir.VectorType(i64, lanes), list(range(lanes)))
+    return b.icmp_signed("<", ids, broadcast(b, active, lanes))
+
+
+def masked_load(b: ir.IRBuilder, base: ir.Value, index, mask: ir.Value, lanes: int,
+                passthru: float = 0.0) -> ir.Value:
+    vt = vty(lanes)
+    fn = intrinsic(b.module, f"llvm.masked.load.v{lanes}f32.p0", vt,
+                   [ptr, i32, mask.type, vt])
+    fill = ir.Constant(vt, [ir.Constant(f32, passthru)] * lanes)
+    return b.call(fn, [gep(b, base, index), ir.Constant(i32, 4), mask, fill])
+
+
+def masked_store(b: ir.IRBuilder, value: ir.Value, base: ir.Value, index, mask: ir.Value) -> None:
+    lanes = value.type.count
+    fn = intrinsic(b.module, f"llvm.masked.store.v{lanes}f32.p0", ir.VoidType(),
+                   [value.type, ptr, i32, mask.type])
+    b.call(fn, [value, gep(b, base, index), ir.Constant(i32, 4), mask])
+
+
+def load_any(b, base, index, lanes: int, active: int) -> ir.Value:
+    """Load ``active`` (compile-time) of ``lanes`` floats, zero-filling the rest."""
+    if active >= lanes:
+        return load_vec(b, base, index, lanes)
+    return masked_load(b, base, index, const_mask(lanes, active), lanes)
+
+
+def store_any(b, value, base, index, active: int) -> None:
+    """Store the first ``active`` (compile-time) lanes of ``value``."""
+    if active >= value.type.count:
+        store_vec(b, value, base, index)
+    else:
+        masked_store(b, value, base, index, const_mask(value.type.count, active))
+
+
+def hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    fn = intrinsic(b.module, f"llvm.vector.reduce.fadd.v{v.type.count}f32", f32, [f32, v.type])
+    return b.call(fn, [ir.Constant(f32, -0.0), v])
+
+
+def hmax(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    fn = intrinsic(b.module, f"llvm.vector.reduce.fmax.v{v.type.count}f32", f32, [v.type])
+    return b.call(fn, [v])

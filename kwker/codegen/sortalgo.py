@@ -1,0 +1,439 @@
+"""Exact emulations of the sequential algorithms that decide ATen's tie order.
+
+Contract: every routine reproduces, step by step, the libstdc++ / ATen algorithm named in
+``shared/aten-sorting-spec.md`` (section numbers below), so its output permutation is identical to
+torch's, ties included. Elements are structure-of-arrays: a key array ``K`` (keys compare with
+``lt``) and an i32 index array ``I`` that always moves with its key.
+
+Where the output is provably the same, a faster equivalent replaces a step:
+* the Hoare partition runs 64 positions at a time (vector compares -> stopper bitmasks -> pair the
+  k-th left stopper with the k-th right stopper, BlockQuicksort-style). Hoare's scans are a pairing
+  of original stoppers until the scans cross, so the swaps are the same; near the crossing the
+  scalar loop takes over from the exact Hoare state (lo, hi);
+* the stable sort is an LSD radix sort (any stable sort gives the one stable order).
+
+Fast-math: none. Comparisons are exact integer (or ordered float, for ``mode``) compares.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .irutil import Fn, const, i1, i32, i64, ptr, vec, void
+
+THRESHOLD = 16  # libstdc++ _S_threshold
+
+
+class SortAlgos:
+    """Emits the exact sorting building blocks for one key type and comparator into a module.
+
+    ``lt(b, x, y)`` emits "x goes strictly before y". ``vector_lanes`` > 0 enables the block
+    partition, which needs integer keys compared with signed ``<``.
+    """
+
+    def __init__(self, module: ir.Module, key_type: ir.Type, lt, prefix: str,
+                 vector_lanes: int = 0):
+        self.m, self.kt, self.lt, self.prefix = module, key_type, lt, prefix
+        self.lanes = vector_lanes
+        self._fns: dict[str, ir.Function] = {}
+
+    # ---------------------------------------------------------------- element helpers
+    def _get(self, f: Fn, K, I, i):
+        return f.load(self.kt, K, i), f.load(i32, I, i)
+
+    def _put(self, f: Fn, K, I, i, elem):
+        f.store(elem[0], K, i)
+        f.store(elem[1], I, i)
+
+    def _move(self, f: Fn, K, I, dst, src):
+        self._put(f, K, I, dst, self._get(f, K, I, src))
+
+    def swap(self, f: Fn, K, I, a, b):
+        ea, eb = self._get(f, K, I, a), self._get(f, K, I, b)
+        self._put(f, K, I, a, eb)
+        self._put(f, K, I, b, ea)
+
+    def _fn(self, name: str, ret, args, argnames, body):
+        full = f"{self.prefix}.{name}"
+        if full not in self._fns:
+            f = Fn(self.m, full, ret, args, argnames)
+            self._fns[full] = f.fn
+            body(f)
+            f.finish()
+        return self._fns[full]
+
+    # ---------------------------------------------------------------- §2.1 introsort parts
+    def median_of_three_to(self, f: Fn, K, I, dest, a, b, c):
+        b_ = f.b
+        ka, kb, kc = (f.load(self.kt, K, x) for x in (a, b, c))
+        ab, bc, ac = self.lt(b_, ka, kb), self.lt(b_, kb, kc), self.lt(b_, ka, kc)
+        m_true = b_.select(bc, b, b_.select(ac, c, a))
+        m_false = b_.select(ac, a, b_.select(bc, c, b))
+        self.swap(f, K, I, dest, b_.select(ab, m_true, m_false))
+
+    def hoare(self) -> ir.Function:
+        """hoare_unguarded(K, I, lo, hi, pivot_pos) -> cut, from any exact Hoare state."""
+        def body(f: Fn):
+            K, I, lo0, hi0, pp = f.args
+            b = f.b
+            lo, hi = f.var(i64, lo0, "lo"), f.var(i64, hi0, "hi")
+            pv = f.load(self.kt, K, pp)
+            with f.loop():
+                with f.while_(lambda: self.lt(b, f.load(self.kt, K, lo.get()), pv)):
+                    lo.set(b.add(lo.get(), const(i64, 1)))
+                hi.set(b.sub(hi.get(), const(i64, 1)))
+                with f.while_(lambda: self.lt(b, pv, f.load(self.kt, K, hi.get()))):
+                    hi.set(b.sub(hi.get(), const(i64, 1)))
+                with f.if_(b.icmp_signed(">=", lo.get(), hi.get())):
+                    f.ret(lo.get())
+                self.swap(f, K, I, lo.get(), hi.get())
+                lo.set(b.add(lo.get(), const(i64, 1)))
+        return self._fn("hoare", i64, [ptr, ptr, i64, i64, i64], ["K", "I", "lo", "hi", "pp"],
+                        body)
+
+    def _stopper_mask(self, f: Fn, K, base, pv, pred: str) -> ir.Value:
+        """i64 bitmask over K[base:base+64]: bit t set iff ``K[base+t] pred pv``."""
+        b, L = f.b, self.lanes
+        splat = b.insert_element(ir.Constant(vec(self.kt, L), None), pv, const(i32, 0))
+        splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, L), [0] * L))
+        mask = const(i64, 0)
+        for j in range(64 // L):
+            v = f.load_vec(self.kt, L, K, b.add(base, const(i64, j * L)))
+            bits = b.bitcast(b.icmp_signed(pred, v, splat), ir.IntType(L))
+            mask = b.or_(mask, b.shl(b.zext(bits, i64), const(i64, j * L)))
+        return mask
+
+    def partition(self) -> ir.Function:
+        """partition_with_pivot(K, I, first, last) -> cut: median of three, then Hoare."""
+        def body(f: Fn):
+            K, I, first, last = f.args
+            b = f.b
+            one = const(i64, 1)
+            mid = b.add(first, b.sdiv(b.sub(last, first), const(i64, 2)))
+            self.median_of_three_to(f, K, I, first, b.add(first, one), mid, b.sub(last, one))
+            lo, hi = f.var(i64, b.add(first, one), "lo"), f.var(i64, last, "hi")
+            if self.lanes:
+                self._block_pairs(f, K, I, first, lo, hi)
+            f.ret(b.call(self.hoare(), [K, I, lo.get(), hi.get(), first]))
+        return self._fn("partition", i64, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
+                        body)
+
+    def _block_pairs(self, f: Fn, K, I, first, lo, hi):
+        """Advance the Hoare state (lo, hi) 64 positions at a time while the scans are apart."""
+        b = f.b
+        c64, c63, zero, one = const(i64, 64), const(i64, 63), const(i64, 0), const(i64, 1)
+        pv = f.load(self.kt, K, first)
+        lf, rf = f.var(i64, lo.get(), "lf"), f.var(i64, hi.get(), "rf")  # scanned frontiers
+        lb, rb = f.var(i64, zero, "lb"), f.var(i64, zero, "rb")
+        lm, rm = f.var(i64, zero, "lm"), f.var(i64, zero, "rm")
+        with f.loop():
+            with f.if_(b.icmp_unsigned("==", lm.get(), zero)):
+                with f.if_(b.icmp_signed("<", b.sub(rf.get(), lf.get()), c64)):
+                    f.break_()
+                lb.set(lf.get())
+                lm.set(self._stopper_mask(f, K, lf.get(), pv, ">="))  # not lt(x, pivot)
+                lf.set(b.add(lf.get(), c64))
+            with f.if_(b.icmp_unsigned("==", rm.get(), zero)):
+                with f.if_(b.icmp_signed("<", b.sub(rf.get(), lf.get()), c64)):
+                    f.break_()
+                rb.set(b.sub(rf.get(), c64))
+                m = self._stopper_mask(f, K, rb.get(), pv, "<=")  # not lt(pivot, x)
+                rm.set(f.call_intrinsic("llvm.bitreverse.i64", i64, [m]))
+                rf.set(rb.get())
+            with f.while_(lambda: b.and_(b.icmp_unsigned("!=", lm.get(), zero),
+                                         b.icmp_unsigned("!=", rm.get(), zero))):
+                false = const(i1, 0)
+                tl = f.call_intrinsic("llvm.cttz.i64", i64, [lm.get(), false])
+                tr = f.call_intrinsic("llvm.cttz.i64", i64, [rm.get(), false])
+                left = b.add(lb.get(), tl)
+                right = b.sub(b.add(rb.get(), c63), tr)
+                with f.if_(b.icmp_signed(">=", left, right), likely=False):
+                    f.ret(b.call(self.hoare(), [K, I, lo.get(), hi.get(), first]))
+                self.swap(f, K, I, left, right)
+                lo.set(b.add(left, one))
+                hi.set(right)
+                lm.set(b.and_(lm.get(), b.sub(lm.get(), one)))
+                rm.set(b.and_(rm.get(), b.sub(rm.get(), one)))
+
+    # ---------------------------------------------------------------- §2.2 heaps
+    def sift_down(self) -> ir.Function:
+        """libstdc++ __adjust_heap(base, hole, len, value) followed by __push_heap."""
+        def body(f: Fn):
+            K, I, base, hole0, ln, vk, vi = f.args
+            b = f.b
+            one, two = const(i64, 1), const(i64, 2)
+            hole, child = f.var(i64, hole0, "hole"), f.var(i64, hole0, "child")
+            half = b.sdiv(b.sub(ln, one), two)
+            with f.while_(lambda: b.icmp_signed("<", child.get(), half)):
+                c = b.add(b.mul(child.get(), two), two)
+                kc = f.load(self.kt, K, b.add(base, c))
+                kl = f.load(self.kt, K, b.add(base, b.sub(c, one)))
+                c = b.select(self.lt(b, kc, kl), b.sub(c, one), c)
+                child.set(c)
+                self._move(f, K, I, b.add(base, hole.get()), b.add(base, c))
+                hole.set(c)
+            even = b.icmp_unsigned("==", b.and_(ln, one), const(i64, 0))
+            lone = b.icmp_signed("==", child.get(), b.sdiv(b.sub(ln, two), two))
+            with f.if_(b.and_(even, lone)):
+                c = b.add(b.mul(child.get(), two), two)
+                self._move(f, K, I, b.add(base, hole.get()), b.add(base, b.sub(c, one)))
+                hole.set(b.sub(c, one))
+            parent = f.var(i64, b.sdiv(b.sub(hole.get(), one), two), "parent")
+
+            def rising():  # parent is a valid slot even when hole == top, so no branch
+                above = b.icmp_signed(">", hole.get(), hole0)
+                kp = f.load(self.kt, K, b.add(base, parent.get()))
+                return b.and_(above, self.lt(b, kp, vk))
+            with f.while_(rising):
+                self._move(f, K, I, b.add(base, hole.get()), b.add(base, parent.get()))
+                hole.set(parent.get())
+                parent.set(b.sdiv(b.sub(hole.get(), one), two))
+            self._put(f, K, I, b.add(base, hole.get()), (vk, vi))
+        return self._fn("sift_down", void, [ptr, ptr, i64, i64, i64, self.kt, i32],
+                        ["K", "I", "base", "hole", "len", "vk", "vi"], body)
+
+    def make_heap(self) -> ir.Function:
+        def body(f: Fn):
+            K, I, first, last = f.args
+            b = f.b
+            ln = b.sub(last, first)
+            with f.if_(b.icmp_signed("<", ln, const(i64, 2))):
+                f.ret()
+            start = b.sdiv(b.sub(ln, const(i64, 2)), const(i64, 2))
+            with f.for_range(start, const(i64, -1), step=-1, name="p") as p:
+                vk, vi = self._get(f, K, I, b.add(first, p))
+                b.call(self.sift_down(), [K, I, first, p, ln, vk, vi])
+        return self._fn("make_heap", void, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
+                        body)
+
+    def pop_root_into(self, f: Fn, K, I, first, last, r):
+        vk, vi = self._get(f, K, I, r)
+        self._move(f, K, I, r, first)
+        f.b.call(self.sift_down(), [K, I, first, const(i64, 0), f.b.sub(last, first), vk, vi])
+
+    def sort_heap(self) -> ir.Function:
+        def body(f: Fn):
+            K, I, first, last0 = f.args
+            b = f.b
+            last = f.var(i64, last0, "last")
+            with f.while_(lambda: b.icmp_signed(">", b.sub(last.get(), first), const(i64, 1))):
+                last.set(b.sub(last.get(), const(i64, 1)))
+                self.pop_root_into(f, K, I, first, last.get(), last.get())
+        return self._fn("sort_heap", void, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
+                        body)
+
+    def heap_select(self) -> ir.Function:
+        def body(f: Fn):
+            K, I, first, middle, last = f.args
+            b = f.b
+            b.call(self.make_heap(), [K, I, first, middle])
+            with f.for_range(middle, last) as i:
+                with f.if_(self.lt(b, f.load(self.kt, K, i), f.load(self.kt, K, first))):
+                    self.pop_root_into(f, K, I, first, middle, i)
+        return self._fn("heap_select", void, [ptr, ptr, i64, i64, i64],
+                        ["K", "I", "first", "middle", "last"], body)
+
+    # ---------------------------------------------------------------- insertion sorts
+    def _unguarded_insert(self, f: Fn, K, I, i):
+        b = f.b
+        vk, vi = self._get(f, K, I, i)
+        j = f.var(i64, b.sub(i, const(i64, 1)), "j")
+        with f.while_(lambda: self.lt(b, vk, f.load(self.kt, K, j.get()))):
+            self._move(f, K, I, b.add(j.get(), const(i64, 1)), j.get())
+            j.set(b.sub(j.get(), const(i64, 1)))
+        self._put(f, K, I, b.add(j.get(), const(i64, 1)), (vk, vi))
+
+    def guarded_insertion_sort(self) -> ir.Function:
+        def body(f: Fn):
+            K, I, first, last = f.args
+            b = f.b
+            with f.for_range(b.add(first, const(i64, 1)), last) as i:
+                vk, vi = self._get(f, K, I, i)
+                with f.if_else(self.lt(b, vk, f.load(self.kt, K, first))) as (front, other):
+                    with front:
+                        with f.for_range(i, first, step=-1, name="s") as s:
+                            self._move(f, K, I, s, b.sub(s, const(i64, 1)))
+                        self._put(f, K, I, first, (vk, vi))
+                    with other:
+                        self._unguarded_insert(f, K, I, i)
+        return self._fn("insertion_sort", void, [ptr, ptr, i64, i64],
+                        ["K", "I", "first", "last"], body)
+
+    def final_insertion_sort(self, f: Fn, K, I, first, last):
+        b = f.b
+        t = const(i64, THRESHOLD)
+        with f.if_else(b.icmp_signed(">", b.sub(last, first), t)) as (big, small):
+            with big:
+                b.call(self.guarded_insertion_sort(), [K, I, first, b.add(first, t)])
+                with f.for_range(b.add(first, t), last) as i:
+                    self._unguarded_insert(f, K, I, i)
+            with small:
+                b.call(self.guarded_insertion_sort(), [K, I, first, last])
+
+    # ---------------------------------------------------------------- std::sort, nth_element
+    def introsort_loop(self) -> ir.Function:
+        def body(f: Fn):
+            K, I, first, last0, depth0 = f.args
+            b = f.b
+            last, depth = f.var(i64, last0, "last"), f.var(i64, depth0, "depth")
+            with f.while_(lambda: b.icmp_signed(">", b.sub(last.get(), first),
+                                                const(i64, THRESHOLD))):
+                with f.if_(b.icmp_signed("==", depth.get(), const(i64, 0)), likely=False):
+                    b.call(self.heap_select(), [K, I, first, last.get(), last.get()])
+                    b.call(self.sort_heap(), [K, I, first, last.get()])
+                    f.ret()
+                depth.set(b.sub(depth.get(), const(i64, 1)))
+                cut = b.call(self.partition(), [K, I, first, last.get()])
+                b.call(f.fn, [K, I, cut, last.get(), depth.get()])
+                last.set(cut)
+        return self._fn("introsort_loop", void, [ptr, ptr, i64, i64, i64],
+                        ["K", "I", "first", "last", "depth"], body)
+
+    def _depth_limit(self, f: Fn, n):
+        lg = f.b.sub(const(i64, 63), f.call_intrinsic("llvm.ctlz.i64", i64, [n, const(i1, 0)]))
+        return f.b.mul(lg, const(i64, 2))
+
+    def std_sort(self) -> ir.Function:
+        """std::sort(first, last) exactly (§2.1)."""
+        def body(f: Fn):
+            K, I, first, last = f.args
+            b = f.b
+            with f.if_(b.icmp_signed(">=", first, last)):
+                f.ret()
+            depth = self._depth_limit(f, b.sub(last, first))
+            b.call(self.introsort_loop(), [K, I, first, last, depth])
+            self.final_insertion_sort(f, K, I, first, last)
+        return self._fn("std_sort", void, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
+                        body)
+
+    def nth_element(self) -> ir.Function:
+        """std::nth_element(first, nth, last) exactly (§2.4)."""
+        def body(f: Fn):
+            K, I, first0, nth, last0 = f.args
+            b = f.b
+            with f.if_(b.or_(b.icmp_signed("==", first0, last0),
+                             b.icmp_signed("==", nth, last0))):
+                f.ret()
+            first, last = f.var(i64, first0, "first"), f.var(i64, last0, "last")
+            depth = f.var(i64, self._depth_limit(f, b.sub(last0, first0)), "depth")
+            with f.while_(lambda: b.icmp_signed(">", b.sub(last.get(), first.get()),
+                                                const(i64, 3))):
+                with f.if_(b.icmp_signed("==", depth.get(), const(i64, 0)), likely=False):
+                    b.call(self.heap_select(), [K, I, first.get(), b.add(nth, const(i64, 1)),
+                                                last.get()])
+                    self.swap(f, K, I, first.get(), nth)
+                    f.ret()
+                depth.set(b.sub(depth.get(), const(i64, 1)))
+                cut = b.call(self.partition(), [K, I, first.get(), last.get()])
+                with f.if_else(b.icmp_signed("<=", cut, nth)) as (right, left):
+                    with right:
+                        first.set(cut)
+                    with left:
+                        last.set(cut)
+            b.call(self.guarded_insertion_sort(), [K, I, first.get(), last.get()])
+        return self._fn("nth_element", void, [ptr, ptr, i64, i64, i64],
+                        ["K", "I", "first", "nth", "last"], body)
+
+    # ---------------------------------------------------------------- §2.6 ATen quickselect
+    def aten_quickselect(self) -> ir.Function:
+        """ATen's quick_select_template(A, k) over [0, n) (kthvalue), with gt(x, y) = lt(y, x)."""
+        def body(f: Fn):
+            K, I, n, k = f.args
+            b = f.b
+            one = const(i64, 1)
+
+            def gt(x, y):
+                return self.lt(b, y, x)
+
+            def key(i):
+                return f.load(self.kt, K, i)
+
+            def cswap(x, y):
+                with f.if_(gt(key(x), key(y))):
+                    self.swap(f, K, I, x, y)
+            L, R = f.var(i64, const(i64, 0), "L"), f.var(i64, b.sub(n, one), "R")
+            with f.loop():
+                with f.if_(b.icmp_signed("<=", R.get(), L.get())):
+                    f.ret()
+                with f.if_(b.icmp_signed("==", R.get(), b.add(L.get(), one))):
+                    cswap(L.get(), R.get())
+                    f.ret()
+                lo, hi = L.get(), R.get()
+                p = b.add(lo, b.sdiv(b.sub(hi, lo), const(i64, 2)))
+                lo1 = b.add(lo, one)
+                self.swap(f, K, I, p, lo1)
+                cswap(lo1, hi)
+                cswap(lo, hi)
+                cswap(lo1, lo)
+                i, j = f.var(i64, lo1, "i"), f.var(i64, hi, "j")
+                piv = key(lo)
+                with f.loop():
+                    i.set(b.add(i.get(), one))
+                    with f.while_(lambda: gt(piv, key(i.get()))):
+                        i.set(b.add(i.get(), one))
+                    j.set(b.sub(j.get(), one))
+                    with f.while_(lambda: gt(key(j.get()), piv)):
+                        j.set(b.sub(j.get(), one))
+                    with f.if_(b.icmp_signed("<", j.get(), i.get())):
+                        f.break_()
+                    self.swap(f, K, I, i.get(), j.get())
+                self.swap(f, K, I, lo, j.get())
+                with f.if_(b.icmp_signed("<=", j.get(), k)):
+                    L.set(i.get())
+                with f.if_(b.icmp_signed(">=", j.get(), k)):
+                    R.set(b.sub(j.get(), one))
+        return self._fn("quickselect", void, [ptr, ptr, i64, i64], ["K", "I", "n", "k"], body)
+
+
+def emit_radix_sort(module: ir.Module, key_type: ir.IntType, name: str) -> ir.Function:
+    """Stable ascending sort of signed integer keys with their i32 indices (LSD, 8-bit digits).
+
+    ``radix(K, I, K2, I2, hist, n) -> i1``: true when the result ended in (K2, I2). ``hist`` holds
+    ``bytes * 256`` i64 counters. Passes whose digit is the same for every key are skipped.
+    """
+    nbytes = key_type.width // 8
+    f = Fn(module, name, i1, [ptr, ptr, ptr, ptr, ptr, i64], ["K", "I", "K2", "I2", "H", "n"])
+    K, I, K2, I2, H, n = f.args
+    b = f.b
+    kt = key_type
+    sign = const(kt, 1 << (kt.width - 1))
+    zero = const(i64, 0)
+    with f.for_range(0, nbytes * 256, name="z") as z:
+        f.store(zero, H, z)
+    with f.for_range(zero, n, name="h") as i:
+        u = b.xor(f.load(kt, K, i), sign)
+        for p in range(nbytes):
+            d = b.zext(b.trunc(b.lshr(u, const(kt, 8 * p)), ir.IntType(8)), i64)
+            slot = b.add(d, const(i64, 256 * p))
+            f.store(b.add(f.load(i64, H, slot), const(i64, 1)), H, slot)
+    src_k, src_i = f.var(ptr, K, "sk"), f.var(ptr, I, "si")
+    dst_k, dst_i = f.var(ptr, K2, "dk"), f.var(ptr, I2, "di")
+    flipped = f.var(i1, const(i1, 0), "flipped")
+    for p in range(nbytes):
+        base = const(i64, 256 * p)
+        # skip a pass whose digit is constant: its bucket holds every key
+        d0 = b.zext(b.trunc(b.lshr(b.xor(f.load(kt, src_k.get(), zero), sign),
+                                   const(kt, 8 * p)), ir.IntType(8)), i64)
+        with f.if_(b.icmp_signed("!=", f.load(i64, H, b.add(base, d0)), n)):
+            run = f.var(i64, zero, "run")
+            with f.for_range(0, 256, name="pre") as d:
+                slot = b.add(base, d)
+                c = f.load(i64, H, slot)
+                f.store(run.get(), H, slot)
+                run.set(b.add(run.get(), c))
+            sk, si, dk, di = src_k.get(), src_i.get(), dst_k.get(), dst_i.get()
+            with f.for_range(zero, n, name="scatter") as i:
+                key = f.load(kt, sk, i)
+                d = b.zext(b.trunc(b.lshr(b.xor(key, sign), const(kt, 8 * p)), ir.IntType(8)),
+                           i64)
+                slot = b.add(base, d)
+                pos = f.load(i64, H, slot)
+                f.store(b.add(pos, const(i64, 1)), H, slot)
+                f.store(key, dk, pos)
+                f.store(f.load(i32, si, i), di, pos)
+            src_k.set(dk)
+            src_i.set(di)
+            dst_k.set(sk)
+            dst_i.set(si)
+            flipped.set(b.xor(flipped.get(), const(i1, 1)))
+    f.ret(flipped.get())
+    return f.finish()

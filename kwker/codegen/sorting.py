@@ -1,0 +1,433 @@
+"""Eager sorting-type kernels: one row kernel per op, generic over sizes.
+
+Contract: for each row (a contiguous slice of ``n`` input elements, rows ``in_rs`` elements apart)
+the kernel writes exactly what ATen 2.13 writes: values and int64 indices, ties included
+(``shared/aten-sorting-spec.md`` §3-§8).
+
+Keys: every op except ``mode`` works on order-preserving signed integer keys. Floats map
+``-0.0 -> +0.0`` and every NaN to INT_MAX (so NaNs are equivalent and after +inf, as ATen's
+NaN-aware comparators have it), then to two's-complement order; narrow integers widen to i32;
+``descending`` complements the key, which turns ATen's DESC comparator (NaN first) into ascending
+``<``. Output values are always re-read from the input through the index, so NaN payloads and the
+sign of zero are the input's own. ``mode`` uses ATen's plain, not NaN-aware, ``<`` on raw values.
+
+Layout: argument slots (after the common four of rows.py) are listed in ``SLOTS``; scratch per
+thread holds the key and index arrays (and the radix sort's second buffers and histograms).
+Fast-math: none, except the quantile interpolation's explicit FMA, which is ATen's own arithmetic.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .irutil import DTYPES, Fn, const, f32, f64, i1, i32, i64, ptr, vec, void
+from .rows import FIRST_OP_SLOT, emit_row_driver
+from .sortalgo import SortAlgos, emit_radix_sort
+
+SLOTS = {name: FIRST_OP_SLOT + i for i, name in enumerate(
+    ("src", "in_rs", "n", "out_v", "out_v_rs", "out_v_es", "out_i", "out_i_rs", "out_i_es",
+     "p0", "p1", "p2", "p3"))}
+NARG = FIRST_OP_SLOT + len(SLOTS)
+INTERPOLATIONS = ("linear", "lower", "higher", "midpoint", "nearest")
+BLOCK = 64  # positions per stopper bitmask in the block partition
+
+
+def key_type(dtype: str) -> ir.IntType:
+    return i64 if dtype in ("float64", "int64") else i32
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 63) // 64 * 64
+
+
+def scratch_layout(op: str, dtype: str, n: int, stable: bool = False) -> dict[str, int]:
+    """Byte offsets of the per-thread scratch arrays, and the total under ``"size"``."""
+    kb = key_type(dtype).width // 8
+    sizes = [("K", n * kb), ("I", n * 4)]
+    if stable or op in ("quantile", "nanquantile"):
+        sizes += [("K2", n * kb), ("I2", n * 4), ("H", 256 * kb * 8)]
+    out, pos = {}, 0
+    for name, size in sizes:
+        out[name] = pos
+        pos += _align(size + 64)
+    out["size"] = pos
+    return out
+
+
+class RowKernel:
+    """Shared pieces of one op's row function: arguments, keys, outputs."""
+
+    def __init__(self, module: ir.Module, spec, target):
+        self.m, self.spec = module, spec
+        self.vt, self.is_float, self.signed = DTYPES[spec.dtype]
+        self.kt = key_type(spec.dtype)
+        self.f = f = Fn(module, f"{spec.symbol}.row", void, [ptr, i64, ptr],
+                        ["args", "row", "scratch"])
+        self.args, self.row, self.scratch = f.args
+        b = f.b
+        self.a = {name: (f.arg_ptr(self.args, s) if name in ("src", "out_v", "out_i")
+                         else f.arg_i64(self.args, s)) for name, s in SLOTS.items()}
+        self.n = self.a["n"]
+        self.src = f.gep(self.a["src"], b.mul(self.row, self.a["in_rs"]), self.vt)
+        lanes = max(target.vector_bits // self.kt.width, 4)
+        self.lanes = min(lanes, 16)
+        self._algos: dict[int, SortAlgos] = {}
+
+    def lt(self, b, x, y):
+        return b.icmp_signed("<", x, y)
+
+    def algos(self, lanes: int | None = None) -> SortAlgos:
+        """The exact algorithms on this op's keys (one set per module and lane count)."""
+        lanes = self.lanes if lanes is None else lanes
+        if lanes not in self._algos:
+            self._algos[lanes] = SortAlgos(self.m, self.kt, self.lt,
+                                           f"{self.spec.symbol}.algo{lanes}", vector_lanes=lanes)
+        return self._algos[lanes]
+
+    def scratch_arrays(self, names):
+        """Pointers to the scratch arrays: offsets computed at run time from n."""
+        b, kb = self.f.b, self.kt.width // 8
+        sizes = {"K": b.mul(self.n, const(i64, kb)), "I": b.mul(self.n, const(i64, 4))}
+        sizes["K2"], sizes["I2"] = sizes["K"], sizes["I"]
+        sizes["H"] = const(i64, 256 * kb * 8)
+        out, pos = {}, const(i64, 0)
+        for name in ("K", "I", "K2", "I2", "H"):
+            out[name] = self.f.gep(self.scratch, pos, ir.IntType(8))
+            size = b.add(sizes[name], const(i64, 64 + 63))
+            pos = b.add(pos, b.and_(size, const(i64, ~63)))
+            if name == names[-1]:
+                break
+        return [out[nm] for nm in names]
+
+    # ------------------------------------------------------------------ keys
+    def key(self, v, descending=None):
+        """Order-preserving signed integer key of a value (scalar or vector)."""
+        b = self.f.b
+        desc = self.spec.descending if descending is None else descending
+        vty = v.type
+        lanes = vty.count if isinstance(vty, ir.VectorType) else None
+
+        def c(ty, x):
+            return ir.Constant(vec(ty, lanes), [x] * lanes) if lanes else const(ty, x)
+        kt = self.kt
+        if self.is_float:
+            ity = vec(kt, lanes) if lanes else kt
+            bits = b.bitcast(v, ity)
+            zero = b.fcmp_ordered("==", v, c(vty.element if lanes else vty, 0.0))
+            bits = b.select(zero, c(kt, 0), bits)
+            maxpos = (1 << (kt.width - 1)) - 1
+            k = b.xor(bits, b.and_(b.ashr(bits, c(kt, kt.width - 1)), c(kt, maxpos)))
+            k = b.select(b.fcmp_unordered("uno", v, v), c(kt, maxpos), k)
+        elif self.vt.width < kt.width:
+            ity = vec(kt, lanes) if lanes else kt
+            k = b.sext(v, ity) if self.signed else b.zext(v, ity)
+        else:
+            k = v
+        if desc:
+            k = b.xor(k, c(kt, -1))
+        return k
+
+    def nan_key(self):
+        return const(self.kt, (1 << (self.kt.width - 1)) - 1)
+
+    def fill_keys(self, K, I, count_nan=False):
+        """K[j] = key(src[j]), I[j] = j; returns the NaN count when asked (floats)."""
+        f, b = self.f, self.f.b
+        nnan = f.var(i64, const(i64, 0), "nnan")
+        with f.for_range(const(i64, 0), self.n, name="fill") as j:
+            k = self.key(f.load(self.vt, self.src, j))
+            f.store(k, K, j)
+            f.store(b.trunc(j, i32), I, j)
+            if count_nan and self.is_float:
+                isn = b.icmp_signed("==", k, self.nan_key())
+                nnan.set(b.add(nnan.get(), b.zext(isn, i64)))
+        return nnan.get()
+
+    # ------------------------------------------------------------------ outputs
+    def write(self, j, idx):
+        """Output slot ``j`` of this row gets src[idx] and idx."""
+        f, b, a = self.f, self.f.b, self.a
+        vpos = b.add(b.mul(self.row, a["out_v_rs"]), b.mul(j, a["out_v_es"]))
+        f.store(f.load(self.vt, self.src, idx), a["out_v"], vpos)
+        ipos = b.add(b.mul(self.row, a["out_i_rs"]), b.mul(j, a["out_i_es"]))
+        f.store(idx, a["out_i"], ipos)
+
+    def write_sorted(self, I, count):
+        f, b = self.f, self.f.b
+        with f.for_range(const(i64, 0), count, name="out") as j:
+            self.write(j, b.sext(f.load(i32, I, j), i64))
+
+    def finish(self):
+        self.f.finish()
+        return self.f.fn
+
+
+# ---------------------------------------------------------------------------------- ops
+def _emit_sort(rk: RowKernel):
+    f, b = rk.f, rk.f.b
+    if rk.spec.stable:
+        K, I, K2, I2, H = rk.scratch_arrays(["K", "I", "K2", "I2", "H"])
+        rk.fill_keys(K, I)
+        radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")
+        flipped = b.call(radix, [K, I, K2, I2, H, rk.n])
+        rk.write_sorted(b.select(flipped, I2, I), rk.n)
+    else:
+        K, I = rk.scratch_arrays(["K", "I"])
+        rk.fill_keys(K, I)
+        b.call(rk.algos().std_sort(), [K, I, const(i64, 0), rk.n])
+        rk.write_sorted(I, rk.n)
+
+
+def _emit_topk(rk: RowKernel):
+    """§4: heap path (k*64 <= n) with an exact vector pre-filter (§2.2), else the nth path."""
+    f, b = rk.f, rk.f.b
+    k, is_sorted = rk.a["p0"], rk.a["p1"]
+    K, I = rk.scratch_arrays(["K", "I"])
+    algos = rk.algos()
+    zero = const(i64, 0)
+    heap = b.icmp_signed("<=", b.mul(k, const(i64, 64)), rk.n)
+    with f.if_else(heap) as (heap_path, nth_path):
+        with heap_path:
+            with f.for_range(zero, k, name="init") as j:
+                f.store(rk.key(f.load(rk.vt, rk.src, j)), K, j)
+                f.store(b.trunc(j, i32), I, j)
+            b.call(algos.make_heap(), [K, I, zero, k])
+            sift = algos.sift_down()
+
+            def offer(j):
+                kj = rk.key(f.load(rk.vt, rk.src, j))
+                with f.if_(b.icmp_signed("<", kj, f.load(rk.kt, K, zero))):
+                    b.call(sift, [K, I, zero, zero, k, kj, b.trunc(j, i32)])
+            L = rk.lanes
+            j = f.var(i64, k, "j")
+            with f.while_(lambda: b.icmp_signed("<=", b.add(j.get(), const(i64, L)), rk.n)):
+                keys = rk.key(f.load_vec(rk.vt, L, rk.src, j.get()))
+                root = f.load(rk.kt, K, zero)
+                splat = b.insert_element(ir.Constant(vec(rk.kt, L), None), root, const(i32, 0))
+                splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, L), [0] * L))
+                m = b.zext(b.bitcast(b.icmp_signed("<", keys, splat), ir.IntType(L)), i64)
+                mask = f.var(i64, m, "mask")
+                with f.while_(lambda: b.icmp_unsigned("!=", mask.get(), zero)):
+                    t = f.call_intrinsic("llvm.cttz.i64", i64, [mask.get(), const(i1, 0)])
+                    offer(b.add(j.get(), t))
+                    mask.set(b.and_(mask.get(), b.sub(mask.get(), const(i64, 1))))
+                j.set(b.add(j.get(), const(i64, L)))
+            with f.for_range(j.get(), rk.n, name="tail") as t:
+                offer(t)
+            b.call(algos.sort_heap(), [K, I, zero, k])
+        with nth_path:
+            rk.fill_keys(K, I)
+            km1 = b.sub(k, const(i64, 1))
+            b.call(algos.nth_element(), [K, I, zero, km1, rk.n])
+            with f.if_(b.icmp_signed("!=", is_sorted, zero)):
+                b.call(algos.std_sort(), [K, I, zero, km1])
+    rk.write_sorted(I, k)
+
+
+def _emit_kthvalue(rk: RowKernel):
+    f, b = rk.f, rk.f.b
+    K, I = rk.scratch_arrays(["K", "I"])
+    rk.fill_keys(K, I)
+    k0 = rk.a["p0"]  # 0-based
+    b.call(rk.algos().aten_quickselect(), [K, I, rk.n, k0])
+    rk.write(const(i64, 0), b.sext(f.load(i32, I, k0), i64))
+
+
+def _first_match(rk: RowKernel, pred, skip):
+    """Index of the ``skip``-th (0-based) element j, in index order, with pred(key(src[j]))."""
+    f, b = rk.f, rk.f.b
+    seen = f.var(i64, const(i64, 0), "seen")
+    found = f.var(i64, const(i64, 0), "found")
+    with f.for_range(const(i64, 0), rk.n, name="scan") as j:
+        with f.if_(pred(rk.key(f.load(rk.vt, rk.src, j)))):
+            with f.if_(b.icmp_signed("==", seen.get(), skip)):
+                found.set(j)
+                f.break_()
+            seen.set(b.add(seen.get(), const(i64, 1)))
+    return found.get()
+
+
+def _emit_median_dim(rk: RowKernel, nan_ignoring: bool):
+    """§6.1 closed form: element (n-1)//2 (or the nanmedian rank) of the stable ascending sort."""
+    f, b = rk.f, rk.f.b
+    K, I = rk.scratch_arrays(["K", "I"])
+    nnan = rk.fill_keys(K, I, count_nan=True)
+    zero, one, two = const(i64, 0), const(i64, 1), const(i64, 2)
+    nan_key = rk.nan_key()
+    if not nan_ignoring and rk.is_float:
+        with f.if_(b.icmp_signed(">", nnan, zero)):
+            first_nan = _first_match(rk, lambda k: b.icmp_signed("==", k, nan_key), zero)
+            rk.write(zero, first_nan)
+            f.ret()
+    if nan_ignoring and rk.is_float:
+        with f.if_(b.icmp_signed("==", nnan, rk.n)):  # all NaN: introselect decides the index
+            b.call(rk.algos().nth_element(), [K, I, zero, zero, rk.n])
+            rk.write(zero, b.sext(f.load(i32, I, zero), i64))
+            f.ret()
+        m = b.sdiv(b.sub(b.sub(rk.n, nnan), one), two)
+    else:
+        m = b.sdiv(b.sub(rk.n, one), two)
+    b.call(rk.algos().nth_element(), [K, I, zero, m, rk.n])
+    kv = f.load(rk.kt, K, m)
+    less = f.var(i64, zero, "less")
+    with f.for_range(zero, rk.n, name="count") as j:
+        less.set(b.add(less.get(), b.zext(b.icmp_signed("<", f.load(rk.kt, K, j), kv), i64)))
+    rk.write(zero, _first_match(rk, lambda k: b.icmp_signed("==", k, kv),
+                                b.sub(m, less.get())))
+
+
+def _emit_median_all(rk: RowKernel, nan_ignoring: bool):
+    """§6.2: introselect on the flattened copy; median() of data with NaN is the canonical NaN."""
+    f, b = rk.f, rk.f.b
+    K, I = rk.scratch_arrays(["K", "I"])
+    nnan = rk.fill_keys(K, I, count_nan=True)
+    zero, one, two = const(i64, 0), const(i64, 1), const(i64, 2)
+    if not nan_ignoring and rk.is_float:
+        with f.if_(b.icmp_signed(">", nnan, zero)):
+            nan = ir.Constant(rk.vt, float("nan"))
+            f.store(nan, rk.a["out_v"], zero)
+            f.store(const(i64, -1), rk.a["out_i"], zero)
+            f.ret()
+    nth = b.sdiv(b.sub(b.sub(rk.n, nnan), one), two)
+    b.call(rk.algos().nth_element(), [K, I, zero, nth, rk.n])
+    rk.write(zero, b.sext(f.load(i32, I, nth), i64))
+
+
+def _emit_mode(rk: RowKernel):
+    """§7: std::sort with the plain ``<`` on raw values, then the run scan."""
+    f, b = rk.f, rk.f.b
+    K, I = rk.scratch_arrays(["K", "I"])
+    zero, one = const(i64, 0), const(i64, 1)
+    if rk.is_float:
+        raw = SortAlgos(rk.m, rk.vt, lambda bb, x, y: bb.fcmp_ordered("<", x, y),
+                        f"{rk.spec.symbol}.raw")
+        with f.for_range(zero, rk.n, name="fill") as j:
+            f.store(f.load(rk.vt, rk.src, j), K, j)
+            f.store(b.trunc(j, i32), I, j)
+        kt = rk.vt
+
+        def differ(x, y):
+            return b.fcmp_unordered("!=", x, y)
+    else:
+        raw = rk.algos(lanes=0)
+        rk.fill_keys(K, I)
+        kt = rk.kt
+
+        def differ(x, y):
+            return b.icmp_signed("!=", x, y)
+    b.call(raw.std_sort(), [K, I, zero, rk.n])
+    freq, maxf, mode_i = (f.var(i64, zero, nm) for nm in ("freq", "maxf", "mode_i"))
+    last = b.sub(rk.n, one)
+    with f.for_range(zero, rk.n, name="run") as i:
+        freq.set(b.add(freq.get(), one))
+        nxt = b.select(b.icmp_signed("<", i, last), b.add(i, one), i)
+        end = b.or_(b.icmp_signed("==", i, last),
+                    differ(f.load(kt, K, i), f.load(kt, K, nxt)))
+        with f.if_(end):
+            with f.if_(b.icmp_signed(">", freq.get(), maxf.get())):
+                maxf.set(freq.get())
+                mode_i.set(b.sext(f.load(i32, I, i), i64))
+            freq.set(zero)
+    rk.write(zero, mode_i.get())
+
+
+def _emit_quantile(rk: RowKernel, nan_ignoring: bool):
+    """§8.2: sort the row, then ATen's rank and FMA interpolation arithmetic in the dtype.
+
+    Tie order changes only the sign of a zero (and NaN payloads), so rows holding no NaN and not
+    both zeros use the stable radix sort; the others use the exact std::sort emulation.
+    """
+    f, b = rk.f, rk.f.b
+    T = rk.vt
+    K, I, K2, I2, H = rk.scratch_arrays(["K", "I", "K2", "I2", "H"])
+    zero, one = const(i64, 0), const(i64, 1)
+    q_ptr = f.arg_ptr(rk.args, SLOTS["p0"])
+    nq, interp, q_stride = rk.a["p1"], rk.a["p2"], rk.a["p3"]
+    nnan = f.var(i64, zero, "nnan")
+    pz, nz = f.var(i1, const(i1, 0), "pz"), f.var(i1, const(i1, 0), "nz")
+    ity = rk.kt
+    with f.for_range(zero, rk.n, name="fill") as j:
+        v = f.load(T, rk.src, j)
+        k = rk.key(v)
+        f.store(k, K, j)
+        f.store(b.trunc(j, i32), I, j)
+        nnan.set(b.add(nnan.get(), b.zext(b.icmp_signed("==", k, rk.nan_key()), i64)))
+        is_zero = b.fcmp_ordered("==", v, ir.Constant(T, 0.0))
+        neg = b.icmp_signed("<", b.bitcast(v, ity), const(ity, 0))
+        pz.set(b.or_(pz.get(), b.and_(is_zero, b.not_(neg))))
+        nz.set(b.or_(nz.get(), b.and_(is_zero, neg)))
+    sorted_idx = f.var(ptr, I, "sorted_idx")
+    exact = b.or_(b.icmp_signed(">", nnan.get(), zero), b.and_(pz.get(), nz.get()))
+    with f.if_else(exact) as (slow, fast):
+        with slow:
+            b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
+        with fast:
+            radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")
+            flipped = b.call(radix, [K, I, K2, I2, H, rk.n])
+            sorted_idx.set(b.select(flipped, I2, I))
+
+    def S(pos):
+        return f.load(T, rk.src, b.sext(f.load(i32, sorted_idx.get(), pos), i64))
+    n_t = b.sitofp(b.sub(rk.n, one), T)
+    c_t = b.sitofp(b.sub(b.sub(rk.n, nnan.get()), one), T)
+    has_nan = b.icmp_signed(">", nnan.get(), zero)
+    tys = {f32: "f32", f64: "f64"}[T]
+    with f.for_range(zero, nq, name="q") as qi:
+        q = f.load(T, q_ptr, qi)
+        if nan_ignoring:
+            rank = b.fmul(q, c_t)
+            rank = b.select(b.fcmp_ordered("<", rank, ir.Constant(T, 0.0)),
+                            ir.Constant(T, 0.0), rank)
+        else:
+            rank = b.select(has_nan, n_t, b.fmul(q, n_t))
+        r_floor = f.call_intrinsic(f"llvm.floor.{tys}", T, [rank])
+        r_ceil = f.call_intrinsic(f"llvm.ceil.{tys}", T, [rank])
+        r_near = f.call_intrinsic(f"llvm.roundeven.{tys}", T, [rank])
+        sel = b.select(b.icmp_signed("==", interp, const(i64, 1)), r_floor, rank)
+        sel = b.select(b.icmp_signed("==", interp, const(i64, 2)), r_ceil, sel)
+        sel = b.select(b.icmp_signed("==", interp, const(i64, 4)), r_near, sel)
+        lo = b.fptosi(sel, i64)
+        out = f.var(T, S(lo), "out")
+        lerp = b.or_(b.icmp_signed("==", interp, const(i64, 0)),
+                     b.icmp_signed("==", interp, const(i64, 3)))
+        with f.if_(lerp):
+            w = b.select(b.icmp_signed("==", interp, const(i64, 3)), ir.Constant(T, 0.5),
+                         b.fsub(rank, b.sitofp(lo, T)))
+            hi = b.fptosi(r_ceil, i64)
+            s, e = out.get(), S(hi)
+            d = b.fsub(e, s)
+            small = b.fcmp_ordered("<", f.call_intrinsic(f"llvm.fabs.{tys}", T, [w]),
+                                   ir.Constant(T, 0.5))
+            fma = f"llvm.fma.{tys}"
+            near_s = f.call_intrinsic(fma, T, [w, d, s])
+            near_e = f.call_intrinsic(fma, T, [b.fsub(w, ir.Constant(T, 1.0)), d, e])
+            out.set(b.select(small, near_s, near_e))
+        pos = b.add(b.mul(qi, q_stride), b.mul(rk.row, rk.a["out_v_rs"]))
+        f.store(out.get(), rk.a["out_v"], pos)
+
+
+def emit(spec, target) -> ir.Module:
+    from .irutil import new_module
+    module = new_module(spec.symbol)
+    rk = RowKernel(module, spec, target)
+    op = spec.op
+    if op == "sort":
+        _emit_sort(rk)
+    elif op == "topk":
+        _emit_topk(rk)
+    elif op == "kthvalue":
+        _emit_kthvalue(rk)
+    elif op in ("median", "nanmedian"):
+        _emit_median_dim(rk, op == "nanmedian")
+    elif op in ("median_all", "nanmedian_all"):
+        _emit_median_all(rk, op == "nanmedian_all")
+    elif op == "mode":
+        _emit_mode(rk)
+    elif op in ("quantile", "nanquantile"):
+        _emit_quantile(rk, op == "nanquantile")
+    else:
+        raise ValueError(f"unknown sorting op {op!r}")
+    emit_row_driver(module, spec.symbol, rk.finish())
+    return module
+
+
+__all__ = ["emit", "SLOTS", "NARG", "INTERPOLATIONS", "scratch_layout", "key_type", "f64", "f32"]

@@ -1,0 +1,206 @@
+"""ATen-identical sorting-type ops on Kwker's row kernels.
+
+Each ``fast_*`` function either returns exactly what the ATen CPU kernel returns (values,
+indices, strides) or ``NotImplemented`` when the case is not Kwker's: another device, dtype or
+layout, an argument ATen rejects (so ATen raises its own error), or an input too small to gain.
+The public functions without the prefix fall back to ATen themselves.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..codegen.sorting import INTERPOLATIONS
+from ..spec import SortingSpec
+from .rows import DTYPES, MAX_ROW, DenseOut, OutRows, resize_out, rows_of, run
+
+FLOAT_DTYPES = (torch.float32, torch.float64)
+# Below this many elements a row kernel does not beat ATen's own per-call cost.
+MIN_NUMEL = 64
+
+
+def _dtype_name(x: torch.Tensor) -> str | None:
+    if x.device.type != "cpu" or x.layout != torch.strided or x.is_quantized:
+        return None
+    return DTYPES.get(x.dtype)
+
+
+def _dim(x: torch.Tensor, dim: int) -> int | None:
+    nd = max(x.dim(), 1)
+    if not -nd <= dim < nd:
+        return None
+    return dim % nd
+
+
+def _usable(x: torch.Tensor, dim) -> tuple[str, int] | None:
+    name = _dtype_name(x)
+    if name is None or x.dim() == 0 or x.numel() < MIN_NUMEL:
+        return None
+    d = _dim(x, dim)
+    if d is None or x.shape[d] > MAX_ROW or x.shape[d] == 0:
+        return None
+    return name, d
+
+
+# ------------------------------------------------------------------------------------- sort
+def fast_sort(x, stable=False, dim=-1, descending=False):
+    u = _usable(x, dim)
+    if u is None or x.stride(u[1]) == 0:  # stride 0 along dim: ATen keeps arange indices
+        return NotImplemented
+    name, d = u
+    x2, rows, n = rows_of(x, d)
+    # §3.1 path 4: 1-D integer ascending sorts of >= 32768 elements take the stable radix path
+    radix = (x.dim() == 1 and not descending and not x.dtype.is_floating_point
+             and x.numel() >= 32768)
+    spec = SortingSpec("sort", name, bool(descending), bool(stable) or radix)
+    values = torch.empty_like(x)
+    indices = torch.empty_like(x, dtype=torch.int64)
+    run(spec, x2, rows, n, OutRows(values, d, rows, n), OutRows(indices, d, rows, n))
+    return values, indices
+
+
+# ------------------------------------------------------------------------------------- topk
+def fast_topk(x, k, dim=-1, largest=True, sorted=True):
+    u = _usable(x, dim)
+    if u is None:
+        return NotImplemented
+    name, d = u
+    n = x.shape[d]
+    if not 0 < k <= n:
+        return NotImplemented
+    x2, rows, n = rows_of(x, d)
+    shape = list(x.shape)
+    shape[d] = k
+    values = torch.empty(shape, dtype=x.dtype)
+    indices = torch.empty(shape, dtype=torch.int64)
+    run(SortingSpec("topk", name, bool(largest)), x2, rows, n,
+        OutRows(values, d, rows, k), OutRows(indices, d, rows, k), (k, int(bool(sorted)), 0, 0))
+    return values, indices
+
+
+# ------------------------------------------------------------------- reductions with indices
+def _reduced_shape(x, d, keepdim):
+    shape = list(x.shape)
+    if keepdim:
+        shape[d] = 1
+    else:
+        del shape[d]
+    return shape
+
+
+def _reduce_with_index(op, x, dim, keepdim, param=0):
+    """values, indices of a per-row reduction (kthvalue, median(dim), mode), keepdim applied."""
+    u = _usable(x, dim)
+    if u is None:
+        return NotImplemented
+    name, d = u
+    x2, rows, n = rows_of(x, d)
+    kshape = _reduced_shape(x, d, True)
+    values = torch.empty(kshape, dtype=x.dtype)
+    indices = torch.empty(kshape, dtype=torch.int64)
+    run(SortingSpec(op, name), x2, rows, n, OutRows(values, d, rows, 1),
+        OutRows(indices, d, rows, 1), (param, 0, 0, 0))
+    if not keepdim:
+        values, indices = values.squeeze(d), indices.squeeze(d)
+    return values, indices
+
+
+def fast_kthvalue(x, k, dim=-1, keepdim=False):
+    u = _usable(x, dim)
+    if u is None or not 1 <= k <= x.shape[u[1]]:
+        return NotImplemented
+    return _reduce_with_index("kthvalue", x, dim, keepdim, k - 1)
+
+
+def fast_median_dim(x, dim, keepdim=False, ignore_nan=False):
+    return _reduce_with_index("nanmedian" if ignore_nan else "median", x, dim, keepdim)
+
+
+def fast_mode(x, dim=-1, keepdim=False):
+    return _reduce_with_index("mode", x, dim, keepdim)
+
+
+def fast_median_all(x, ignore_nan=False):
+    name = _dtype_name(x)
+    if name is None or x.dim() == 0 or not MIN_NUMEL <= x.numel() <= MAX_ROW:
+        return NotImplemented
+    flat = x.reshape(1, -1).contiguous()
+    value = torch.empty((), dtype=x.dtype)
+    index = torch.empty((), dtype=torch.int64)
+    op = "nanmedian_all" if ignore_nan else "median_all"
+    run(SortingSpec(op, name), flat, 1, flat.shape[1], OutRows(value, 0, 1, 1),
+        OutRows(index, 0, 1, 1))
+    return value
+
+
+# ------------------------------------------------------------------------------ quantile
+def fast_quantile(x, q, dim=None, keepdim=False, interpolation="linear", ignore_nan=False):
+    name = _dtype_name(x)
+    if name is None or x.dtype not in FLOAT_DTYPES or x.numel() == 0:
+        return NotImplemented
+    if interpolation not in INTERPOLATIONS:
+        return NotImplemented
+    if isinstance(q, torch.Tensor):
+        if q.dtype != x.dtype or q.device != x.device or q.dim() > 1 or q.numel() == 0:
+            return NotImplemented
+        q_t = q.contiguous()
+    else:
+        q_t = torch.tensor(float(q), dtype=x.dtype)
+    q_flat = q_t.reshape(-1)
+    if not bool(((q_flat >= 0) & (q_flat <= 1)).all()):
+        return NotImplemented  # ATen raises its own error
+    if dim is None:
+        if x.numel() < MIN_NUMEL:
+            return NotImplemented
+        x2 = x.reshape(1, -1).contiguous()
+        rows, n = 1, x2.shape[1]
+        reduced = [1] * x.dim() if keepdim else []
+    else:
+        u = _usable(x, dim)
+        if u is None:
+            return NotImplemented
+        _, d = u
+        x2, rows, n = rows_of(x, d)
+        reduced = _reduced_shape(x, d, keepdim)
+    if n > 2**24:
+        return NotImplemented
+    nq = q_flat.numel()
+    out = torch.empty((nq, rows), dtype=x.dtype)
+    op = "nanquantile" if ignore_nan else "quantile"
+    # the kernel writes out[qi * rows + row]
+    run(SortingSpec(op, name), x2, rows, n, DenseOut(out), None,
+        (q_flat.data_ptr(), nq, INTERPOLATIONS.index(interpolation), rows))
+    shape = ([nq] if q_t.dim() == 1 else []) + list(reduced)
+    return out.reshape(shape)
+
+
+# ------------------------------------------------------------------------------ out= helper
+def write_out(result, outs):
+    """Copy a functional result into ATen-style out tensors (resized as ATen would)."""
+    for src, dst in zip(result, outs):
+        resize_out(dst, src.shape)
+        dst.copy_(src)
+    return tuple(outs)
+
+
+# ------------------------------------------------------------------ public, ATen fallback
+def _or_aten(result, aten_op, *args, **kwargs):
+    return aten_op(*args, **kwargs) if result is NotImplemented else result
+
+
+def topk(x, k, dim=-1, largest=True, sorted=True):
+    return _or_aten(fast_topk(x, k, dim, largest, sorted), torch.ops.aten.topk.default,
+                    x, k, dim, largest, sorted)
+
+
+def sort(x, dim=-1, descending=False, stable=False):
+    return _or_aten(fast_sort(x, stable, dim, descending), torch.ops.aten.sort.stable,
+                    x, stable=stable, dim=dim, descending=descending)
+
+
+def kthvalue(x, k, dim=-1, keepdim=False):
+    return _or_aten(fast_kthvalue(x, k, dim, keepdim), torch.ops.aten.kthvalue.default,
+                    x, k, dim, keepdim)
+
+
+def mode(x, dim=-1, keepdim=False):
+    return _or_aten(fast_mode(x, dim, keepdim), torch.ops.aten.mode.default, x, dim, keepdim)
