@@ -1,0 +1,1 @@
+"""The ``kwker-cache`` command-line tool: inspect, prewarm and clear Kwker's kernel cache."""
