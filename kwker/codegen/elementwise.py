@@ -13,7 +13,7 @@ from . import omp, simd, vmath
 from .irutil import Fn, const, i64, new_module, ptr
 
 GRAIN = 1 << 15  # elements per thread below which forking costs more than it saves
-UNROLL = 4
+UNROLL = 1
 
 OPS = {
     "gelu": lambda b, x: vmath.gelu(b, x, "none"),

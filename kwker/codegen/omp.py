@@ -53,7 +53,8 @@ def emit_parallel(module: ir.Module, symbol: str, arg_types: list[ir.Type],
     with b.goto_block(main.entry):
         block = b.alloca(i64, size=max(1, len(arg_types)), name="ctx")
     for slot, a in enumerate(main.args[:-1]):
-        b.store(a, main.gep(block, const(i64, slot), i64))  # pointers too: slots are 8 bytes
+        v = b.ptrtoint(a, i64) if isinstance(a.type, ir.PointerType) else a
+        main.store(v, block, const(i64, slot))  # read back as ptr by Context.ptr
     nthreads = main.args[-1]
     if max_threads is not None:
         cap = const(i64, max(1, max_threads))

@@ -34,10 +34,10 @@ ERF_MID_C, ERF_MID = 1.6875, (
     0.006193861365318298, -0.011707659810781479, -0.00273119262419641, 0.049599867314100266,
     -0.10239776968955994, 0.11040183901786804, -0.0654233768582344, 0.017010286450386047)
 ERF_TAIL_C, ERF_TAIL = 3.21875, (
-    -2.070570735668298e-05, 8.8291555584874e-05, -0.00019440303731244057,
-    0.00030368761508725584, -0.0003661303489934653, 0.0003394917002879083,
-    -0.00023492779291700572, 0.00011501152766868472, -3.5726523492485285e-05,
-    5.31371097167721e-06)
+    -1.9990632154076593e-06, -2.070570735668298e-05, 9.087335638469085e-05,
+    -0.00019440303731244057, 0.00030252058058977127, -0.0003661303489934653,
+    0.0003397070395294577, -0.00023492779291700572, 0.00011499762331368402,
+    -3.5726523492485285e-05, 5.31385467184009e-06)
 TANH_P = (0.0023139938712120056, -0.008365684188902378, 0.021776851266622543,
           -0.05396048352122307, 0.13333310186862946, -0.3333333432674408)
 
@@ -142,14 +142,24 @@ def unary_two(b, name, x, y):
 
 
 def _erf_body(b: ir.IRBuilder, x):
+    """One Horner chain for all three ranges: coefficients are picked per lane (blends are
+    cheaper than FMAs here), y = s * P(v) + t with (v, s, t) = (a^2, a, a) below 0.875 and
+    (a - c, -1, 1) above."""
     ty = x.type
     a = unary(b, "fabs", x)
-    small = fma(b, a, horner(b, ERF_SMALL, b.fmul(a, a)), a)
-    mid = b.fsub(splat(ty, 1.0), horner(b, ERF_MID, b.fsub(a, splat(ty, ERF_MID_C))))
-    tail = b.fsub(splat(ty, 1.0), horner(b, ERF_TAIL, b.fsub(a, splat(ty, ERF_TAIL_C))))
-    y = b.select(b.fcmp_ordered("<", a, splat(ty, 3.9375)), tail, splat(ty, 1.0))
-    y = b.select(b.fcmp_ordered("<", a, splat(ty, 2.5)), mid, y)
-    y = b.select(b.fcmp_ordered("<", a, splat(ty, 0.875)), small, y)
+    in_small = b.fcmp_ordered("<", a, splat(ty, 0.875))
+    in_mid = b.fcmp_ordered("<", a, splat(ty, 2.5))
+    centre = b.select(in_mid, splat(ty, ERF_MID_C), splat(ty, ERF_TAIL_C))
+    v = b.select(in_small, b.fmul(a, a), b.fsub(a, centre))
+    small = (0.0,) * (len(ERF_MID) - len(ERF_SMALL)) + ERF_SMALL
+    r = None
+    for cs, cm, ct in zip(small, ERF_MID, ERF_TAIL):
+        c = b.select(in_small, splat(ty, cs), b.select(in_mid, splat(ty, cm), splat(ty, ct)))
+        r = c if r is None else fma(b, r, v, c)
+    s = b.select(in_small, a, splat(ty, -1.0))
+    t = b.select(in_small, a, splat(ty, 1.0))
+    y = fma(b, s, r, t)
+    y = b.select(b.fcmp_ordered("<", a, splat(ty, 3.9375)), y, splat(ty, 1.0))
     y = b.select(b.fcmp_unordered("uno", x, x), x, y)
     return _copysign(b, y, x)
 

@@ -7,6 +7,7 @@ them. Inputs whose rows are not contiguous are copied first (ATen copies them to
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import torch
 
@@ -16,32 +17,59 @@ from ..runtime.calling import call
 # ATen's grain for row-parallel sorting ops: 32768 elements per task
 GRAIN = 32768
 MAX_ROW = 2**31 - 1  # indices are i32 inside the kernels
+calls: Counter = Counter()  # kernel calls per op: lets tests prove a fast path really ran
 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64",
           torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8"}
 
 
-def rows_of(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, int]:
-    """(rows x n) view of ``x`` with ``dim`` last and unit element stride (copying if needed)."""
-    xm = x.movedim(dim, -1) if x.dim() else x.reshape(1)
-    n = xm.shape[-1]
-    rows = xm.numel() // n if n else 0
-    x2 = xm.reshape(rows, n)
-    if n > 1 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    return x2, rows, n
+def row_stride(shape, strides, dim: int) -> int | None:
+    """Stride between consecutive rows when every dim but ``dim`` collapses into one, else None.
+
+    Rows enumerate the other dims in order (as ``movedim(dim, -1)`` does); this works on plain
+    ints, so the common layouts need no view objects on the hot path.
+    """
+    rs, span = None, None
+    for i in range(len(shape) - 1, -1, -1):
+        if i == dim or shape[i] == 1:
+            continue
+        if rs is None:
+            rs, span = strides[i], strides[i] * shape[i]
+        elif strides[i] != span:
+            return None
+        else:
+            span = strides[i] * shape[i]
+    return 0 if rs is None else rs
+
+
+def rows_of(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, int, int]:
+    """(tensor, row stride, rows, n): rows of ``x`` along ``dim`` with unit element stride.
+
+    Inputs whose rows are not evenly spaced, unit-stride slices are copied (ATen copies too).
+    """
+    shape, strides = x.shape, x.stride()
+    n = shape[dim] if shape else 1
+    rows = x.numel() // n if n else 0
+    if n <= 1 or strides[dim] == 1:
+        rs = row_stride(shape, strides, dim)
+        if rs is not None:
+            return x, rs, rows, n
+    x2 = x.movedim(dim, -1).contiguous()
+    return x2, n, rows, n
 
 
 class OutRows:
     """Kernel addressing of an output tensor whose ``dim`` holds each row's results."""
 
     def __init__(self, out: torch.Tensor, dim: int, rows: int, m: int):
-        om = out.movedim(dim, -1) if out.dim() else out.reshape(1)
-        self.final, self.tmp = om, None
-        try:
-            view = om.view(rows, m)
-            self.ptr, self.rs, self.es = view.data_ptr(), view.stride(0), view.stride(1)
-        except RuntimeError:  # not expressible as rows x m: write densely, copy once
+        self.tmp = None
+        self.ptr = out.data_ptr()
+        shape, strides = out.shape, out.stride()
+        rs = row_stride(shape, strides, dim) if shape else 0
+        if rs is not None:
+            self.rs, self.es = rs, (strides[dim] if shape else 1)
+        else:  # not expressible as rows x m: write densely, copy once
+            self.final = out.movedim(dim, -1)
             self.tmp = torch.empty((rows, m), dtype=out.dtype)
             self.ptr, self.rs, self.es = self.tmp.data_ptr(), m, 1
 
@@ -66,16 +94,16 @@ def threads_for(rows: int, n: int) -> int:
     return max(1, min(torch.get_num_threads(), rows))
 
 
-def run(spec, x2: torch.Tensor, rows: int, n: int, out_v, out_i, params=(0, 0, 0, 0),
-        nthreads: int | None = None) -> None:
-    """Call ``spec``'s row kernel over ``rows`` rows of ``x2``."""
+def run(spec, x2: torch.Tensor, in_rs: int, rows: int, n: int, out_v, out_i,
+        params=(0, 0, 0, 0), nthreads: int | None = None) -> None:
+    """Call ``spec``'s row kernel over ``rows`` rows of ``x2`` (``in_rs`` elements apart)."""
     nthreads = threads_for(rows, n) if nthreads is None else nthreads
     layout = scratch_layout(spec.op, spec.dtype, n, spec.stable)
     scratch = torch.empty(nthreads * layout["size"], dtype=torch.uint8)
     args = [0] * NARG
     args[0:4] = [nthreads, rows, scratch.data_ptr(), layout["size"]]
     args[SLOTS["src"]] = x2.data_ptr()
-    args[SLOTS["in_rs"]] = x2.stride(0) if rows > 1 else n
+    args[SLOTS["in_rs"]] = in_rs
     args[SLOTS["n"]] = n
     for name, o in (("out_v", out_v), ("out_i", out_i)):
         if o is not None:
@@ -84,6 +112,7 @@ def run(spec, x2: torch.Tensor, rows: int, n: int, out_v, out_i, params=(0, 0, 0
     for i, p in enumerate(params):
         args[SLOTS[f"p{i}"]] = p
     call(spec, args)
+    calls[spec.op] += 1
     for o in (out_v, out_i):
         if o is not None:
             o.done()

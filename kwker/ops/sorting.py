@@ -47,14 +47,14 @@ def fast_sort(x, stable=False, dim=-1, descending=False):
     if u is None or x.stride(u[1]) == 0:  # stride 0 along dim: ATen keeps arange indices
         return NotImplemented
     name, d = u
-    x2, rows, n = rows_of(x, d)
+    x2, rs, rows, n = rows_of(x, d)
     # §3.1 path 4: 1-D integer ascending sorts of >= 32768 elements take the stable radix path
     radix = (x.dim() == 1 and not descending and not x.dtype.is_floating_point
              and x.numel() >= 32768)
     spec = SortingSpec("sort", name, bool(descending), bool(stable) or radix)
     values = torch.empty_like(x)
     indices = torch.empty_like(x, dtype=torch.int64)
-    run(spec, x2, rows, n, OutRows(values, d, rows, n), OutRows(indices, d, rows, n))
+    run(spec, x2, rs, rows, n, OutRows(values, d, rows, n), OutRows(indices, d, rows, n))
     return values, indices
 
 
@@ -67,12 +67,12 @@ def fast_topk(x, k, dim=-1, largest=True, sorted=True):
     n = x.shape[d]
     if not 0 < k <= n:
         return NotImplemented
-    x2, rows, n = rows_of(x, d)
+    x2, rs, rows, n = rows_of(x, d)
     shape = list(x.shape)
     shape[d] = k
     values = torch.empty(shape, dtype=x.dtype)
     indices = torch.empty(shape, dtype=torch.int64)
-    run(SortingSpec("topk", name, bool(largest)), x2, rows, n,
+    run(SortingSpec("topk", name, bool(largest)), x2, rs, rows, n,
         OutRows(values, d, rows, k), OutRows(indices, d, rows, k), (k, int(bool(sorted)), 0, 0))
     return values, indices
 
@@ -93,11 +93,11 @@ def _reduce_with_index(op, x, dim, keepdim, param=0):
     if u is None:
         return NotImplemented
     name, d = u
-    x2, rows, n = rows_of(x, d)
+    x2, rs, rows, n = rows_of(x, d)
     kshape = _reduced_shape(x, d, True)
     values = torch.empty(kshape, dtype=x.dtype)
     indices = torch.empty(kshape, dtype=torch.int64)
-    run(SortingSpec(op, name), x2, rows, n, OutRows(values, d, rows, 1),
+    run(SortingSpec(op, name), x2, rs, rows, n, OutRows(values, d, rows, 1),
         OutRows(indices, d, rows, 1), (param, 0, 0, 0))
     if not keepdim:
         values, indices = values.squeeze(d), indices.squeeze(d)
@@ -127,7 +127,7 @@ def fast_median_all(x, ignore_nan=False):
     value = torch.empty((), dtype=x.dtype)
     index = torch.empty((), dtype=torch.int64)
     op = "nanmedian_all" if ignore_nan else "median_all"
-    run(SortingSpec(op, name), flat, 1, flat.shape[1], OutRows(value, 0, 1, 1),
+    run(SortingSpec(op, name), flat, 0, 1, flat.shape[1], OutRows(value, 0, 1, 1),
         OutRows(index, 0, 1, 1))
     return value
 
@@ -152,14 +152,14 @@ def fast_quantile(x, q, dim=None, keepdim=False, interpolation="linear", ignore_
         if x.numel() < MIN_NUMEL:
             return NotImplemented
         x2 = x.reshape(1, -1).contiguous()
-        rows, n = 1, x2.shape[1]
+        rs, rows, n = 0, 1, x2.shape[1]
         reduced = [1] * x.dim() if keepdim else []
     else:
         u = _usable(x, dim)
         if u is None:
             return NotImplemented
         _, d = u
-        x2, rows, n = rows_of(x, d)
+        x2, rs, rows, n = rows_of(x, d)
         reduced = _reduced_shape(x, d, keepdim)
     if n > 2**24:
         return NotImplemented
@@ -167,7 +167,7 @@ def fast_quantile(x, q, dim=None, keepdim=False, interpolation="linear", ignore_
     out = torch.empty((nq, rows), dtype=x.dtype)
     op = "nanquantile" if ignore_nan else "quantile"
     # the kernel writes out[qi * rows + row]
-    run(SortingSpec(op, name), x2, rows, n, DenseOut(out), None,
+    run(SortingSpec(op, name), x2, rs, rows, n, DenseOut(out), None,
         (q_flat.data_ptr(), nq, INTERPOLATIONS.index(interpolation), rows))
     shape = ([nq] if q_t.dim() == 1 else []) + list(reduced)
     return out.reshape(shape)

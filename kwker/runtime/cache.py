@@ -229,10 +229,19 @@ def read_header(path: Path) -> dict:
         return _split(start + f.read(n))[0]
 
 
+_REASONS = ("target", "kwker", "llvm", "llvmlite")  # checked first: they explain a mismatch
+
+
 def mismatch(header: dict, expect: dict) -> str | None:
-    for field, want in expect.items():
-        if header.get(field) != want:
-            return f"built for a different {field}"
+    fields = [f for f in _REASONS if f in expect] + [f for f in expect if f not in _REASONS]
+    for field in fields:
+        got, want = header.get(field), expect[field]
+        if got == want:
+            continue
+        if field == "target" and isinstance(got, dict) and isinstance(want, dict):
+            return (f"built for a different target ({got.get('cpu')} {got.get('features')!r}, "
+                    f"this machine: {want.get('cpu')} {want.get('features')!r})")
+        return f"built for a different {field} ({got!r}, expected {want!r})"
     return None
 
 

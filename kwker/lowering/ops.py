@@ -1,0 +1,145 @@
+"""What an FX node computes, independent of how dynamo spelled it.
+
+Dynamo records the same operation in several forms: ``x @ w`` is ``operator.matmul``,
+``x.matmul(w)`` a ``call_method``, ``torch.matmul`` a builtin; ``F.relu`` stays a Python function
+while ``x.relu()`` is a method. ``canon(node)`` maps all of them to one name and ``bind(node)``
+to one argument dictionary, so the patterns are written once.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+_REQ = object()  # marks a required argument
+
+# canonical name -> (positional parameter names, defaults for the optional ones)
+SIGNATURES: dict[str, tuple[tuple[str, ...], dict]] = {
+    "linear": (("input", "weight", "bias"), {"bias": None}),
+    "matmul": (("input", "other"), {}),
+    "mm": (("input", "mat2"), {}),
+    "bmm": (("input", "mat2"), {}),
+    "addmm": (("input", "mat1", "mat2"), {"beta": 1, "alpha": 1}),
+    "gelu": (("input",), {"approximate": "none"}),
+    "relu": (("input", "inplace"), {"inplace": False}),
+    "add": (("input", "other"), {"alpha": 1}),
+    "sdpa": (("query", "key", "value", "attn_mask", "dropout_p", "is_causal"),
+             {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+              "enable_gqa": False}),
+    "topk": (("input", "k", "dim", "largest", "sorted"),
+             {"dim": -1, "largest": True, "sorted": True}),
+    "sort": (("input", "dim", "descending"), {"dim": -1, "descending": False, "stable": False}),
+    "kthvalue": (("input", "k", "dim", "keepdim"), {"dim": -1, "keepdim": False}),
+    "mode": (("input", "dim", "keepdim"), {"dim": -1, "keepdim": False}),
+    "t": (("input",), {}),
+    "transpose": (("input", "dim0", "dim1"), {}),
+    "dropout": (("input", "p", "training", "inplace"),
+                {"p": 0.5, "training": True, "inplace": False}),
+}
+
+_FUNCTIONS = {
+    torch._C._nn.linear: "linear",
+    operator.matmul: "matmul", torch.matmul: "matmul",
+    torch.mm: "mm", torch.bmm: "bmm", torch.addmm: "addmm",
+    torch._C._nn.gelu: "gelu",
+    torch.relu: "relu", F.relu: "relu",
+    operator.add: "add", torch.add: "add",
+    torch._C._nn.scaled_dot_product_attention: "sdpa",
+    torch.topk: "topk", torch.sort: "sort", torch.kthvalue: "kthvalue", torch.mode: "mode",
+    torch.t: "t", torch.transpose: "transpose",
+    F.dropout: "dropout", torch.dropout: "dropout",
+}
+
+_METHODS = {
+    "matmul": "matmul", "__matmul__": "matmul", "mm": "mm", "bmm": "bmm", "addmm": "addmm",
+    "relu": "relu", "add": "add", "__add__": "add", "__radd__": "add",
+    "topk": "topk", "sort": "sort", "kthvalue": "kthvalue", "mode": "mode",
+    "t": "t", "transpose": "transpose",
+}
+
+# Ops that write into an argument: a value read before them may differ after them.
+_INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul}
+
+# Ops whose result may share memory with their first argument.
+VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "expand", "expand_as",
+                "unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "split",
+                "chunk", "unbind", "as_strided", "detach", "contiguous", "view_as", "movedim",
+                "swapaxes", "swapdims", "__getitem__", "T", "mT", "H", "mH", "diagonal",
+                "real", "imag", "reshape_as", "unfold", "tensor_split", "type_as", "to",
+                "float", "data", "requires_grad_"}
+
+
+def canon(node: Node) -> str | None:
+    """Canonical name of the operation ``node`` performs, or None if not one we know."""
+    if node.op == "call_function":
+        try:
+            name = _FUNCTIONS.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+        if name is None and node.target is getattr and len(node.args) == 2:
+            if node.args[1] in ("T", "mT"):
+                return "t"
+        return name
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def bind(node: Node, name: str | None = None) -> dict | None:
+    """Arguments of ``node`` by parameter name (defaults filled in), None if they do not fit."""
+    name = name or canon(node)
+    if name is None or name not in SIGNATURES:
+        return None
+    params, defaults = SIGNATURES[name]
+    if node.op == "call_function" and node.target is getattr:  # x.T / x.mT
+        return {"input": node.args[0]}
+    out = dict(defaults)
+    if len(node.args) > len(params):
+        return None
+    for p, a in zip(params, node.args):
+        out[p] = a
+    for k, v in node.kwargs.items():
+        if k not in out and k not in params:
+            return None
+        out[k] = v
+    if any(p not in out for p in params):
+        return None
+    return out
+
+
+def is_inplace(node: Node) -> bool:
+    """Whether ``node`` may write into one of its arguments."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.kwargs.get("inplace") is True or "out" in node.kwargs:
+        return True
+    t = node.target
+    if node.op == "call_method":
+        return t.endswith("_") and not t.startswith("_") or t in ("__setitem__", "__iadd__",
+                                                                    "__isub__", "__imul__")
+    try:
+        if t in _INPLACE_FUNCTIONS:
+            return True
+    except TypeError:
+        return False
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable
+    name = getattr(t, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def is_view(node: Node) -> bool:
+    """Whether ``node``'s result may alias its first argument."""
+    if node.op == "call_method":
+        return node.target in VIEW_METHODS
+    if node.op == "call_function":
+        if node.target is getattr or node.target is operator.getitem:
+            return True
+        name = getattr(node.target, "__name__", "")
+        return name in VIEW_METHODS
+    return False

@@ -1,0 +1,244 @@
+"""FX nodes -> the Kwker kernels that can replace them (structure only, no sizes).
+
+A ``Match`` names a kernel kind, the nodes it replaces and its inputs. Matching looks only at
+what holds for every size dynamo may pass: the operations, single-use chains, which tensors are
+parameters (compile-time constants), dtypes and ranks. Whether concrete sizes fit a kernel is
+decided when the kernel is built (``build.py``), or, under Inductor, inside the custom op.
+
+Fused chains: a GEMM with a constant weight absorbs a following ReLU/GELU and then a residual
+``add``; a GEMM whose only user is ``topk`` along the last axis becomes one kernel that never
+writes the score matrix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Node
+
+from .ops import bind, canon, is_inplace
+from .shapes import TensorMeta
+
+SORTING_OPS = ("topk", "sort", "kthvalue", "mode")
+_F32 = torch.float32
+
+
+@dataclass
+class Match:
+    kind: str                 # linear | matmul | gelu | sdpa | linear_topk | sorting
+    output: Node              # the node whose value the kernel produces
+    covers: list              # every node the kernel replaces, in graph order
+    inputs: dict              # name -> Node (runtime tensor) or constant
+    params: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        p = self.params
+        if self.kind == "linear":
+            return "linear" + ("" if p["epilogue"] == "none" else "_" + p["epilogue"]) + \
+                ("_residual" if self.inputs.get("residual") is not None else "")
+        if self.kind == "sorting":
+            return p["op"]
+        return self.kind
+
+
+def _meta(metas: dict, n) -> TensorMeta | None:
+    m = metas.get(n) if isinstance(n, Node) else None
+    return m if isinstance(m, TensorMeta) else None
+
+
+def _f32(metas, *nodes, rank=None) -> bool:
+    for n in nodes:
+        m = _meta(metas, n)
+        if m is None or m.dtype != _F32 or m.device != "cpu":
+            return False
+        if rank is not None and len(m.shape) not in rank:
+            return False
+    return True
+
+
+def _sole_user(n: Node) -> Node | None:
+    users = list(n.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _transposed_const(y: Node, metas, consts) -> Node | None:
+    """The constant 2-D W if ``y`` is a transpose view of it (W.t(), W.T, W.transpose(0, 1))."""
+    kind = canon(y)
+    if y.op == "call_method" and y.target == "permute" and tuple(y.args[1:]) in ((1, 0),):
+        w = y.args[0]
+    elif kind == "t":
+        w = y.args[0]
+    elif kind == "transpose":
+        b = bind(y)
+        if b is None or {b["dim0"], b["dim1"]} not in ({0, 1}, {-1, -2}, {0, -1}, {-2, 1}):
+            return None
+        w = b["input"]
+    else:
+        return None
+    return w if w in consts and _f32(metas, w, rank=(2,)) else None
+
+
+class Matcher:
+    def __init__(self, nodes: list, metas: dict, consts: set, sorting: bool):
+        self.nodes, self.metas, self.consts, self.sorting = nodes, metas, consts, sorting
+        self.order = {n: i for i, n in enumerate(nodes)}
+        self.writes = [self.order[n] for n in nodes if is_inplace(n)]
+
+    def run(self) -> list[Match]:
+        claimed: set = set()
+        found = []
+        for n in self.nodes:
+            if n in claimed or n.op not in ("call_function", "call_method"):
+                continue
+            m = self.match(n)
+            if m is None or claimed.intersection(m.covers) or self._spans_write(m):
+                continue
+            claimed.update(m.covers)
+            found.append(m)
+        return found
+
+    def _spans_write(self, m: Match) -> bool:
+        """A fused kernel reads its inputs where its last node was: nothing may write between."""
+        lo = min(self.order[c] for c in m.covers)
+        hi = self.order[m.output]
+        return any(lo <= w < hi for w in self.writes)
+
+    def match(self, n: Node) -> Match | None:
+        kind = canon(n)
+        if kind in ("linear", "matmul", "mm", "addmm"):
+            m = self.gemm_const(n, kind)
+            if m is not None:
+                return m
+        if kind in ("matmul", "mm", "bmm"):
+            return self.gemm(n, kind)
+        if kind == "gelu":
+            b = bind(n)
+            if b and b["approximate"] in ("none", "tanh") and _f32(self.metas, b["input"]):
+                return Match("gelu", n, [n], {"x": b["input"]}, {"approximate": b["approximate"]})
+        if kind == "sdpa":
+            return self.sdpa(n)
+        if kind in SORTING_OPS and self.sorting:
+            b = bind(n)
+            if b is not None and isinstance(b["input"], Node) and _meta(self.metas, b["input"]) \
+                    and not any(isinstance(v, Node) for k, v in b.items() if k != "input"):
+                return Match("sorting", n, [n], {"x": b["input"]}, {"op": kind, "args": b})
+        return None
+
+    # ------------------------------------------------------------------ GEMM with a weight
+    def gemm_const(self, n: Node, kind: str) -> Match | None:
+        b = bind(n, kind)
+        if b is None:
+            return None
+        views, transposed = [], False
+        if kind == "linear":
+            x, w, bias = b["input"], b["weight"], b["bias"]
+            if w not in self.consts or not _f32(self.metas, w, rank=(2,)):
+                return None
+        else:
+            if kind == "addmm":
+                if b["beta"] != 1 or b["alpha"] != 1:
+                    return None
+                bias, x, y = b["input"], b["mat1"], b["mat2"]
+            else:
+                bias, x, y = None, b["input"], b["other" if kind == "matmul" else "mat2"]
+            if not isinstance(y, Node):
+                return None
+            w = _transposed_const(y, self.metas, self.consts)
+            if w is not None:
+                if all(u is n for u in y.users):
+                    views.append(y)
+            elif y in self.consts and _f32(self.metas, y, rank=(2,)):
+                w, transposed = y, True
+            else:
+                return None
+        if bias is not None and (bias not in self.consts or not _f32(self.metas, bias, rank=(1,))):
+            return None
+        x_rank = (2,) if kind in ("mm", "addmm") else tuple(range(2, 9))
+        if not isinstance(x, Node) or not _f32(self.metas, x, rank=x_rank):
+            return None
+        inputs = {"x": x, "weight": w, "transposed": transposed, "bias": bias, "residual": None}
+        covers = views + [n]
+        user = _sole_user(n)
+        if bias is None and user is not None and canon(user) == "topk":
+            m = self._topk_after(n, user, inputs, covers)
+            if m is not None:
+                return m
+        epilogue, cur = "none", n
+        if user is not None and canon(user) in ("relu", "gelu"):
+            bu = bind(user)
+            if bu is not None and bu["input"] is cur:
+                if canon(user) == "relu":
+                    epilogue = "relu"
+                elif bu["approximate"] in ("none", "tanh"):
+                    epilogue = "gelu" if bu["approximate"] == "none" else "gelu_tanh"
+                if epilogue != "none":
+                    covers.append(user)
+                    cur = user
+        user = _sole_user(cur)
+        if user is not None and canon(user) == "add":
+            bu = bind(user)
+            if bu is not None and bu["alpha"] == 1:
+                other = bu["other"] if bu["input"] is cur else bu["input"]
+                if other is not cur and isinstance(other, Node) and \
+                        _f32(self.metas, other) and cur in (bu["input"], bu["other"]):
+                    inputs["residual"] = other
+                    covers.append(user)
+                    cur = user
+        return Match("linear", cur, covers, inputs, {"epilogue": epilogue})
+
+    def _topk_after(self, n, user, inputs, covers) -> Match | None:
+        bt = bind(user)
+        rank = len(_meta(self.metas, inputs["x"]).shape)
+        if bt is None or bt["input"] is not n or bt["sorted"] is not True:
+            return None
+        if bt["dim"] not in (-1, rank - 1) or not isinstance(bt["k"], int):
+            return None
+        if not isinstance(bt["largest"], bool):
+            return None
+        return Match("linear_topk", user, covers + [user], dict(inputs),
+                     {"k": bt["k"], "largest": bt["largest"]})
+
+    # ------------------------------------------------------------ GEMM of two activations
+    def gemm(self, n: Node, kind: str) -> Match | None:
+        b = bind(n, kind)
+        if b is None:
+            return None
+        a, y = b["input"], b["other" if kind == "matmul" else "mat2"]
+        ranks = {"mm": ((2,), (2,)), "bmm": ((3,), (3,)),
+                 "matmul": (tuple(range(2, 9)), tuple(range(2, 9)))}[kind]
+        if not (isinstance(a, Node) and isinstance(y, Node)):
+            return None
+        if not (_f32(self.metas, a, rank=ranks[0]) and _f32(self.metas, y, rank=ranks[1])):
+            return None
+        ra, ry = len(self.metas[a].shape), len(self.metas[y].shape)
+        if ry != 2 and ra != ry:
+            return None
+        return Match("matmul", n, [n], {"a": a, "b": y}, {})
+
+    # ------------------------------------------------------------------------ attention
+    def sdpa(self, n: Node) -> Match | None:
+        b = bind(n, "sdpa")
+        if b is None:
+            return None
+        q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+        if not all(isinstance(t, Node) for t in (q, k, v)):
+            return None
+        if not _f32(self.metas, q, k, v, rank=(3, 4)):
+            return None
+        if b["dropout_p"] != 0 or b["enable_gqa"] or not isinstance(b["is_causal"], bool):
+            return None
+        scale = b["scale"]
+        if scale is not None and not isinstance(scale, (int, float)):
+            return None
+        mask_kind = None
+        if mask is not None:
+            mm = _meta(self.metas, mask)
+            if mm is None or b["is_causal"]:
+                return None
+            mask_kind = {torch.bool: "bool", _F32: "float"}.get(mm.dtype)
+            if mask_kind is None:
+                return None
+        return Match("sdpa", n, [n], {"q": q, "k": k, "v": v, "mask": mask},
+                     {"causal": b["is_causal"], "scale": None if scale is None else float(scale),
+                      "mask": mask_kind})

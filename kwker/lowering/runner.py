@@ -1,0 +1,199 @@
+"""The compiled graph for ``inner="eager"``: a flat list of native calls with pre-bound arguments.
+
+Built once per specialisation. Every FX node becomes one step, a closure that reads its arguments
+from numbered slots and writes its result into its own slot; a group of nodes replaced by a Kwker
+kernel becomes a single step calling the kernel. A call fills the input slots and runs the steps
+in order: no FX interpreter and no generated Python walks the graph. A slot is cleared after its
+last use, so intermediates die as early as they do in eager mode.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+
+@dataclass
+class KernelStep:
+    """One kernel call replacing ``covers``; its result is the value of node ``output``."""
+    fn: Callable
+    args: list                       # Nodes (read from their slots) or constants
+    output: Node
+    covers: list = field(default_factory=list)  # every node the kernel makes redundant
+    name: str = ""
+
+
+class Program:
+    """``program(args)`` runs the steps on a fresh slot list and returns the graph's outputs."""
+
+    __slots__ = ("n_inputs", "template", "steps", "output")
+
+    def __init__(self, n_inputs: int, template: list, steps: list, output: Callable):
+        self.n_inputs, self.template, self.steps, self.output = n_inputs, template, steps, output
+
+    def __call__(self, args) -> Any:
+        env = self.template.copy()
+        env[:self.n_inputs] = args
+        for step, dead in self.steps:
+            step(env)
+            if dead:
+                for i in dead:
+                    env[i] = None
+        return self.output(env)
+
+
+def _getter(a, slot_of: dict) -> tuple[bool, Any]:
+    """(dynamic, value): a constant, or a function of the slot list for anything holding nodes."""
+    if isinstance(a, Node):
+        i = slot_of[a]
+        return True, lambda env: env[i]
+    if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+        parts = [_getter(x, slot_of) for x in a]
+        if not any(d for d, _ in parts):
+            return False, a
+        kind = type(a)
+        fns = [p if d else (lambda env, v=p: v) for d, p in parts]
+        return True, lambda env: kind([f(env) for f in fns])
+    if isinstance(a, dict):
+        items = {k: _getter(v, slot_of) for k, v in a.items()}
+        if not any(d for d, _ in items.values()):
+            return False, a
+        fns = {k: (p if d else (lambda env, v=p: v)) for k, (d, p) in items.items()}
+        return True, lambda env: {k: f(env) for k, f in fns.items()}
+    if isinstance(a, slice):
+        d, parts = _getter((a.start, a.stop, a.step), slot_of)
+        return (True, lambda env: slice(*parts(env))) if d else (False, a)
+    return False, a
+
+
+def make_step(fn: Callable, args: tuple, kwargs: dict, out: int, slot_of: dict) -> Callable:
+    """A closure ``step(env)`` computing ``env[out] = fn(*args, **kwargs)`` from slots."""
+    nodes_only = all(isinstance(a, Node) for a in args) and not kwargs
+    if nodes_only and len(args) <= 3:
+        s = [slot_of[a] for a in args]
+        if len(s) == 0:
+            def step(env):
+                env[out] = fn()
+        elif len(s) == 1:
+            a0, = s
+
+            def step(env):
+                env[out] = fn(env[a0])
+        elif len(s) == 2:
+            a0, a1 = s
+
+            def step(env):
+                env[out] = fn(env[a0], env[a1])
+        else:
+            a0, a1, a2 = s
+
+            def step(env):
+                env[out] = fn(env[a0], env[a1], env[a2])
+        return step
+    rest = [_getter(a, slot_of) for a in args[1:]]
+    kw = {k: _getter(v, slot_of) for k, v in kwargs.items()}
+    if args and isinstance(args[0], Node) and not any(d for d, _ in rest) \
+            and not any(d for d, _ in kw.values()):
+        a0, consts = slot_of[args[0]], tuple(v for _, v in rest)
+        kwc = {k: v for k, (_, v) in kw.items()}
+        if kwc:
+            def step(env):
+                env[out] = fn(env[a0], *consts, **kwc)
+        else:
+            def step(env):
+                env[out] = fn(env[a0], *consts)
+        return step
+    _, get_args = _getter(tuple(args), slot_of)
+    _, get_kwargs = _getter(dict(kwargs), slot_of)
+    get_args = get_args if callable(get_args) else (lambda env, v=get_args: v)
+    get_kwargs = get_kwargs if callable(get_kwargs) else (lambda env, v=get_kwargs: v)
+
+    def step(env):
+        env[out] = fn(*get_args(env), **get_kwargs(env))
+    return step
+
+
+def _method(name: str, self_is_tensor: bool) -> Callable:
+    if self_is_tensor and hasattr(torch.Tensor, name):
+        return getattr(torch.Tensor, name)
+    return lambda self, *a, **k: getattr(self, name)(*a, **k)
+
+
+def _is_tensor_node(node: Node, metas: dict | None) -> bool:
+    from .shapes import TensorMeta
+    if metas is not None and node in metas:
+        return isinstance(metas[node], TensorMeta)
+    return isinstance(node.meta.get("example_value"), torch.Tensor)
+
+
+def fetch_attr(gm: GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
+                  metas: dict | None = None) -> Program:
+    """The flat program for ``gm`` with the given kernel steps replacing the nodes they cover."""
+    kernels = kernels or []
+    by_output = {k.output: k for k in kernels}
+    covered = {n for k in kernels for n in k.covers} - set(by_output)
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    slot_of: dict[Node, int] = {n: i for i, n in enumerate(placeholders)}
+    template: list = [None] * len(placeholders)
+    planned: list[tuple[Callable, list[Node]]] = []  # (step, nodes it reads)
+    output_fn = None
+    for n in nodes:
+        if n.op == "placeholder" or n in covered:
+            continue
+        if n.op == "get_attr":
+            slot_of[n] = len(template)
+            template.append(fetch_attr(gm, n.target))
+            continue
+        if n.op == "output":
+            dyn, get = _getter(n.args[0], slot_of)
+            output_fn = get if dyn else (lambda env, v=get: v)
+            reads = n.all_input_nodes
+            planned.append((None, reads))
+            continue
+        slot_of[n] = len(template)
+        template.append(None)
+        k = by_output.get(n)
+        if k is not None:
+            for c in k.covers:
+                if c is not n and any(u not in k.covers for u in c.users):
+                    raise ValueError(f"kernel {k.name} covers {c.name}, which is used outside it")
+            step = make_step(k.fn, tuple(k.args), {}, slot_of[n], slot_of)
+            reads = [a for a in k.args if isinstance(a, Node)]
+        elif n.op == "call_function":
+            step = make_step(n.target, n.args, n.kwargs, slot_of[n], slot_of)
+            reads = n.all_input_nodes
+        elif n.op == "call_method":
+            fn = _method(n.target, _is_tensor_node(n.args[0], metas))
+            step = make_step(fn, n.args, n.kwargs, slot_of[n], slot_of)
+            reads = n.all_input_nodes
+        else:
+            raise NotImplementedError(f"FX node kind {n.op!r} ({n.name})")
+        planned.append((step, reads))
+    # free each intermediate slot after the step that reads it last
+    last: dict[int, int] = {}
+    for idx, (_, reads) in enumerate(planned):
+        for r in reads:
+            last[slot_of[r]] = idx
+    n_in = len(placeholders)
+    dead_at: dict[int, list[int]] = {}
+    for s, idx in last.items():
+        if s >= n_in and template[s] is None:
+            dead_at.setdefault(idx, []).append(s)
+    steps = [(step, tuple(dead_at.get(i, ()))) for i, (step, _) in enumerate(planned)
+             if step is not None]
+    return Program(n_in, template, steps, output_fn or (lambda env: None))
+
+
+def getitem_node(node: Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

@@ -1,0 +1,239 @@
+"""Eager drop-in: PyTorch's CPU kernels for sorting-type ops, replaced by Kwker's.
+
+    import kwker.torch_ops as kto
+    with kto.accelerated():      # scoped; nestable; undone on exit and on exceptions
+        model(x)
+    kto.install()                # process-wide; kto.uninstall() undoes it
+
+The replacement happens in PyTorch's dispatcher (``torch.library``, CPU dispatch key), so
+``torch.topk``, ``Tensor.topk``, ``torch.ops.aten.topk.default`` and the ``out=`` forms all reach
+it, autograd keeps its own backward formulas, and ops that are not replaced cost nothing extra.
+Every case Kwker does not take (other devices, dtypes or layouts, arguments ATen rejects, tiny
+inputs) calls the original ATen kernel, captured before the override. quantile/nanquantile are
+composite ops in ATen; with autograd recording they run ATen's own composite (whose sort is then
+Kwker's), so gradients are ATen's.
+
+Tie order is a property of one torch release; on an unverified release nothing is replaced.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from .ops import sorting as ops
+
+VERIFIED_TORCH = ("2.13.0",)
+
+_CPU = torch._C.DispatchKey.CPU
+_AUTOGRAD_CPU = torch._C.DispatchKey.AutogradCPU
+
+
+def torch_verified() -> bool:
+    return torch.__version__.split("+")[0] in VERIFIED_TORCH
+
+
+class _Original:
+    """The ATen kernel registered for ``op`` at ``key`` before Kwker's override."""
+
+    def __init__(self, op: str, key=_CPU):
+        self.kernel = torch._C._dispatch_get_computed_kernel_for_dispatch_key(op, key)
+        self.keyset = torch._C.DispatchKeySet(key)
+
+    def __call__(self, *args, **kwargs):
+        return self.kernel.call_boxed(self.keyset, *args, **kwargs)
+
+
+def _overrides() -> list[tuple[str, object, str]]:
+    """(schema name, implementation, dispatch key) of every override."""
+    orig = {name: _Original("aten::" + name) for name in (
+        "topk", "topk.values", "sort.stable", "sort.values_stable", "kthvalue.values",
+        "median", "median.dim_values", "nanmedian", "nanmedian.dim_values", "mode",
+        "quantile", "quantile.scalar", "quantile.out", "quantile.scalar_out",
+        "nanquantile", "nanquantile.scalar", "nanquantile.out", "nanquantile.scalar_out")}
+
+    def fast_or(name, result, *args, **kwargs):
+        return orig[name](*args, **kwargs) if result is NotImplemented else result
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        return fast_or("topk", ops.fast_topk(self, k, dim, largest, sorted),
+                       self, k, dim, largest, sorted)
+
+    def topk_out(self, k, dim=-1, largest=True, sorted=True, *, values, indices):
+        r = ops.fast_topk(self, k, dim, largest, sorted) if _plain_outs(self, values,
+                                                                        indices) else None
+        if r is None or r is NotImplemented:
+            return orig["topk.values"](self, k, dim, largest, sorted, values=values,
+                                       indices=indices)
+        return ops.write_out(r, (values, indices))
+
+    def sort(self, *, stable, dim=-1, descending=False):
+        return fast_or("sort.stable", ops.fast_sort(self, bool(stable), dim, descending),
+                       self, stable=stable, dim=dim, descending=descending)
+
+    def sort_out(self, *, stable, dim=-1, descending=False, values, indices):
+        r = (ops.fast_sort(self, bool(stable), dim, descending)
+             if _plain_outs(self, values, indices) else None)
+        if r is None or r is NotImplemented:
+            return orig["sort.values_stable"](self, stable=stable, dim=dim,
+                                              descending=descending, values=values,
+                                              indices=indices)
+        return ops.write_out(r, (values, indices))
+
+    def reduction_out(name, fast):
+        def impl(self, *args, values, indices):
+            r = fast(self, *args) if _plain_outs(self, values, indices) else None
+            if r is None or r is NotImplemented:
+                return orig[name](self, *args, values=values, indices=indices)
+            return ops.write_out(r, (values, indices))
+        return impl
+
+    def median_all(self):
+        return fast_or("median", ops.fast_median_all(self), self)
+
+    def nanmedian_all(self):
+        return fast_or("nanmedian", ops.fast_median_all(self, True), self)
+
+    def mode(self, dim=-1, keepdim=False):
+        return fast_or("mode", ops.fast_mode(self, dim, keepdim), self, dim, keepdim)
+
+    impls = [
+        ("topk", topk, "CPU"), ("topk.values", topk_out, "CPU"),
+        ("sort.stable", sort, "CPU"), ("sort.values_stable", sort_out, "CPU"),
+        ("kthvalue.values", reduction_out(
+            "kthvalue.values", lambda x, k, dim=-1, keepdim=False:
+            ops.fast_kthvalue(x, k, dim, keepdim)), "CPU"),
+        ("median", median_all, "CPU"), ("nanmedian", nanmedian_all, "CPU"),
+        ("median.dim_values", reduction_out(
+            "median.dim_values", lambda x, dim, keepdim=False:
+            ops.fast_median_dim(x, dim, keepdim)), "CPU"),
+        ("nanmedian.dim_values", reduction_out(
+            "nanmedian.dim_values", lambda x, dim, keepdim=False:
+            ops.fast_median_dim(x, dim, keepdim, ignore_nan=True)), "CPU"),
+        ("mode", mode, "CPU"),
+    ]
+    for base, ignore_nan in (("quantile", False), ("nanquantile", True)):
+        impls += _quantile_overrides(base, ignore_nan, orig)
+    return impls
+
+
+def _plain_outs(x, values, indices) -> bool:
+    """out= tensors Kwker writes through a copy; anything unusual is left to ATen."""
+    return (values.dtype == x.dtype and indices.dtype == torch.int64
+            and values.device.type == "cpu" and indices.device.type == "cpu")
+
+
+def _quantile_overrides(base: str, ignore_nan: bool, orig: dict):
+    names = (base, base + ".scalar", base + ".out", base + ".scalar_out")
+    autograd = {n: _Original("aten::" + n, _AUTOGRAD_CPU) for n in names}
+
+    def fast(self, q, dim, keepdim, interpolation):
+        return ops.fast_quantile(self, q, dim, keepdim, interpolation, ignore_nan)
+
+    def make(name, with_out):
+        if with_out:
+            def impl(self, q, dim=None, keepdim=False, *, interpolation="linear", out):
+                r = fast(self, q, dim, keepdim, interpolation) if out.dtype == self.dtype \
+                    else NotImplemented
+                if r is NotImplemented:
+                    return orig[name](self, q, dim, keepdim, interpolation=interpolation,
+                                      out=out)
+                return ops.write_out((r,), (out,))[0]
+        else:
+            def impl(self, q, dim=None, keepdim=False, *, interpolation="linear"):
+                r = fast(self, q, dim, keepdim, interpolation)
+                if r is NotImplemented:
+                    return orig[name](self, q, dim, keepdim, interpolation=interpolation)
+                return r
+
+        def autograd_impl(self, q, dim=None, keepdim=False, **kwargs):
+            needs_grad = torch.is_grad_enabled() and (
+                self.requires_grad or (isinstance(q, torch.Tensor) and q.requires_grad))
+            if needs_grad:  # ATen's composite: differentiable, and its sort is Kwker's
+                return autograd[name](self, q, dim, keepdim, **kwargs)
+            with torch._C._AutoDispatchBelowAutograd():
+                return impl(self, q, dim, keepdim, **kwargs)
+        return [(name, impl, "CPU"), (name, autograd_impl, "AutogradCPU")]
+
+    out = []
+    for name in names:
+        out += make(name, name.endswith("out"))
+    return out
+
+
+class _State:
+    lock = threading.Lock()
+    users = 0          # active accelerated() blocks, plus one while install() is in force
+    installed = False  # install() called (and not undone)
+    library = None
+    warned = False
+
+
+def _activate() -> None:
+    if not torch_verified():
+        if not _State.warned:
+            _State.warned = True
+            warnings.warn(
+                f"kwker: exact parity is verified for torch {', '.join(VERIFIED_TORCH)}, "
+                f"not {torch.__version__}; every sorting op keeps running on ATen.",
+                RuntimeWarning, stacklevel=3)
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+        for name, impl, key in _overrides():
+            lib.impl(name, impl, key)
+    _State.library = lib
+
+
+def _deactivate() -> None:
+    if _State.library is not None:
+        _State.library._destroy()
+        _State.library = None
+
+
+def _acquire() -> None:
+    with _State.lock:
+        _State.users += 1
+        if _State.users == 1:
+            _activate()
+
+
+def _release() -> None:
+    with _State.lock:
+        _State.users -= 1
+        if _State.users == 0:
+            _deactivate()
+
+
+def install() -> None:
+    """Replace the kernels for the whole process (idempotent)."""
+    if not _State.installed:
+        _State.installed = True
+        _acquire()
+
+
+def uninstall() -> None:
+    """Undo ``install()`` (idempotent); open ``accelerated()`` blocks keep theirs until exit."""
+    if _State.installed:
+        _State.installed = False
+        _release()
+
+
+def is_active() -> bool:
+    return _State.library is not None
+
+
+@contextmanager
+def accelerated():
+    """Kwker's kernels inside the block; nestable, undone on exit and on exceptions.
+
+    The dispatcher is process-wide, so other threads see the replacement while a block is open.
+    """
+    _acquire()
+    try:
+        yield
+    finally:
+        _release()
