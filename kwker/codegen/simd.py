@@ -96,3 +96,7 @@ def hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
 def hmax(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
     fn = intrinsic(b.module, f"llvm.vector.reduce.fmax.v{v.type.count}f32", f32, [v.type])
     return b.call(fn, [v])
+
+
+def store_scalar(b: ir.IRBuilder, value: ir.Value, base: ir.Value, index) -> None:
+    b.store(value, gep(b, base, index, value.type))

@@ -164,13 +164,12 @@ def fast_quantile(x, q, dim=None, keepdim=False, interpolation="linear", ignore_
     if n > 2**24:
         return NotImplemented
     nq = q_flat.numel()
-    out = torch.empty((nq, rows), dtype=x.dtype)
+    # ATen computes (reduced..., q) and moves q to the front: same layout, same strides
+    out = torch.empty(list(reduced) + [nq], dtype=x.dtype)
     op = "nanquantile" if ignore_nan else "quantile"
-    # the kernel writes out[qi * rows + row]
-    run(SortingSpec(op, name), x2, rs, rows, n, DenseOut(out), None,
-        (q_flat.data_ptr(), nq, INTERPOLATIONS.index(interpolation), rows))
-    shape = ([nq] if q_t.dim() == 1 else []) + list(reduced)
-    return out.reshape(shape)
+    run(SortingSpec(op, name), x2, rs, rows, n, DenseOut(out, rs=nq), None,
+        (q_flat.data_ptr(), nq, INTERPOLATIONS.index(interpolation), 1))
+    return out.movedim(-1, 0) if q_t.dim() == 1 else out.squeeze(-1)
 
 
 # ------------------------------------------------------------------------------ out= helper

@@ -168,11 +168,16 @@ def check_root(root: Path) -> None:
 
 def ensure_dir(root: Path) -> Path:
     """Create ``root`` (and its parent) private to this user if missing, then check it."""
-    for d in (root.parent, root):
-        if d.exists() and not d.is_dir():
+    missing = []
+    d = root
+    while not d.is_dir():
+        if d.exists() or d == d.parent:
             raise UnusableCache(f"cache path {d} is not a directory (check KWKER_CACHE_DIR)")
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):  # every directory we create is private, whatever the umask
         try:
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            d.mkdir(mode=0o700, exist_ok=True)
         except OSError as e:
             raise UnusableCache(f"cannot create cache directory {d}: {e.strerror}") from None
     check_root(root)

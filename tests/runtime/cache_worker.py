@@ -3,7 +3,8 @@
     python cache_worker.py run N [N ...] [--fault F] [--barrier DIR] [--umask M]
     python cache_worker.py cli [kwker-cache args]   (generic specs = smoke specs 1..4)
 
-KWKER_TEST_CODEGEN_VERSION pins the codegen version (see conftest.py).
+KWKER_TEST_CODEGEN_VERSION pins the codegen version (see conftest.py); KWKER_TEST_FAULTS
+(comma-separated) injects faults in both modes.
 
 ``run`` prints one JSON line: {"ok", "hits", "misses", "keys"}. Faults are injected here, in
 the child, because the real mechanisms need a root mount (the tests use one when they can):
@@ -21,6 +22,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 
@@ -72,6 +74,8 @@ def barrier(folder: str) -> None:
 def main() -> int:
     if os.environ.get("KWKER_TEST_CODEGEN_VERSION"):
         inject("version:" + os.environ["KWKER_TEST_CODEGEN_VERSION"])
+    for fault in filter(None, os.environ.get("KWKER_TEST_FAULTS", "").split(",")):
+        inject(fault)
     if sys.argv[1] == "cli":
         from cache_tools.cli import main as cli_main
         from kwker import eager_specs
@@ -84,6 +88,7 @@ def main() -> int:
     p.add_argument("--fault", action="append", default=[])
     p.add_argument("--barrier")
     p.add_argument("--umask", type=lambda s: int(s, 8))
+    p.add_argument("--wipe-after", type=int, help="delete the cache dir after this many kernels")
     args = p.parse_args()
     if os.environ.get("KWKER_DEBUG"):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -95,7 +100,11 @@ def main() -> int:
     from kwker.runtime.target import host_target
     if args.barrier:
         barrier(args.barrier)
-    ok = all([kwsmoke.run(n) for n in args.ns])
+    ok = True
+    for i, n in enumerate(args.ns):
+        if i == args.wipe_after:
+            shutil.rmtree(os.environ["KWKER_CACHE_DIR"])
+        ok &= kwsmoke.run(n)
     keys = {n: cache.entry_key(kwsmoke.CacheSmokeSpec(n).id, host_target()) for n in args.ns}
     print(json.dumps({"ok": ok, "hits": kernel.stats["hits"], "misses": kernel.stats["misses"],
                       "keys": keys}))

@@ -1,0 +1,236 @@
+"""GEMM ``C = act(A @ B + bias) + residual``: BLIS loop nest around the register micro-kernel.
+
+Operands (all float32, row-major, shapes baked into the spec):
+    A (batch, m, k); C and residual (batch, m, n); bias (n,);
+    B is one of ``packed`` (weights pre-packed by the factory into ``nr``-wide k-major panels,
+    zero-padded, shared by the batch), ``kn`` (runtime (batch, k, n)) or ``nk`` (runtime
+    (batch, n, k), i.e. ``A @ B.T``).
+
+Loops per thread (BLIS names; N is the vector dimension here, so the roles of BLIS's A and B
+swap): ``jc`` chunks of ``mc`` rows of A; ``pc`` K blocks of ``kc`` (A chunk packed into
+micro-panels, L2/L3); ``ic`` blocks of ``nb`` panels of B (the L2 block; runtime B is packed here,
+pre-packed weights are used in place); ``jr`` row tiles (one A micro-panel, L1); ``ir`` panels;
+micro-kernel. Edge tiles use micro-kernel variants specialised to the leftover rows/columns.
+
+Threads split the batch, or else the M tiles or the N panels (whichever has enough work), never
+K: each C tile is owned by one thread, so the K blocks accumulate without synchronisation and
+the epilogue runs once, on the last K block. Small M (decode shapes, ``a_pack=False``) skips
+packing: the tile is all of A's rows, broadcast from A itself, K is not blocked, weights stream
+once at memory bandwidth with ``ksplit`` accumulator sets for enough FMA chains.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import omp, simd
+from .gemm_micro import FIRST, LAST, Micro, emit_micro
+from .gemm_pack import emit_pack_cols, emit_pack_rows
+from .irutil import Fn, const, i8, i64, intrinsic, new_module, ptr
+
+MIN_FLOPS_PER_THREAD = 1 << 20  # below this a fork (~2 us) costs more than it saves
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Plan:
+    """Compile-time facts the emitter needs, derived from the spec and the target."""
+
+    def __init__(self, spec, target):
+        self.s = spec
+        self.lanes = simd.float_lanes(target)
+        if spec.nr % self.lanes:
+            raise ValueError(f"kwker gemm: nr={spec.nr} not a multiple of {self.lanes} lanes")
+        self.mt = _cdiv(spec.m, spec.mr)          # row tiles
+        self.np = _cdiv(spec.n, spec.nr)          # column panels
+        self.mr_edge = spec.m - (self.mt - 1) * spec.mr
+        self.nr_edge = spec.n - (self.np - 1) * spec.nr
+        self.kc = spec.k if not spec.a_pack else min(spec.kc, spec.k)
+        self.pack_b = spec.b_layout == "nk" or (spec.b_layout == "kn" and spec.a_pack)
+
+    def micro(self, rows: int, cols: int) -> Micro:
+        s, L = self.s, self.lanes
+        nv = _cdiv(cols, L)
+        if s.a_pack:
+            a_rs, a_ks = 1, s.mr
+        else:
+            a_rs, a_ks = s.k, 1
+        if self.pack_b or s.b_layout == "packed":
+            ldb, masked = s.nr, False
+        else:
+            ldb, masked = s.n, True
+        return Micro(rows, nv, L, cols, a_rs, a_ks, ldb, masked, s.n, s.epilogue, s.bias,
+                     s.residual, s.ksplit, s.unroll)
+
+
+def emit(spec, target) -> ir.Module:
+    p = _Plan(spec, target)
+    module = new_module(spec.symbol)
+    body = _emit_body(module, p)
+    flops = 2 * spec.batch * spec.m * spec.n * spec.k
+    units = spec.batch * max(p.mt, p.np)
+    max_threads = max(1, min(units, flops // MIN_FLOPS_PER_THREAD))
+    omp.emit_parallel(module, spec.symbol, [ptr] * 5, body, max_threads=max_threads)
+    return module
+
+
+def _aligned_malloc(f: Fn, nbytes: int) -> tuple[ir.Value, ir.Value]:
+    """(raw pointer to free, 64-byte aligned pointer) of a ``nbytes`` heap buffer."""
+    b = f.b
+    malloc = intrinsic(f.module, "malloc", ptr, [i64])
+    raw = b.call(malloc, [const(i64, nbytes + 64)])
+    addr = b.ptrtoint(raw, i64)
+    pad = b.and_(b.sub(const(i64, 64), b.and_(addr, const(i64, 63))), const(i64, 63))
+    return raw, b.gep(raw, [pad], inbounds=True, source_etype=i8)
+
+
+def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
+    s, L = p.s, p.lanes
+    f = omp.body_fn(module, f"{s.symbol}.body")
+    ctx = omp.Context(f, f.args[0])
+    tid, nt = f.args[1], f.args[2]
+    b = f.b
+    a_all, b_all, bias, res_all, c_all = (ctx.ptr(i) for i in range(5))
+
+    # -- who does what: batch items, else row tiles or column panels -------------------------
+    t0, t1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, p.mt))
+    q0, q1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, p.np))
+    bt0, bt1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, s.batch))
+    with f.if_else(b.icmp_signed(">=", const(i64, s.batch), nt)) as (by_batch, inside):
+        with by_batch:
+            lo, hi = omp.split(f, s.batch, tid, nt)
+            bt0.set(lo)
+            bt1.set(hi)
+        with inside:
+            rows_enough = b.icmp_signed(">=", const(i64, p.mt), b.mul(nt, const(i64, 4)))
+            few_panels = b.icmp_signed("<", const(i64, p.np), nt)
+            with f.if_else(b.or_(rows_enough, few_panels)) as (by_rows, by_cols):
+                with by_rows:
+                    lo, hi = omp.split(f, p.mt, tid, nt)
+                    t0.set(lo)
+                    t1.set(hi)
+                with by_cols:
+                    lo, hi = omp.split(f, p.np, tid, nt)
+                    q0.set(lo)
+                    q1.set(hi)
+
+    free = intrinsic(module, "free", ir.VoidType(), [ptr])
+    raws = []
+    ap = bp = None
+    if s.a_pack:
+        raw, ap = _aligned_malloc(f, s.mc * p.kc * 4)
+        raws.append(raw)
+    if p.pack_b:
+        raw, bp = _aligned_malloc(f, s.nb * s.nr * p.kc * 4)
+        raws.append(raw)
+
+    variants = {}
+    for rows in {s.mr, p.mr_edge}:
+        for cols in {s.nr, p.nr_edge}:
+            variants[rows, cols] = emit_micro(module, p.micro(rows, cols))
+    pack_a = emit_pack_rows(module, s.mr, s.k) if s.a_pack else None
+    if s.b_layout == "nk":
+        pack_b = emit_pack_rows(module, s.nr, s.k)
+    elif p.pack_b:
+        pack_b = emit_pack_cols(module, s.nr, s.n, L)
+    else:
+        pack_b = None
+
+    tiles_per_chunk = max(1, s.mc // s.mr) if s.a_pack else p.mt
+    with f.for_range(bt0.get(), bt1.get(), name="batch") as bi:
+        a_mat = simd.gep(b, a_all, b.mul(bi, const(i64, s.m * s.k)))
+        c_mat = simd.gep(b, c_all, b.mul(bi, const(i64, s.m * s.n)))
+        r_mat = simd.gep(b, res_all, b.mul(bi, const(i64, s.m * s.n))) if s.residual else res_all
+        b_mat = b_all if s.b_layout == "packed" else \
+            simd.gep(b, b_all, b.mul(bi, const(i64, s.k * s.n)))
+        with f.for_range(t0.get(), t1.get(), step=tiles_per_chunk, name="jc") as tc0:
+            tc1 = b.add(tc0, const(i64, tiles_per_chunk))
+            tc1 = b.select(b.icmp_signed("<", tc1, t1.get()), tc1, t1.get())
+            row0 = b.mul(tc0, const(i64, s.mr))
+            row1 = b.mul(tc1, const(i64, s.mr))
+            row1 = b.select(b.icmp_signed("<", row1, const(i64, s.m)), row1, const(i64, s.m))
+            with f.for_range(0, s.k, step=p.kc, name="pc") as k0:
+                kcl = b.sub(const(i64, s.k), k0)
+                kcl = b.select(b.icmp_signed("<", kcl, const(i64, p.kc)), kcl, const(i64, p.kc))
+                mode = b.or_(
+                    b.select(b.icmp_signed("==", k0, const(i64, 0)), const(i64, FIRST),
+                             const(i64, 0)),
+                    b.select(b.icmp_signed("==", b.add(k0, kcl), const(i64, s.k)),
+                             const(i64, LAST), const(i64, 0)))
+                if s.a_pack:
+                    src = simd.gep(b, a_mat, b.add(b.mul(row0, const(i64, s.k)), k0))
+                    b.call(pack_a, [src, b.sub(row1, row0), kcl, ap])
+                with f.for_range(q0.get(), q1.get(), step=s.nb, name="ic") as qb0:
+                    qb1 = b.add(qb0, const(i64, s.nb))
+                    qb1 = b.select(b.icmp_signed("<", qb1, q1.get()), qb1, q1.get())
+                    if p.pack_b:
+                        col0 = b.mul(qb0, const(i64, s.nr))
+                        cols = b.sub(b.select(
+                            b.icmp_signed("<", b.mul(qb1, const(i64, s.nr)), const(i64, s.n)),
+                            b.mul(qb1, const(i64, s.nr)), const(i64, s.n)), col0)
+                        if s.b_layout == "nk":
+                            src = simd.gep(b, b_mat, b.add(b.mul(col0, const(i64, s.k)), k0))
+                        else:
+                            src = simd.gep(b, b_mat, b.add(b.mul(k0, const(i64, s.n)), col0))
+                        b.call(pack_b, [src, cols, kcl, bp])
+                    with f.for_range(tc0, tc1, name="jr") as t:
+                        if s.a_pack:
+                            a_tile = simd.gep(b, ap, b.mul(b.sub(t, tc0),
+                                                           b.mul(kcl, const(i64, s.mr))))
+                        else:
+                            a_tile = simd.gep(b, a_mat, b.add(
+                                b.mul(t, const(i64, s.mr * s.k)), k0))
+                        row_off = b.mul(t, const(i64, s.mr * s.n))
+                        with f.for_range(qb0, qb1, name="ir") as q:
+                            if p.pack_b:
+                                b_tile = simd.gep(b, bp, b.mul(b.sub(q, qb0),
+                                                               b.mul(kcl, const(i64, s.nr))))
+                            elif s.b_layout == "packed":
+                                b_tile = simd.gep(b, b_mat, b.add(
+                                    b.mul(q, const(i64, s.k * s.nr)),
+                                    b.mul(k0, const(i64, s.nr))))
+                            else:
+                                b_tile = simd.gep(b, b_mat, b.add(
+                                    b.mul(k0, const(i64, s.n)), b.mul(q, const(i64, s.nr))))
+                            off = b.add(row_off, b.mul(q, const(i64, s.nr)))
+                            c_tile = simd.gep(b, c_mat, off)
+                            r_tile = simd.gep(b, r_mat, off) if s.residual else r_mat
+                            bias_t = simd.gep(b, bias, b.mul(q, const(i64, s.nr))) if s.bias \
+                                else bias
+                            args = [a_tile, b_tile, c_tile, kcl, mode, bias_t, r_tile]
+                            _dispatch(f, p, variants, t, q, args)
+    for raw in raws:
+        b.call(free, [raw])
+    return f.finish()
+
+
+def _dispatch(f: Fn, p: _Plan, variants: dict, t, q, args) -> None:
+    """Call the micro-kernel variant for tile (t, q): full, or specialised to the edges."""
+    b, s = f.b, p.s
+    row_edge = p.mr_edge != s.mr
+    col_edge = p.nr_edge != s.nr
+    if not row_edge and not col_edge:
+        b.call(variants[s.mr, s.nr], args)
+        return
+    last_t = b.icmp_signed("==", t, const(i64, p.mt - 1)) if row_edge else None
+    last_q = b.icmp_signed("==", q, const(i64, p.np - 1)) if col_edge else None
+
+    def by_cols(rows):
+        if last_q is None:
+            b.call(variants[rows, s.nr], args)
+            return
+        with f.if_else(last_q) as (edge, full):
+            with edge:
+                b.call(variants[rows, p.nr_edge], args)
+            with full:
+                b.call(variants[rows, s.nr], args)
+
+    if last_t is None:
+        by_cols(s.mr)
+        return
+    with f.if_else(last_t) as (edge, full):
+        with edge:
+            by_cols(p.mr_edge)
+        with full:
+            by_cols(s.mr)

@@ -1,0 +1,149 @@
+"""The GEMM micro-kernel: an MR x NR block of C held in vector registers, updated with FMAs.
+
+Contract (BLIS's, with the vector dimension along N because C and the weights are row-major):
+
+    C[0:mr, 0:nr] (+)= A[0:mr, 0:kc] @ B[0:kc, 0:nr]      then, on the last K block,
+    C = act(C + bias) + residual                          (the fused epilogue)
+
+- B is read as ``nv`` vectors per k step from ``b + k*ldb`` (a packed panel: ldb = NR, zero-padded
+  so every load is a full vector; or a row-major matrix: ldb = n, the last vector masked).
+- A is broadcast one element per row per k step from ``a + r*a_rs + k*a_ks`` (packed micro-panel:
+  a_rs = 1, a_ks = MR; or the activation matrix itself: a_rs = lda, a_ks = 1).
+- ``first`` starts from zero (``beta = 0``: C is never read), otherwise C holds the partial sum of
+  earlier K blocks. Only the first ``cols`` columns (a compile-time count, < nr only at the N edge)
+  are stored, with masked stores: edge tiles are the same code, not a scalar loop.
+- ``ksplit`` > 1 keeps that many independent accumulator sets over interleaved k (summed at the
+  end), so tiles with few rows (decode-sized M) still have enough FMA chains in flight.
+
+Fast-math: none; the products are explicit ``llvm.fma`` (one rounding per step, like MKL).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from . import simd, vmath
+from .irutil import Fn, const, f32, i64, ptr, void
+
+FIRST, LAST = 1, 2  # bits of the ``mode`` argument
+
+
+@dataclass(frozen=True)
+class Micro:
+    """Compile-time shape of one micro-kernel variant."""
+    mr: int            # rows of the tile
+    nv: int            # vectors per row
+    lanes: int         # floats per vector
+    cols: int          # valid columns (<= nv * lanes); fewer only on the N-edge tile
+    a_rs: int          # A element stride between rows
+    a_ks: int          # A element stride between k steps
+    ldb: int           # B element stride between k steps
+    b_masked: bool     # B is not padded: mask the loads of the last vector
+    ldc: int           # C (and residual) row stride
+    epilogue: str = "none"
+    bias: bool = False
+    residual: bool = False
+    ksplit: int = 1
+    unroll: int = 1
+
+    @property
+    def name(self) -> str:
+        return (f"uk.{self.mr}x{self.nv}x{self.lanes}.c{self.cols}.a{self.a_rs}_{self.a_ks}"
+                f".b{self.ldb}{'m' if self.b_masked else ''}.s{self.ksplit}.u{self.unroll}")
+
+
+def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
+    """``void uk(ptr a, ptr b, ptr c, i64 kc, i64 mode, ptr bias, ptr residual)``; emitted once."""
+    try:
+        return module.get_global(mk.name)
+    except KeyError:
+        pass
+    f = Fn(module, mk.name, void, [ptr, ptr, ptr, i64, i64, ptr, ptr],
+           ["a", "b", "c", "kc", "mode", "bias", "res"])
+    a, bp, c, kc, mode, bias, res = f.args
+    for arg in (a, bp, c, bias, res):
+        arg.add_attribute("noalias")
+    b = f.b
+    L, nv, mr = mk.lanes, mk.nv, mk.mr
+    vt = simd.vty(L)
+    zero = vmath.splat(vt, 0.0)
+    last_active = mk.cols - (nv - 1) * L  # lanes of the last vector that hold real columns
+    acc = [[[f.var(vt, zero, f"acc{s}_{r}_{v}") for v in range(nv)] for r in range(mr)]
+           for s in range(mk.ksplit)]
+
+    first = b.icmp_unsigned("!=", b.and_(mode, const(i64, FIRST)), const(i64, 0))
+    with f.if_(b.not_(first)):
+        for r in range(mr):
+            for v in range(nv):
+                acc[0][r][v].set(_load_c(b, c, r * mk.ldc + v * L, L, last_active, v == nv - 1))
+
+    def step(k, s):
+        """One k step into accumulator set ``s``."""
+        brow = b.mul(k, const(i64, mk.ldb))
+        bv = []
+        for v in range(nv):
+            idx = b.add(brow, const(i64, v * L))
+            if mk.b_masked and v == nv - 1 and last_active < L:
+                bv.append(simd.masked_load(b, bp, idx, simd.const_mask(L, last_active), L))
+            else:
+                bv.append(simd.load_vec(b, bp, idx, L))
+        abase = b.mul(k, const(i64, mk.a_ks))
+        for r in range(mr):
+            av = simd.broadcast(b, simd.load_scalar(b, a, b.add(abase, const(i64, r * mk.a_rs))), L)
+            for v in range(nv):
+                acc[s][r][v].set(vmath.fma(b, av, bv[v], acc[s][r][v].get()))
+
+    group = mk.ksplit * mk.unroll
+    main_end = b.mul(b.sdiv(kc, const(i64, group)), const(i64, group))
+    with f.for_range(0, main_end, step=group, name="k") as k:
+        for u in range(group):
+            step(b.add(k, const(i64, u)), u % mk.ksplit)
+    if group > 1:
+        with f.for_range(main_end, kc, name="kt") as k:
+            step(k, 0)
+
+    total = [[acc[0][r][v].get() for v in range(nv)] for r in range(mr)]
+    for s in range(1, mk.ksplit):
+        total = [[b.fadd(total[r][v], acc[s][r][v].get()) for v in range(nv)] for r in range(mr)]
+
+    is_last = b.icmp_unsigned("!=", b.and_(mode, const(i64, LAST)), const(i64, 0))
+    with f.if_else(is_last) as (then, otherwise):
+        with then:
+            bias_v = [simd.load_any(b, bias, v * L, L, min(L, mk.cols - v * L)) if mk.bias
+                      else None for v in range(nv)]
+            for r in range(mr):
+                for v in range(nv):
+                    x = total[r][v]
+                    if mk.bias:
+                        x = b.fadd(x, bias_v[v])
+                    x = vmath.activation(b, mk.epilogue, x)
+                    if mk.residual:
+                        x = b.fadd(x, _load_c(b, res, r * mk.ldc + v * L, L, last_active,
+                                              v == nv - 1))
+                    _store_c(b, x, c, r * mk.ldc + v * L, last_active, v == nv - 1)
+        with otherwise:
+            for r in range(mr):
+                for v in range(nv):
+                    _store_c(b, total[r][v], c, r * mk.ldc + v * L, last_active, v == nv - 1)
+    return f.finish()
+
+
+def _load_c(b, base, index: int, lanes: int, last_active: int, is_last: bool):
+    active = last_active if is_last else lanes
+    return simd.load_any(b, base, const(i64, index), lanes, active)
+
+
+def _store_c(b, value, base, index: int, last_active: int, is_last: bool) -> None:
+    active = last_active if is_last else value.type.count
+    simd.store_any(b, value, base, const(i64, index), active)
+
+
+def tile_shape(mr: int, nr: int, lanes: int) -> tuple[int, int]:
+    """(rows, vectors) of a tile; ``nr`` must be a multiple of the lane count."""
+    if nr % lanes:
+        raise ValueError(f"panel width {nr} is not a multiple of {lanes} lanes")
+    return mr, nr // lanes
+
+
+__all__ = ["Micro", "emit_micro", "FIRST", "LAST", "tile_shape", "f32"]

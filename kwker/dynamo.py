@@ -1,0 +1,96 @@
+"""The ``torch.compile`` backend ``"kwker"``.
+
+    torch.compile(model, backend="kwker")                              # inner="inductor"
+    torch.compile(model, backend="kwker", options={"inner": "eager"})  # seconds to compile
+
+Each FX graph dynamo hands over is specialised to its concrete shapes and dtypes: GEMMs (with
+bias, ReLU/GELU and residual epilogues), GELU, attention, GEMM+topk and sorting ops become Kwker
+kernels; everything else runs on the inner compiler: plain ATen calls in a flat precomputed list
+(``"eager"``), or Inductor, which sees the kernels as opaque custom ops (``"inductor"``).
+Graphs that need autograd (training) go to the inner compiler unchanged, so gradients are
+eager's. ``last_report()`` tells which nodes became kernels.
+
+``backend="kwker"`` resolves through the ``torch_dynamo_backends`` entry point without any
+import; ``register()`` adds it by name for a source checkout that is not installed.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .lowering.report import Report, all_reports, clear_reports, last_report, new_graph_id, \
+    publish
+
+log = logging.getLogger("kwker")
+
+OPTIONS = {
+    "inner": "compiler for what Kwker does not lower: 'inductor' (default) or 'eager'",
+    "dump_dir": "folder receiving each kernel's LLVM IR (.ll, .opt.ll) and assembly (.s)",
+}
+INNER = ("inductor", "eager")
+
+__all__ = ["backend", "last_report", "all_reports", "clear_reports", "register", "Report"]
+
+
+def _parse(options: dict | None, kwargs: dict) -> dict:
+    opts = dict(options or {})
+    opts.update(kwargs)
+    unknown = sorted(set(opts) - set(OPTIONS))
+    if unknown:
+        valid = "; ".join(f"{k!r}: {v}" for k, v in OPTIONS.items())
+        raise ValueError(f"kwker backend: unknown option(s) {', '.join(map(repr, unknown))}. "
+                         f"Valid options are {valid}.")
+    inner = opts.setdefault("inner", "inductor")
+    if inner not in INNER:
+        raise ValueError(f"kwker backend: options['inner'] must be one of {INNER}, "
+                         f"not {inner!r}")
+    return opts
+
+
+def _needs_autograd(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    """Whether running this graph must record autograd (training, or grad enabled inside)."""
+    grad_inputs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
+    if not grad_inputs:
+        return False
+    if torch.is_grad_enabled():
+        return True
+    return any(n.op == "call_function" and n.target is torch._C._set_grad_enabled
+               for n in gm.graph.nodes)
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
+            mode: str | None = None, **kwargs):
+    """Compile one FX graph from dynamo; returns a callable with the graph's signature."""
+    opts = _parse(options, kwargs)
+    inner = opts["inner"]
+    graph_id = new_graph_id()
+    if _needs_autograd(gm, example_inputs):
+        publish(Report(graph_id, inner, status="training",
+                       reason="inputs require grad; the inner compiler handles autograd"))
+        return _inner(gm, example_inputs, inner, mode)
+    from .lowering.decompose import decompose
+    gm, decomposed = decompose(gm)
+    dump = opts.get("dump_dir")
+    if inner == "eager":
+        from .lowering.partition import EagerCompiled
+        return EagerCompiled(gm, list(example_inputs), graph_id, inner, dump, decomposed)
+    from .lowering.inductor import compile_inductor
+    return compile_inductor(gm, list(example_inputs), graph_id, mode, dump, decomposed)
+
+
+def _inner(gm, example_inputs, inner: str, mode: str | None):
+    if inner == "eager":
+        from .lowering.runner import build_program
+        program = build_program(gm)
+        return lambda *args: program(args)
+    from torch._inductor.compile_fx import compile_fx
+    patches = torch._inductor.list_mode_options(mode) if mode else None
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def register() -> None:
+    """Register ``backend="kwker"`` by name (needed only when the entry point is not installed)."""
+    from torch._dynamo.backends import registry
+    if "kwker" not in registry._COMPILER_FNS:
+        registry.register_backend(backend, name="kwker")

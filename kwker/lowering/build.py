@@ -1,0 +1,271 @@
+"""Matches + concrete sizes -> callables running Kwker kernels (the eager runner's steps).
+
+Each builder checks that the concrete shapes fit its kernel, calls the kernel factory of
+``kwker.kernels`` (which compiles or loads the code and packs constant weights once), and wraps
+it in the reshapes that bring the FX node's tensors to the kernel's 2-D/4-D contiguous contract.
+A builder returns ``(callable, None)`` or ``(None, reason)``; a factory that is missing or raises
+``NotImplementedError`` leaves the nodes to ATen with that reason in the report.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import pkgutil
+import threading
+from pathlib import Path
+
+import torch
+
+from .patterns import Match
+from .shapes import TensorMeta, contiguous_strides, same_layout
+
+_factories: dict[str, object] = {}
+_RETURN_TYPES = {"topk": torch.return_types.topk, "sort": torch.return_types.sort,
+                 "kthvalue": torch.return_types.kthvalue, "mode": torch.return_types.mode}
+
+
+def factory(name: str):
+    """``kwker.kernels.<name>``, looked up in the package and then its modules; None if absent."""
+    if name in _factories:
+        return _factories[name]
+    fn = None
+    try:
+        pkg = importlib.import_module("kwker.kernels")
+        fn = getattr(pkg, name, None)
+        if fn is None:
+            for info in pkgutil.iter_modules(pkg.__path__):
+                mod = importlib.import_module(f"kwker.kernels.{info.name}")
+                fn = getattr(mod, name, None)
+                if fn is not None:
+                    break
+    except ImportError:
+        fn = None
+    _factories[name] = fn
+    return fn
+
+
+def sorting_module():
+    """The ATen-identical sorting ops, or None before they exist."""
+    try:
+        return importlib.import_module("kwker.ops.sorting")
+    except ImportError:
+        return None
+
+
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+_collecting = threading.local()
+
+
+@contextlib.contextmanager
+def dumping(dump_dir):
+    """Dump the LLVM IR and assembly of every kernel built inside to ``dump_dir`` (if set).
+
+    The runtime dumps only what it compiles; kernels already in the object cache are emitted
+    again here, so the folder always shows every kernel the graph uses.
+    """
+    if not dump_dir:
+        yield
+        return
+    _collecting.specs = specs = []
+    try:
+        yield
+    finally:
+        _collecting.specs = None
+    from ..runtime import kernel
+    from ..runtime.target import host_target
+    target = host_target()
+    for spec in dict.fromkeys(specs):
+        kernel.dump(spec, target, str(kernel.emit(spec, target)), Path(dump_dir))
+
+
+def _make(name: str, *args, **kwargs):
+    f = factory(name)
+    if f is None:
+        return None, f"kwker.kernels.{name} does not exist yet"
+    try:
+        fn = f(*args, **kwargs)
+    except NotImplementedError as e:
+        return None, f"{name}: {e}"
+    specs = getattr(_collecting, "specs", None)
+    if specs is not None:
+        for attr in ("spec", "specs"):
+            v = getattr(fn, attr, None)
+            specs.extend(v if isinstance(v, (list, tuple)) else [v] if v is not None else [])
+    return fn, None
+
+
+def build(m: Match, metas: dict, consts: dict):
+    """(callable taking the match's runtime inputs in ``runtime_inputs(m)`` order, or None, reason)."""
+    return _BUILDERS[m.kind](m, metas, consts)
+
+
+def runtime_inputs(m: Match) -> list:
+    """Nodes the kernel reads at run time, in the order its callable takes them."""
+    keys = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("a", "b"),
+            "gelu": ("x",), "sdpa": ("q", "k", "v", "mask"), "sorting": ("x",)}[m.kind]
+    return [m.inputs[k] for k in keys if m.inputs.get(k) is not None]
+
+
+def _weight(m: Match, consts: dict) -> torch.Tensor:
+    w = consts[m.inputs["weight"]].detach()
+    return w.t().contiguous() if m.inputs["transposed"] else w
+
+
+def _linear(m: Match, metas, consts):
+    xm: TensorMeta = metas[m.inputs["x"]]
+    w = _weight(m, consts)
+    n_out, k_in = w.shape
+    if xm.shape[-1] != k_in:
+        return None, f"input has {xm.shape[-1]} features, weight expects {k_in}"
+    lead = xm.shape[:-1]
+    rows = _prod(lead)
+    out_shape = (*lead, n_out)
+    res = m.inputs["residual"]
+    if res is not None:
+        rm = metas[res]
+        if rm.shape != out_shape:
+            return None, f"residual shape {rm.shape} is not the output shape {out_shape}"
+    if rows == 0 or k_in == 0:
+        return None, "empty input"
+    bias = consts[m.inputs["bias"]].detach() if m.inputs["bias"] is not None else None
+    fn, why = _make("make_linear", w, bias, rows, epilogue=m.params["epilogue"],
+                    residual=res is not None)
+    if fn is None:
+        return None, why
+    if len(lead) == 1:
+        return fn, None
+    shape2, res2 = (rows, k_in), (rows, n_out)
+    if res is None:
+        return (lambda x: fn(x.reshape(shape2)).view(out_shape)), None
+    return (lambda x, r: fn(x.reshape(shape2), r.reshape(res2)).view(out_shape)), None
+
+
+def _linear_topk(m: Match, metas, consts):
+    xm: TensorMeta = metas[m.inputs["x"]]
+    w = _weight(m, consts)
+    n_out, k_in = w.shape
+    k = m.params["k"]
+    if xm.shape[-1] != k_in or not 0 < k <= n_out:
+        return None, f"topk k={k} of {n_out} scores"
+    lead = xm.shape[:-1]
+    rows = _prod(lead)
+    if rows == 0:
+        return None, "empty input"
+    fn, why = _make("make_linear_topk", w, rows, k, largest=m.params["largest"])
+    if fn is None:
+        return None, why
+    wrap = torch.return_types.topk
+    if len(lead) == 1:
+        return (lambda x: wrap(fn(x))), None
+    shape2, out_shape = (rows, k_in), (*lead, k)
+
+    def run(x):
+        v, i = fn(x.reshape(shape2))
+        return wrap((v.view(out_shape), i.view(out_shape)))
+    return run, None
+
+
+def _matmul(m: Match, metas, consts):
+    am, bm = metas[m.inputs["a"]], metas[m.inputs["b"]]
+    (mm, ka), (kb, nn) = am.shape[-2:], bm.shape[-2:]
+    if ka != kb:
+        return None, "inner sizes differ"
+    if len(bm.shape) == 2:       # (..., m, k) @ (k, n): fold the batch into m
+        rows = _prod(am.shape[:-1])
+        batch, a_shape, b_shape = 1, (1, rows, ka), (1, kb, nn)
+        out_shape, c_rows = (*am.shape[:-1], nn), rows
+    else:
+        if am.shape[:-2] != bm.shape[:-2]:
+            return None, "broadcast batch dimensions"
+        batch = _prod(am.shape[:-2])
+        a_shape, b_shape, c_rows = (batch, mm, ka), (batch, kb, nn), mm
+        out_shape = (*am.shape[:-2], mm, nn)
+    if 0 in (batch, c_rows, ka, nn):
+        return None, "empty input"
+    fn, why = _make("make_matmul", c_rows, ka, nn, batch=batch)
+    if fn is None:
+        return None, why
+    return (lambda a, b: fn(a.reshape(a_shape), b.reshape(b_shape)).view(out_shape)), None
+
+
+def _gelu(m: Match, metas, consts):
+    xm: TensorMeta = metas[m.inputs["x"]]
+    if not xm.contiguous or xm.numel == 0:
+        return None, "non-contiguous or empty input"
+    return _make("make_gelu", xm.numel, approximate=m.params["approximate"])
+
+
+def _sdpa(m: Match, metas, consts):
+    qm, km, vm = (metas[m.inputs[k]] for k in "qkv")
+    three = len(qm.shape) == 3
+    if not len(qm.shape) == len(km.shape) == len(vm.shape):
+        return None, "q, k, v of different ranks"
+    q4, k4, v4 = ((1, *t.shape) if three else t.shape for t in (qm, km, vm))
+    (b, h, lq, e), (bk, hk, lk, ek), (bv, hv, lv, ev) = q4, k4, v4
+    if (b, h) != (bk, hk) or (b, h) != (bv, hv) or e != ek or lk != lv:
+        return None, "broadcast or grouped-query attention"
+    if 0 in (b, h, lq, lk, e, ev):
+        return None, "empty input"
+    mask_shape = None
+    if m.inputs["mask"] is not None:
+        ms = metas[m.inputs["mask"]].shape
+        if len(ms) > 4:
+            return None, "mask of rank > 4"
+        mask_shape = (1,) * (4 - len(ms)) + tuple(ms)
+        if any(s not in (1, full) for s, full in zip(mask_shape, (b, h, lq, lk))):
+            return None, f"mask shape {ms} does not broadcast to {(b, h, lq, lk)}"
+    fn, why = _make("make_sdpa", b, h, lq, lk, e, ev, m.params["causal"], m.params["scale"],
+                    m.params["mask"], mask_shape=mask_shape)
+    if fn is None:
+        return None, why
+    if three:
+        if mask_shape is None:
+            return (lambda q, k, v: fn(q[None], k[None], v[None])[0]), None
+        return (lambda q, k, v, mask: fn(q[None], k[None], v[None],
+                                         mask.reshape(mask_shape))[0]), None
+    if mask_shape is None:
+        return fn, None
+    return (lambda q, k, v, mask: fn(q, k, v, mask.reshape(mask_shape))), None
+
+
+def _sorting(m: Match, metas, consts):
+    mod = sorting_module()
+    op = m.params["op"]
+    fn = getattr(mod, op, None) if mod is not None else None
+    if fn is None:
+        return None, f"kwker.ops.sorting.{op} does not exist yet"
+    b = m.params["args"]
+    wrap = _RETURN_TYPES[op]
+    if op == "topk":
+        k, dim, largest, srt = b["k"], b["dim"], b["largest"], b["sorted"]
+        return (lambda x: wrap(fn(x, k, dim, largest, srt))), None
+    if op == "sort":
+        dim, desc, stable = b["dim"], b["descending"], bool(b["stable"])
+        return (lambda x: wrap(fn(x, dim, desc, stable))), None
+    if op == "kthvalue":
+        k, dim, keep = b["k"], b["dim"], b["keepdim"]
+        return (lambda x: wrap(fn(x, k, dim, keep))), None
+    dim, keep = b["dim"], b["keepdim"]
+    return (lambda x: wrap(fn(x, dim, keep))), None
+
+
+_BUILDERS = {"linear": _linear, "linear_topk": _linear_topk, "matmul": _matmul, "gelu": _gelu,
+             "sdpa": _sdpa, "sorting": _sorting}
+
+
+def restrided(fn, meta: TensorMeta):
+    """``fn`` whose tensor result is copied into ``meta``'s strides if ATen's layout differs."""
+    if same_layout(meta.shape, meta.stride, contiguous_strides(meta.shape)):
+        return fn
+    shape, stride = meta.shape, meta.stride
+
+    def run(*args):
+        out = fn(*args)
+        return torch.empty_strided(shape, stride, dtype=out.dtype).copy_(out)
+    return run

@@ -1,0 +1,188 @@
+"""Expand fused attention-block ops into the primitives Kwker has kernels for.
+
+In eval mode under ``no_grad`` PyTorch runs ``nn.TransformerEncoderLayer`` as one fused op
+(``torch._transformer_encoder_layer_fwd``) and ``nn.MultiheadAttention`` as
+``F.multi_head_attention_forward`` or ``torch._native_multi_head_attention``; dynamo records
+them as single opaque nodes. To run their linears and attention as Kwker kernels they are
+rewritten here into ``linear`` / ``scaled_dot_product_attention`` / ``layer_norm`` nodes computing
+the same function (the native op's order of operations: QKV projection, attention, output
+projection + residual, norm, FFN + residual, norm). Only the cases spelled out below are
+rewritten (no masks on the fused layer, no attention weights requested, self-attention with the
+packed projection); anything else keeps its original node.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, GraphModule, Node
+
+_TEL = torch._transformer_encoder_layer_fwd
+_NATIVE_MHA = torch._native_multi_head_attention
+_MHA = F.multi_head_attention_forward
+
+TEL_PARAMS = ("src", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "proj_weight",
+              "proj_bias", "use_gelu", "norm_first", "eps", "norm_weight_1", "norm_bias_1",
+              "norm_weight_2", "norm_bias_2", "ffn_weight_1", "ffn_bias_1", "ffn_weight_2",
+              "ffn_bias_2", "mask", "mask_type")
+NATIVE_MHA_PARAMS = ("query", "key", "value", "embed_dim", "num_head", "qkv_weight", "qkv_bias",
+                     "proj_weight", "proj_bias", "mask", "need_weights", "average_attn_weights",
+                     "mask_type")
+MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight",
+              "in_proj_bias", "bias_k", "bias_v", "add_zero_attn", "dropout_p",
+              "out_proj_weight", "out_proj_bias", "training", "key_padding_mask", "need_weights",
+              "attn_mask", "use_separate_proj_weight", "q_proj_weight", "k_proj_weight",
+              "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
+_MHA_DEFAULTS = {"training": True, "key_padding_mask": None, "need_weights": True,
+                 "attn_mask": None, "use_separate_proj_weight": False, "q_proj_weight": None,
+                 "k_proj_weight": None, "v_proj_weight": None, "static_k": None,
+                 "static_v": None, "average_attn_weights": True, "is_causal": False}
+
+
+def _bind(node: Node, params: tuple, defaults: dict) -> dict | None:
+    out = dict(defaults)
+    if len(node.args) > len(params):
+        return None
+    out.update(zip(params, node.args))
+    out.update(node.kwargs)
+    return out if all(p in out for p in params) else None
+
+
+def _value(n):
+    return n.meta.get("example_value") if isinstance(n, Node) else None
+
+
+def _is_f32_rank(n, rank: int) -> bool:
+    v = _value(n)
+    return isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == rank \
+        and not v.is_nested
+
+
+class _Emit:
+    """Adds nodes before the node being replaced; reads like the eager code it stands for."""
+
+    def __init__(self, graph: Graph):
+        self.g = graph
+
+    def fn(self, target, *args, **kwargs) -> Node:
+        return self.g.call_function(target, args, kwargs)
+
+    def meth(self, name, *args) -> Node:
+        return self.g.call_method(name, args)
+
+    def attention(self, x: Node, batch_first: bool, embed: int, heads: int, w_in, b_in, w_out,
+                  b_out, causal: bool) -> Node:
+        """Self-attention with a packed QKV projection; x is (B, L, E) or (L, B, E)."""
+        d = embed // heads
+        qkv = self.meth("unflatten", self.fn(F.linear, x, w_in, b_in), -1, (3, heads, d))
+        # (B, L, 3, H, D) -> (3, B, H, L, D); for (L, B, ...) inputs swap L and B
+        qkv = self.meth("permute", qkv, *((2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4)))
+        q, k, v = (self.fn(operator.getitem, qkv, i) for i in range(3))
+        a = self.fn(F.scaled_dot_product_attention, q, k, v, is_causal=causal)
+        # (B, H, L, D) -> (B, L, H*D) or (L, B, H*D)
+        a = self.meth("permute", a, *((0, 2, 1, 3) if batch_first else (2, 0, 1, 3)))
+        a = self.meth("flatten", a, 2)
+        return self.fn(F.linear, a, w_out, b_out)
+
+
+def _encoder_layer(e: _Emit, node: Node) -> Node | None:
+    a = _bind(node, TEL_PARAMS, {"mask": None, "mask_type": None})
+    if a is None or a["mask"] is not None or not _is_f32_rank(a["src"], 3):
+        return None
+    src, embed, heads, eps = a["src"], a["embed_dim"], a["num_heads"], a["eps"]
+    if not all(isinstance(v, int) for v in (embed, heads)) or embed % heads:
+        return None
+
+    def norm(x, i):
+        return e.fn(F.layer_norm, x, (embed,), a[f"norm_weight_{i}"], a[f"norm_bias_{i}"], eps)
+
+    def attn(x):
+        return e.attention(x, True, embed, heads, a["qkv_weight"], a["qkv_bias"],
+                           a["proj_weight"], a["proj_bias"], False)
+
+    def ffn(x):
+        h = e.fn(F.linear, x, a["ffn_weight_1"], a["ffn_bias_1"])
+        h = e.fn(F.gelu, h) if a["use_gelu"] else e.fn(torch.relu, h)
+        return e.fn(F.linear, h, a["ffn_weight_2"], a["ffn_bias_2"])
+
+    if a["norm_first"]:
+        x = e.fn(operator.add, attn(norm(src, 1)), src)
+        return e.fn(operator.add, ffn(norm(x, 2)), x)
+    x = norm(e.fn(operator.add, attn(src), src), 1)
+    return norm(e.fn(operator.add, ffn(x), x), 2)
+
+
+def _pair_users_ok(node: Node) -> bool:
+    """A (output, weights) result used only through ``[0]`` (the weights are None anyway)."""
+    return all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0
+               for u in node.users)
+
+
+def _native_mha(e: _Emit, node: Node) -> Node | None:
+    a = _bind(node, NATIVE_MHA_PARAMS, {"mask": None, "need_weights": True,
+                                        "average_attn_weights": True, "mask_type": None})
+    if a is None or a["need_weights"] or a["mask"] is not None or not _pair_users_ok(node):
+        return None
+    if not (a["query"] is a["key"] is a["value"]) or not _is_f32_rank(a["query"], 3):
+        return None
+    embed, heads = a["embed_dim"], a["num_head"]
+    if not all(isinstance(v, int) for v in (embed, heads)) or embed % heads:
+        return None
+    return e.attention(a["query"], True, embed, heads, a["qkv_weight"], a["qkv_bias"],
+                       a["proj_weight"], a["proj_bias"], False)
+
+
+def _mha(e: _Emit, node: Node) -> Node | None:
+    a = _bind(node, MHA_PARAMS, _MHA_DEFAULTS)
+    if a is None or a["need_weights"] or not _pair_users_ok(node):
+        return None
+    if not (a["query"] is a["key"] is a["value"]) or not _is_f32_rank(a["query"], 3):
+        return None
+    if any(a[k] is not None for k in ("bias_k", "bias_v", "key_padding_mask", "static_k",
+                                      "static_v")):
+        return None
+    if a["add_zero_attn"] or a["use_separate_proj_weight"] or a["in_proj_weight"] is None:
+        return None
+    if a["training"] and a["dropout_p"] != 0:
+        return None
+    causal = a["is_causal"] is True
+    # with a causal hint (which requires a mask) and no weights, SDPA runs causal without the mask
+    if (a["attn_mask"] is None) == causal:
+        return None
+    embed, heads = a["embed_dim_to_check"], a["num_heads"]
+    if not all(isinstance(v, int) for v in (embed, heads)) or embed % heads:
+        return None
+    return e.attention(a["query"], False, embed, heads, a["in_proj_weight"], a["in_proj_bias"],
+                       a["out_proj_weight"], a["out_proj_bias"], causal)
+
+
+_RULES = {_TEL: _encoder_layer, _NATIVE_MHA: _native_mha, _MHA: _mha}
+
+
+def decompose(gm: GraphModule) -> tuple[GraphModule, list]:
+    """A copy of ``gm`` with the fused blocks expanded; also [(node name, op)] of those expanded."""
+    if not any(n.op == "call_function" and n.target in _RULES for n in gm.graph.nodes):
+        return gm, []
+    graph = copy.deepcopy(gm.graph)
+    done = []
+    e = _Emit(graph)
+    for node in list(graph.nodes):
+        rule = _RULES.get(node.target) if node.op == "call_function" else None
+        if rule is None:
+            continue
+        with graph.inserting_before(node):
+            out = rule(e, node)
+        if out is None:  # not a case we expand (rules add nodes only once they accept)
+            continue
+        done.append((node.name, getattr(node.target, "__name__", str(node.target))))
+        if node.target is _TEL:
+            node.replace_all_uses_with(out)
+        else:
+            for u in list(node.users):
+                u.replace_all_uses_with(out)
+                graph.erase_node(u)
+        graph.erase_node(node)
+    graph.lint()
+    return GraphModule(gm, graph), done

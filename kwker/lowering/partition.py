@@ -1,0 +1,195 @@
+"""Kernels + eager ATen calls for ``inner="eager"``, specialised per concrete input shape.
+
+``EagerCompiled`` is what the backend hands back to dynamo. For a graph traced with static shapes
+it specialises once at compile time; when dynamo passes symbolic sizes it specialises on first
+sight of each concrete shape and keeps the variants, so a service cycling through a few batch
+sizes compiles each once. Parameters are compile-time constants (weights are packed into the
+kernels), guarded per call by identity and version counter: an in-place update
+(``load_state_dict``, an optimiser step) or another module's parameters reaching the same graph
+rebuilds the plan instead of computing with stale weights.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+from torch.fx import GraphModule, Node
+
+from . import build as B
+from .ops import is_inplace, is_view
+from .patterns import Matcher
+from .report import Report, fill, publish
+from .runner import KernelStep, Program, build_program, fetch_attr
+from .shapes import TensorMeta, propagate
+
+log = logging.getLogger("kwker")
+MAX_VARIANTS = 16
+
+
+def const_nodes(gm: GraphModule, args: list) -> dict:
+    """Placeholders bound to parameters, and tensor attributes, that the graph never writes."""
+    out = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, a in zip(placeholders, args):
+        if isinstance(a, torch.nn.Parameter) and not _written(n):
+            out[n] = a
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            v = fetch_attr(gm, n.target)
+            if isinstance(v, torch.Tensor) and not _written(n):
+                out[n] = v
+    return out
+
+
+def _written(n: Node) -> bool:
+    """Whether an in-place op may write ``n`` or a view of it."""
+    seen, todo = {n}, deque([n])
+    while todo:
+        cur = todo.popleft()
+        for u in cur.users:
+            if is_inplace(u):
+                return True
+            if is_view(u) and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+class Plan:
+    __slots__ = ("program", "guards", "report")
+
+    def __init__(self, program: Program, guards: tuple, report: Report):
+        self.program, self.guards, self.report = program, guards, report
+
+    def valid(self, args) -> bool:
+        for i, t, v in self.guards:
+            a = args[i]
+            if a is not t or (v is not None and a._version != v):
+                return False
+        return True
+
+
+def specialise(gm: GraphModule, args: list, graph_id: int, inner: str, note: str = "",
+               dump_dir=None, decomposed=()) -> Plan:
+    """Build the flat program for these concrete ``args`` (tensors and ints)."""
+    with B.dumping(dump_dir):
+        return _specialise(gm, args, graph_id, inner, note, decomposed)
+
+
+def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
+    report = Report(graph_id, inner, shapes=_shapes_text(args), decomposed=list(decomposed))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    nodes = list(gm.graph.nodes)
+    try:
+        metas = propagate(gm, args)
+    except Exception as e:  # noqa: BLE001 - an op fake tensors cannot run: no kernels, no error
+        log.debug("kwker: shape propagation failed", exc_info=True)
+        report.status, report.reason = "fallback", f"shape propagation failed: {e}"
+        fill(report, nodes, [], {})
+        return Plan(build_program(gm), (), publish(report))
+    consts = const_nodes(gm, args)
+    matches = Matcher(nodes, metas, set(consts), B.sorting_module() is not None).run()
+    steps, failures, used = [], {}, set()
+    for m in matches:
+        try:
+            fn, why = B.build(m, metas, consts)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot be built leaves ATen in place
+            log.warning("kwker: building %s for %s failed: %s", m.name, m.output.name, e)
+            fn, why = None, f"{type(e).__name__}: {e}"
+        if fn is None:
+            for c in m.covers:
+                failures[c] = why
+            continue
+        if m.kind != "sorting" and isinstance(metas.get(m.output), TensorMeta):
+            fn = B.restrided(fn, metas[m.output])
+        steps.append(KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name))
+        used.update(v for v in m.inputs.values() if isinstance(v, Node) and v in consts)
+    program = build_program(gm, steps, metas)
+    index = {n: i for i, n in enumerate(placeholders)}
+    guards = tuple((index[n], consts[n], _version(consts[n])) for n in used if n in index)
+    fill(report, nodes, [(s.name, s.covers) for s in steps], failures)
+    if note:
+        report.reason = note
+    return Plan(program, guards, publish(report))
+
+
+def _shapes_text(args) -> str:
+    parts = []
+    for a in args:
+        if isinstance(a, torch.nn.Parameter):
+            continue
+        if isinstance(a, torch.Tensor):
+            parts.append("x".join(map(str, a.shape)) or "scalar")
+        elif isinstance(a, int):
+            parts.append(str(a))
+    return ", ".join(parts)
+
+
+class EagerCompiled:
+    """The callable dynamo runs: picks the plan for the concrete inputs and runs it."""
+
+    def __init__(self, gm: GraphModule, example_inputs: list, graph_id: int, inner: str,
+                 dump_dir=None, decomposed=()):
+        self.gm, self.graph_id, self.inner = gm, graph_id, inner
+        self.options = {"dump_dir": dump_dir, "decomposed": decomposed}
+        self.variant_pos = [i for i, a in enumerate(example_inputs)
+                            if not isinstance(a, torch.nn.Parameter)
+                            and isinstance(a, (torch.Tensor, int, torch.SymInt))]
+        self.dynamic = any(isinstance(a, torch.SymInt) for a in example_inputs) or any(
+            isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in a.shape)
+            for a in example_inputs)
+        self.variants: dict = {}
+        self.plan = None
+        self.generic = None
+        if not self.dynamic:
+            self.plan = specialise(gm, list(example_inputs), graph_id, inner, **self.options)
+            self.report = self.plan.report
+        else:
+            self.report = publish(Report(graph_id, inner, status="pending",
+                                         reason="symbolic sizes: kernels built per shape on "
+                                                "first call"))
+
+    def __call__(self, *args):
+        plan = self.plan
+        if plan is not None and plan.valid(args):
+            return plan.program(args)
+        return self._slow(args)
+
+    def _key(self, args) -> tuple:
+        key = []
+        for i in self.variant_pos:
+            a = args[i]
+            key.append((a.shape, a.stride()) if isinstance(a, torch.Tensor) else a)
+        return tuple(key)
+
+    def _slow(self, args):
+        if not self.dynamic:
+            self.plan = specialise(self.gm, list(args), self.graph_id, self.inner,
+                                   note="parameters changed since compile: re-specialised",
+                                   **self.options)
+            self.report = self.plan.report
+            return self.plan.program(args)
+        key = self._key(args)
+        plan = self.variants.get(key)
+        if plan is None or not plan.valid(args):
+            if plan is None and len(self.variants) >= MAX_VARIANTS:
+                return self._generic(args)
+            plan = self.variants[key] = specialise(self.gm, list(args), self.graph_id,
+                                                   self.inner, **self.options)
+            self.report = plan.report
+        return plan.program(args)
+
+    def _generic(self, args):
+        if self.generic is None:
+            log.info("kwker graph %d: more than %d shapes, new ones run on ATen", self.graph_id,
+                     MAX_VARIANTS)
+            self.generic = build_program(self.gm)
+        return self.generic(args)

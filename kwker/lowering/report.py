@@ -1,0 +1,122 @@
+"""Which graph nodes became Kwker kernels and which ran on the inner compiler, and why.
+
+One ``Report`` per compiled graph (and per shape specialisation of a dynamic graph); the last one
+is ``kwker.dynamo.last_report()``. Each report is also logged as one line under the ``kwker``
+logger, so ``logging.getLogger("kwker").setLevel(logging.INFO)`` shows what a compile did.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from torch.fx import Node
+
+from .ops import canon
+
+log = logging.getLogger("kwker")
+
+# Node kinds Kwker has kernels for: finding one on the inner compiler is a "miss" worth reporting.
+LOWERABLE = {"linear", "matmul", "mm", "bmm", "addmm", "gelu", "sdpa", "topk", "sort",
+             "kthvalue", "mode"}
+_FUSED_TARGETS = {"_transformer_encoder_layer_fwd", "multi_head_attention_forward",
+                  "_native_multi_head_attention"}
+
+
+@dataclass
+class Report:
+    graph: int
+    inner: str
+    status: str = "lowered"      # lowered | training | pending (dynamic) | fallback
+    reason: str = ""
+    shapes: str = ""
+    kernels: list = field(default_factory=list)      # (kernel name, [node names])
+    inner_nodes: list = field(default_factory=list)  # (node name, op)
+    missed: list = field(default_factory=list)       # (node name, op, reason)
+    decomposed: list = field(default_factory=list)   # (node name, op) expanded into primitives
+
+    @property
+    def kernel_names(self) -> list[str]:
+        return [k for k, _ in self.kernels]
+
+    @property
+    def kwker_nodes(self) -> list[str]:
+        return [n for _, nodes in self.kernels for n in nodes]
+
+    def summary(self) -> str:
+        where = f" [{self.shapes}]" if self.shapes else ""
+        head = f"kwker graph {self.graph}{where}: "
+        if self.status != "lowered":
+            return head + f"{self.status} ({self.reason}); every node runs on {self.inner}"
+        kinds = ", ".join(self.kernel_names) or "none"
+        miss = f"; missed {len(self.missed)}" if self.missed else ""
+        return (head + f"{len(self.kernels)} Kwker kernels ({kinds}) covering "
+                f"{len(self.kwker_nodes)} nodes; {len(self.inner_nodes)} nodes on "
+                f"{self.inner}{miss}")
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        lines += [f"  kwker  {k:<22} {', '.join(n)}" for k, n in self.kernels]
+        lines += [f"  {self.inner:<6} {n:<22} {op}" for n, op in self.inner_nodes]
+        lines += [f"  missed {n:<22} {op}: {why}" for n, op, why in self.missed]
+        lines += [f"  split  {n:<22} {op}" for n, op in self.decomposed]
+        return "\n".join(lines)
+
+
+def describe(node: Node) -> str:
+    if node.op == "call_method":
+        return f".{node.target}()"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def fill(report: Report, nodes: list, kernels: list, failures: dict) -> None:
+    """Sort ``nodes`` into kernels and inner nodes; ``failures``: node -> why its match failed.
+
+    ``kernels`` is a list of (kernel name, covered nodes).
+    """
+    covered = set()
+    for name, cov in kernels:
+        report.kernels.append((name, [c.name for c in cov]))
+        covered.update(cov)
+    for n in nodes:
+        if n.op not in ("call_function", "call_method") or n in covered:
+            continue
+        report.inner_nodes.append((n.name, describe(n)))
+        target = getattr(n.target, "__name__", n.target if isinstance(n.target, str) else "")
+        if canon(n) in LOWERABLE or target in _FUSED_TARGETS:
+            report.missed.append((n.name, describe(n), failures.get(n, "no pattern applies")))
+
+
+_lock = threading.Lock()
+_reports: list[Report] = []
+_next_graph = [0]
+
+
+def new_graph_id() -> int:
+    with _lock:
+        _next_graph[0] += 1
+        return _next_graph[0]
+
+
+def publish(report: Report) -> Report:
+    with _lock:
+        _reports.append(report)
+        del _reports[:-256]
+    log.info("%s", report.summary())
+    return report
+
+
+def last_report() -> Report | None:
+    """The report of the most recent compile or specialisation in this process."""
+    with _lock:
+        return _reports[-1] if _reports else None
+
+
+def all_reports() -> list[Report]:
+    with _lock:
+        return list(_reports)
+
+
+def clear_reports() -> None:
+    with _lock:
+        _reports.clear()

@@ -1,0 +1,118 @@
+"""sort / argsort / msort / topk: Kwker vs ATen, bit for bit (values, indices, strides)."""
+import pytest
+import torch
+
+import kwker.torch_ops as kto
+
+from .inputs import DTYPES, assert_identical, make, patterns
+
+SIZES = (1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 40, 64, 65, 100, 129, 1000)
+
+
+def both(fn):
+    want = fn()
+    with kto.accelerated():
+        got = fn()
+    return got, want
+
+
+def check(fn, what):
+    got, want = both(fn)
+    assert_identical(got, want, what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sort_all_patterns(dtype, kernels_everywhere):
+    for pattern in patterns(dtype):
+        for n in SIZES:
+            x = make(pattern, (3, n), dtype, seed=n)
+            for desc in (False, True):
+                for stable in (False, True):
+                    check(lambda: torch.sort(x, dim=-1, descending=desc, stable=stable),
+                          f"sort {pattern} n={n} desc={desc} stable={stable}")
+            check(lambda: torch.argsort(x, dim=1, descending=True), f"argsort {pattern} {n}")
+            check(lambda: torch.msort(x.t()), f"msort {pattern} {n}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_topk_all_patterns(dtype, kernels_everywhere):
+    for pattern in patterns(dtype):
+        for n in SIZES:
+            x = make(pattern, (3, n), dtype, seed=n)
+            for k in sorted({1, 2, max(1, n // 64), n // 64 + 1, n // 2 or 1, n} - {n + 1}):
+                for largest in (True, False):
+                    for srt in (True, False):
+                        check(lambda: torch.topk(x, k, largest=largest, sorted=srt),
+                              f"topk {pattern} n={n} k={k} largest={largest} sorted={srt}")
+
+
+@pytest.mark.parametrize("n", (20000, 100000))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.int64, torch.int16),
+                         ids=str)
+def test_large_rows(n, dtype, kernels_everywhere):
+    for pattern in ("normal", "ties4", "ties_nan", "signed_zero", "descending"):
+        if pattern in ("ties_nan", "signed_zero") and not dtype.is_floating_point:
+            continue
+        x = make(pattern, (2, n), dtype, seed=1)
+        check(lambda: torch.sort(x), f"sort {pattern}")
+        check(lambda: torch.sort(x, descending=True, stable=True), f"stable desc {pattern}")
+        for k in (10, n // 64, n // 64 + 1, n // 3):
+            check(lambda: torch.topk(x, k), f"topk {pattern} k={k}")
+            check(lambda: torch.topk(x, k, largest=False, sorted=False), f"topk small {k}")
+
+
+@pytest.mark.parametrize("dtype", (torch.int64, torch.int32, torch.int16, torch.int8,
+                                   torch.uint8), ids=str)
+def test_radix_path_1d(dtype, kernels_everywhere):
+    """1-D ascending integer sorts of >= 32768 elements are stable in ATen (FBGEMM radix)."""
+    for pattern in ("normal", "ties4", "equal"):
+        x = make(pattern, (40000,), dtype, seed=3)
+        check(lambda: torch.sort(x), f"radix {pattern}")
+        check(lambda: torch.sort(x, descending=True), f"1-D descending {pattern}")
+        check(lambda: torch.sort(x.reshape(1, -1)), f"2-D {pattern}")
+
+
+def test_every_dim_and_layout(kernels_everywhere):
+    shapes = [(70,), (5, 70), (3, 4, 70), (2, 3, 4, 70)]
+    for shape in shapes:
+        base = make("ties4", shape, torch.float32, seed=len(shape)).float()
+        views = {"contiguous": base,
+                 "transposed": base.transpose(0, -1) if base.dim() > 1 else base,
+                 "sliced": base[..., ::2],
+                 "permuted": base.permute(*reversed(range(base.dim())))}
+        for name, x in views.items():
+            for dim in range(-x.dim(), x.dim()):
+                what = f"{shape} {name} dim={dim}"
+                check(lambda: torch.sort(x, dim=dim), "sort " + what)
+                check(lambda: torch.sort(x, dim=dim, stable=True, descending=True),
+                      "stable " + what)
+                k = min(3, x.shape[dim])
+                check(lambda: torch.topk(x, k, dim=dim), "topk " + what)
+
+
+def test_expanded_input_keeps_arange_indices():
+    x = torch.tensor([[2.0], [1.0]]).expand(2, 50)
+    check(lambda: torch.sort(x), "expanded sort")
+    check(lambda: torch.topk(x, 5), "expanded topk")
+
+
+def test_out_variants(kernels_everywhere):
+    x = make("ties4", (4, 100), torch.float32)
+    for vshape in ((0,), (4, 100), (3,)):
+        def run():
+            v, i = torch.empty(vshape), torch.empty(vshape, dtype=torch.long)
+            torch.sort(x, dim=1, descending=True, out=(v, i))
+            v2, i2 = torch.empty(vshape), torch.empty(vshape, dtype=torch.long)
+            torch.topk(x, 7, out=(v2, i2))
+            return v, i, v2, i2
+        with pytest.warns(UserWarning) if vshape == (3,) else _nothing():
+            got, want = both(run)
+        assert_identical(got, want, f"out {vshape}")
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
