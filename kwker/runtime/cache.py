@@ -159,7 +159,10 @@ def check_root(root: Path) -> None:
         _check_base(root.parent)
         st = root.stat()
     except NotADirectoryError:
-        raise UnusableCache(f"cache path {root.parent} is not a directory "
+        blocker = root.parent
+        while not blocker.exists() and blocker != blocker.parent:
+            blocker = blocker.parent  # the file that stands where a directory should be
+        raise UnusableCache(f"cache path {blocker} is not a directory "
                             "(check KWKER_CACHE_DIR)") from None
     if not stat.S_ISDIR(st.st_mode):
         raise UnusableCache(f"cache path {root} is not a directory")
