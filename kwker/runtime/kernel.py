@@ -26,6 +26,7 @@ log = logging.getLogger("kwker")
 EMITTERS = {
     "sorting": "kwker.codegen.sorting",
     "eltwise": "kwker.codegen.elementwise",
+    "gemm": "kwker.codegen.gemm",
 }
 
 stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0}

@@ -1,0 +1,85 @@
+"""GEMM blocking for this CPU: register tile from the ISA, cache blocks from the cache sizes.
+
+The register tile (mr x nr) fills the vector register file with accumulators: 12 x 32 on AVX-512
+(24 zmm accumulators + 2 B vectors + 1 broadcast of 32 registers), 6 x 16 on AVX2 (12 of 16 ymm).
+Cache blocks follow BLIS: an A micro-panel (mr x kc) in half of L1, a B block (nb panels x kc) in
+half of L2, an A chunk (mc x kc) in a quarter of L2. Small M (<= 8 rows) gets the decode
+schedule: one tile of all rows, wide panels, K unblocked, split accumulators when rows are few.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..runtime.target import Target, host_target
+
+SMALL_M = 8
+
+
+@functools.lru_cache(maxsize=None)
+def cache_sizes() -> tuple[int, int, int]:
+    """(L1d, L2, L3) bytes from sysfs; Zen-like defaults when it is not readable."""
+    sizes = {1: 32 << 10, 2: 1 << 20, 3: 32 << 20}
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for idx in root.glob("index*"):
+            kind = (idx / "type").read_text().strip()
+            if kind == "Instruction":
+                continue
+            level = int((idx / "level").read_text())
+            text = (idx / "size").read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+            sizes[level] = int(text.rstrip("KMG")) * mult
+    except (OSError, ValueError):
+        pass
+    return sizes[1], sizes[2], sizes[3]
+
+
+@dataclass(frozen=True)
+class Blocking:
+    mr: int
+    nr: int
+    kc: int
+    mc: int
+    nb: int
+    a_pack: bool
+    ksplit: int = 1
+    unroll: int = 1
+
+    def as_kwargs(self) -> dict:
+        return dict(mr=self.mr, nr=self.nr, kc=self.kc, mc=self.mc, nb=self.nb,
+                    a_pack=self.a_pack, ksplit=self.ksplit, unroll=self.unroll)
+
+
+def lanes(target: Target | None = None) -> int:
+    target = target or host_target()
+    return max(4, target.vector_bits // 32)
+
+
+def choose(m: int, n: int, k: int, target: Target | None = None,
+           small_ok: bool = True) -> Blocking:
+    """Blocking for an (m, k) x (k, n) product on ``target`` (default: this machine)."""
+    L = lanes(target)
+    regs = 32 if L == 16 else 16
+    l1, l2, _ = cache_sizes()
+    if small_ok and m <= SMALL_M:
+        # accumulators m * nv * ksplit within the register file, leaving room for B and A
+        budget = regs - 6 if L == 16 else regs - 4
+        nv = max(1, min(4, budget // m))
+        if L == 8:
+            nv = max(1, min(3, budget // m))
+        ksplit = max(1, min(4, budget // (m * nv)))
+        ksplit = 1 << (ksplit.bit_length() - 1)
+        nr = nv * L
+        return Blocking(m, nr, k, m, max(1, _cdiv(n, nr)), False, ksplit)
+    mr, nv = (12, 2) if L == 16 else (6, 2)
+    nr = nv * L
+    kc = max(16, min(k, (l1 // 2) // (mr * 4) // 16 * 16))
+    nb = max(1, (l2 // 2) // (nr * kc * 4))
+    mc = max(mr, (l2 // 4) // (kc * 4) // mr * mr)
+    return Blocking(mr, nr, kc, mc, nb, True)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
