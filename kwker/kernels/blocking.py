@@ -72,7 +72,8 @@ def choose(m: int, n: int, k: int, target: Target | None = None,
         ksplit = max(1, min(4, budget // (m * nv)))
         ksplit = 1 << (ksplit.bit_length() - 1)
         nr = nv * L
-        return Blocking(m, nr, k, m, max(1, _cdiv(n, nr)), False, ksplit)
+        nb = max(1, min(_cdiv(n, nr), (l2 // 2) // (nr * k * 4)))
+        return Blocking(m, nr, k, m, nb, False, ksplit)
     mr, nv = (12, 2) if L == 16 else (6, 2)
     nr = nv * L
     kc = max(16, min(k, (l1 // 2) // (mr * 4) // 16 * 16))
