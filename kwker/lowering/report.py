@@ -7,6 +7,7 @@ logger, so ``logging.getLogger("kwker").setLevel(logging.INFO)`` shows what a co
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from dataclasses import dataclass, field
 
@@ -81,6 +82,8 @@ def fill(report: Report, nodes: list, kernels: list, failures: dict) -> None:
     for n in nodes:
         if n.op not in ("call_function", "call_method") or n in covered:
             continue
+        if n.target is operator.getitem and n.args and n.args[0] in covered:
+            continue  # unpacking a kernel's (values, indices): structure, not work
         report.inner_nodes.append((n.name, describe(n)))
         target = getattr(n.target, "__name__", n.target if isinstance(n.target, str) else "")
         if canon(n) in LOWERABLE or target in _FUSED_TARGETS:

@@ -49,17 +49,23 @@ def same_layout(shape, a, b) -> bool:
     return all(sa == sb or n <= 1 for n, sa, sb in zip(shape, a, b))
 
 
+def _size(s):
+    """An int where the size is known, else the symbolic size itself."""
+    try:
+        return int(s)
+    except (TypeError, RuntimeError, ValueError):
+        return s
+
+
 def _describe(v):
-    """Plain metadata of a fake value; None for what is not concrete (data-dependent sizes)."""
+    """Plain metadata of a fake value (sizes stay symbolic where they are)."""
     if isinstance(v, torch.Tensor):
-        try:
-            return TensorMeta(tuple(int(s) for s in v.shape), tuple(int(s) for s in v.stride()),
-                              v.dtype, v.device.type, bool(v.requires_grad))
-        except (TypeError, RuntimeError):
-            return None
+        return TensorMeta(tuple(_size(s) for s in v.shape), tuple(_size(s) for s in v.stride()),
+                          v.dtype, v.device.type, bool(v.requires_grad))
     if isinstance(v, (tuple, list)):
         return tuple(_describe(x) for x in v)
-    if isinstance(v, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+    if isinstance(v, (int, float, bool, str, type(None), torch.dtype, torch.device,
+                      torch.SymInt)):
         return v
     return None
 
@@ -88,3 +94,20 @@ def propagate(gm: GraphModule, args: list) -> dict[Node, object]:
     with mode:
         rec.run(*fake)
     return rec.metas
+
+
+def propagate_symbolic(gm: GraphModule) -> dict[Node, object]:
+    """Metadata from dynamo's own fake inputs: sizes stay symbolic where dynamo made them so."""
+    fakes = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    modes = [f.fake_mode for f in fakes if isinstance(f, torch.Tensor) and hasattr(f, "fake_mode")]
+    if not modes:
+        raise RuntimeError("the graph carries no fake tensors")
+    mode = modes[0]
+    rec = _Recorder(gm)
+    with mode:
+        rec.run(*fakes)
+    return rec.metas
+
+
+def is_concrete(meta) -> bool:
+    return isinstance(meta, TensorMeta) and all(isinstance(s, int) for s in meta.shape)

@@ -1,0 +1,120 @@
+"""``inner="inductor"``: matched nodes become ``torch.ops.kwker.*`` calls, Inductor does the rest.
+
+The rewrite works on dynamo's graph with dynamo's fake tensors, so it holds for symbolic sizes
+too; the custom ops specialise their kernels per concrete shape at run time. When the graph's
+shapes are static the kernels are built (or loaded) here, at compile time, and the report says
+which ones fit.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.fx import GraphModule
+from torch.fx.node import map_arg
+
+from . import build as B
+from . import custom_ops as C
+from .partition import const_nodes
+from .patterns import Match, Matcher
+from .report import Report, fill, publish
+from .shapes import is_concrete, propagate_symbolic
+
+log = logging.getLogger("kwker")
+
+
+def _call_args(m: Match) -> tuple:
+    i, p = m.inputs, m.params
+    if m.kind == "linear":
+        return i["x"], i["weight"], i["bias"], i["residual"], p["epilogue"], i["transposed"]
+    if m.kind == "linear_topk":
+        return i["x"], i["weight"], i["transposed"], p["k"], p["largest"]
+    if m.kind == "matmul":
+        return i["a"], i["b"]
+    if m.kind == "gelu":
+        return i["x"], p["approximate"]
+    if m.kind == "sdpa":
+        return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"]
+    b = p["args"]
+    return {"topk": (i["x"], b["k"], b["dim"], b["largest"], b["sorted"]),
+            "sort": (i["x"], b["dim"], b["descending"], bool(b["stable"])),
+            "kthvalue": (i["x"], b["k"], b["dim"], b["keepdim"]),
+            "mode": (i["x"], b["dim"], b["keepdim"])}[p["op"]]
+
+
+def _prebuild(m: Match, metas: dict, consts: dict) -> str | None:
+    """Build the kernel for static shapes now; returns why it does not fit, or None."""
+    i, p = m.inputs, m.params
+
+    def shape(key):
+        n = i.get(key)
+        if n is None:
+            return None
+        return metas[n].shape if is_concrete(metas.get(n)) else False
+
+    shapes = {k: shape(k) for k in ("x", "residual", "a", "b", "q", "k", "v", "mask")}
+    if any(s is False for s in shapes.values()):
+        return None  # symbolic: built on first call
+    if m.kind == "linear":
+        bias = consts[i["bias"]] if i["bias"] is not None else None
+        fn, why = C.linear_kernel(shapes["x"], consts[i["weight"]], bias, shapes["residual"],
+                                  p["epilogue"], i["transposed"])
+    elif m.kind == "linear_topk":
+        fn, why = C.linear_topk_kernel(shapes["x"], consts[i["weight"]], i["transposed"],
+                                       p["k"], p["largest"])
+    elif m.kind == "matmul":
+        fn, why = C.matmul_kernel(shapes["a"], shapes["b"])
+    elif m.kind == "gelu":
+        n = 1
+        for s in shapes["x"]:
+            n *= s
+        fn, why = C.gelu_kernel(n, p["approximate"])
+    elif m.kind == "sdpa":
+        fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
+                                p["mask"], p["causal"], p["scale"])
+    else:
+        return None
+    return None if fn is not None else why
+
+
+def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode: str | None,
+                     dump_dir=None, decomposed=()):
+    from torch._inductor.compile_fx import compile_fx
+    report = Report(graph_id, "inductor", decomposed=list(decomposed))
+    nodes = list(gm.graph.nodes)
+    patches = torch._inductor.list_mode_options(mode) if mode else None
+    try:
+        metas = propagate_symbolic(gm)
+    except Exception as e:  # noqa: BLE001 - Inductor alone then
+        log.debug("kwker: symbolic propagation failed", exc_info=True)
+        report.status, report.reason = "fallback", f"shape propagation failed: {e}"
+        publish(report)
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    consts = const_nodes(gm, example_inputs)
+    matches = Matcher(nodes, metas, set(consts), B.sorting_module() is not None).run()
+    failures, kept = {}, []
+    with B.dumping(dump_dir):
+        for m in matches:
+            why = _prebuild(m, metas, consts)
+            if why is not None:
+                failures.update((c, why) for c in m.covers)
+            else:
+                kept.append(m)
+    graph = gm.graph
+    replaced = {}  # outputs of earlier kernels -> their custom-op nodes
+    for m in kept:
+        target = C.op(m.params["op"] if m.kind == "sorting" else m.kind)
+        args = map_arg(_call_args(m), lambda n: replaced.get(n, n))
+        with graph.inserting_before(m.output):
+            new = graph.call_function(target, args)
+        new.meta.update(m.output.meta)
+        m.output.replace_all_uses_with(new)
+        replaced[m.output] = new
+        for c in reversed(m.covers):
+            if not c.users:
+                graph.erase_node(c)
+    graph.lint()
+    gm.recompile()
+    fill(report, nodes, [(m.name, m.covers) for m in kept], failures)
+    publish(report)
+    return compile_fx(gm, example_inputs, config_patches=patches)
