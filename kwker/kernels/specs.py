@@ -54,3 +54,39 @@ class GemmSpec(Spec):
         return (f"kw_gemm_{self.m}x{self.n}x{self.k}_b{self.batch}_{self.b_layout}{flags}"
                 f"_t{self.mr}x{self.nr}_kc{self.kc}_mc{self.mc}_nb{self.nb}"
                 f"_p{int(self.a_pack)}_s{self.ksplit}_u{self.unroll}")
+
+
+@register_spec
+@dataclass(frozen=True)
+class AttentionSpec(Spec):
+    """Flash-style SDPA over contiguous (batch, heads, L, E) float32 (see codegen/attention.py).
+
+    ``mask`` is none, bool or float; ``mask_shape`` its 4-D shape (1 = broadcast). ``scale`` 0
+    means 1/sqrt(e). Blocking: ``bq`` query rows x ``bk`` keys per step, ``nr``-key panels,
+    ``mrs``/``mro`` rows per micro-tile of the score and output products.
+    """
+    batch: int
+    heads: int
+    lq: int
+    lk: int
+    e: int
+    ev: int
+    causal: bool = False
+    scale: float = 0.0
+    mask: str = "none"
+    mask_shape: tuple = ()
+    bq: int = 24
+    bk: int = 256
+    nr: int = 32
+    mrs: int = 12
+    mro: int = 12
+    family = "attention"
+
+    @property
+    def symbol(self) -> str:
+        import struct
+        scale = struct.unpack("<I", struct.pack("<f", self.scale))[0]
+        ms = "x".join(map(str, self.mask_shape)) if self.mask_shape else "0"
+        return (f"kw_sdpa_{self.batch}x{self.heads}x{self.lq}x{self.lk}_e{self.e}_ev{self.ev}"
+                f"_c{int(self.causal)}_s{scale:08x}_{self.mask}{ms}"
+                f"_q{self.bq}_k{self.bk}_n{self.nr}_{self.mrs}_{self.mro}")

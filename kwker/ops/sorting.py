@@ -123,7 +123,10 @@ def fast_median_all(x, ignore_nan=False):
     name = _dtype_name(x)
     if name is None or x.dim() == 0 or not MIN_NUMEL <= x.numel() <= MAX_ROW:
         return NotImplemented
-    flat = x.reshape(1, -1).contiguous()
+    # ATen flattens in memory order (a preserve-format clone), which decides ±0 and NaN picks
+    if not x.is_contiguous():
+        x = x.clone()  # dense, in the input's stride order
+    flat = x.as_strided((1, x.numel()), (0, 1))
     value = torch.empty((), dtype=x.dtype)
     index = torch.empty((), dtype=torch.int64)
     op = "nanmedian_all" if ignore_nan else "median_all"

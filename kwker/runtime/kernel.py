@@ -27,6 +27,7 @@ EMITTERS = {
     "sorting": "kwker.codegen.sorting",
     "eltwise": "kwker.codegen.elementwise",
     "gemm": "kwker.codegen.gemm",
+    "attention": "kwker.codegen.attention",
 }
 
 stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0}

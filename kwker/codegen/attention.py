@@ -1,0 +1,301 @@
+"""Scaled dot-product attention, flash style: Q blocks x K/V blocks with an online softmax.
+
+Contract: ``out[b,h] = softmax(scale * Q K^T + mask) V`` for contiguous float32 (B, H, L, E)
+tensors; ``mask`` is a float mask (added) or a bool mask (False = -inf), broadcast from its own
+4-D shape; ``causal`` masks key j > query i (top-left aligned, as torch does). Rows with no
+visible key give 0, as torch does.
+
+Per work item (one head, one block of ``bq`` query rows) and per block of ``bk`` keys:
+1. ``S = Q_blk K_blk^T`` with the GEMM micro-kernel: Q rows broadcast straight from Q, K packed
+   once per head per thread into ``nr``-key panels (k-major, so keys are the vector lanes).
+2. For every row: scale, mask, block max, running max ``m``, ``P = exp(S - m)`` (vectorised exp
+   from vmath), running sum ``l``; the row of the output accumulator is rescaled by
+   ``exp(m_old - m_new)`` when the max moves.
+3. ``O_acc += P V_blk`` with the micro-kernel again (P broadcast from the S buffer, V rows read
+   in place as the B operand).
+Causal blocks entirely above the diagonal are skipped; only the diagonal block is masked per
+element. Work items are dealt round-robin over threads (causal items have unequal costs), heads
+and batch included, so one head still uses all threads. No fast-math: explicit FMAs only.
+"""
+from __future__ import annotations
+
+import math
+
+from llvmlite import ir
+
+from . import omp, simd, vmath
+from .gemm_micro import FIRST, LAST, Micro, emit_micro
+from .gemm_pack import emit_pack_rows
+from .irutil import Fn, const, f32, i1, i8, i32, i64, intrinsic, new_module, ptr
+
+NEG_INF = -math.inf
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def emit(spec, target) -> ir.Module:
+    L = simd.float_lanes(target)
+    module = new_module(spec.symbol)
+    body = _Emitter(module, spec, L).body()
+    flops = 4 * spec.batch * spec.heads * spec.lq * spec.lk * max(spec.e, spec.ev)
+    items = spec.batch * spec.heads * _cdiv(spec.lq, spec.bq)
+    max_threads = max(1, min(items, flops // (1 << 20)))
+    omp.emit_parallel(module, spec.symbol, [ptr] * 5, body, max_threads=max_threads)
+    return module
+
+
+class _Emitter:
+    def __init__(self, module, spec, lanes):
+        self.m, self.s, self.L = module, spec, lanes
+        s = spec
+        self.bk = min(s.bk, _cdiv(s.lk, s.nr) * s.nr)
+        self.nqb = _cdiv(s.lq, s.bq)
+        self.scale = s.scale if s.scale else 1.0 / math.sqrt(s.e)
+        self.ev_pad = _cdiv(s.ev, lanes) * lanes
+
+    # -- micro-kernel variants --------------------------------------------------------------
+    def s_kernel(self, rows: int, cols: int) -> ir.Function:
+        s, L = self.s, self.L
+        return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, s.e, 1, s.nr, False,
+                                        self.bk))
+
+    def o_kernel(self, rows: int) -> ir.Function:
+        s, L = self.s, self.L
+        return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1, s.ev,
+                                        s.ev % L != 0, self.ev_pad))
+
+    def body(self) -> ir.Function:
+        s, L = self.s, self.L
+        f = omp.body_fn(self.m, f"{s.symbol}.body")
+        self.f = f
+        b = f.b
+        ctx = omp.Context(f, f.args[0])
+        tid, nt = f.args[1], f.args[2]
+        q_all, k_all, v_all, mask_all, o_all = (ctx.ptr(i) for i in range(5))
+        self.mask_all = mask_all
+
+        malloc = intrinsic(self.m, "malloc", ptr, [i64])
+        free = intrinsic(self.m, "free", ir.VoidType(), [ptr])
+        kp_floats = _cdiv(s.lk, s.nr) * s.nr * s.e
+        sizes = [kp_floats, s.bq * self.bk, s.bq * self.ev_pad, s.bq, s.bq]
+        raws = [b.call(malloc, [const(i64, 4 * n + 64)]) for n in sizes]
+        kp, sbuf, obuf, mrow, lrow = (_align64(b, r) for r in raws)
+        pack_k = emit_pack_rows(self.m, s.nr, s.e)
+
+        items = s.batch * s.heads * self.nqb
+        cur_head = f.var(i64, const(i64, -1), "head")
+        it = f.var(i64, tid, "it")  # round-robin: item = tid, tid + nt, ...
+        with f.while_(lambda: b.icmp_signed("<", it.get(), const(i64, items))):
+            item = it.get()
+            head = b.sdiv(item, const(i64, self.nqb))
+            qb = b.srem(item, const(i64, self.nqb))
+            with f.if_(b.icmp_signed("!=", head, cur_head.get())):
+                kh = simd.gep(b, k_all, b.mul(head, const(i64, s.lk * s.e)))
+                b.call(pack_k, [kh, const(i64, s.lk), const(i64, s.e), kp])
+                cur_head.set(head)
+            self.block(head, qb, q_all, v_all, o_all, kp, sbuf, obuf, mrow, lrow)
+            it.set(b.add(item, nt))
+        for r in raws:
+            b.call(free, [r])
+        return f.finish()
+
+    # -- one (head, query block) ------------------------------------------------------------
+    def block(self, head, qb, q_all, v_all, o_all, kp, sbuf, obuf, mrow, lrow):
+        s, L, f = self.s, self.L, self.f
+        b = f.b
+        i0 = b.mul(qb, const(i64, s.bq))
+        i1 = b.add(i0, const(i64, s.bq))
+        i1 = b.select(b.icmp_signed("<", i1, const(i64, s.lq)), i1, const(i64, s.lq))
+        rows = b.sub(i1, i0)
+        qh = simd.gep(b, q_all, b.add(b.mul(head, const(i64, s.lq * s.e)),
+                                      b.mul(i0, const(i64, s.e))))
+        vh = simd.gep(b, v_all, b.mul(head, const(i64, s.lk * s.ev)))
+        with f.for_range(0, s.bq, name="init") as r:
+            simd.store_scalar(b, ir.Constant(f32, NEG_INF), mrow, r)
+            simd.store_scalar(b, ir.Constant(f32, 0.0), lrow, r)
+        with f.for_range(0, s.bq * self.ev_pad, step=L, name="zero") as x:
+            simd.store_vec(b, vmath.splat(simd.vty(L), 0.0), obuf, x)
+        kv_end = const(i64, s.lk)
+        if s.causal:
+            kv_end = b.select(b.icmp_signed("<", i1, kv_end), i1, kv_end)
+        with f.for_range(0, kv_end, step=self.bk, name="kv") as j0:
+            kv = b.sub(kv_end, j0)
+            kv = b.select(b.icmp_signed("<", kv, const(i64, self.bk)), kv, const(i64, self.bk))
+            self.scores(qh, kp, sbuf, j0, kv, rows)
+            self.softmax(head, i0, rows, j0, kv, sbuf, obuf, mrow, lrow)
+            self.accumulate(vh, sbuf, obuf, j0, kv, rows)
+        self.finish_rows(head, i0, rows, obuf, lrow, o_all)
+
+    def _row_tiles(self, rows, mr: int, call):
+        """``call(r0, nrows_const)`` for full tiles of ``mr`` rows then the edge tile.
+
+        A block has ``bq`` rows except the last one, so only two edge sizes can occur and only
+        those micro-kernel variants are emitted."""
+        f, b, s = self.f, self.f.b, self.s
+        full = b.mul(b.sdiv(rows, const(i64, mr)), const(i64, mr))
+        with f.for_range(0, full, step=mr, name="rt") as r0:
+            call(r0, mr)
+        rest = b.sub(rows, full)
+        last_rows = s.lq - (self.nqb - 1) * s.bq
+        for extra in sorted({s.bq % mr, last_rows % mr} - {0}):
+            with f.if_(b.icmp_signed("==", rest, const(i64, extra))):
+                call(full, extra)
+
+    def scores(self, qh, kp, sbuf, j0, kv, rows):
+        s, f = self.s, self.f
+        b = f.b
+        mode = const(i64, FIRST | LAST)
+        nullp = ir.Constant(ptr, None)
+
+        def tile(r0, nrows):
+            a = simd.gep(b, qh, b.mul(r0, const(i64, s.e)))
+            c_row = b.mul(r0, const(i64, self.bk))
+            full_panels = b.sdiv(kv, const(i64, s.nr))
+            with f.for_range(0, full_panels, name="sp") as p:
+                col = b.mul(p, const(i64, s.nr))
+                bp = simd.gep(b, kp, b.mul(b.add(j0, col), const(i64, s.e)))
+                c = simd.gep(b, sbuf, b.add(c_row, col))
+                b.call(self.s_kernel(nrows, s.nr), [a, bp, c, const(i64, s.e), mode, nullp, nullp])
+            rest = b.srem(kv, const(i64, s.nr))
+            col = b.mul(full_panels, const(i64, s.nr))
+            bp = simd.gep(b, kp, b.mul(b.add(j0, col), const(i64, s.e)))
+            c = simd.gep(b, sbuf, b.add(c_row, col))
+            # the last panel of the sequence is the only partial one; lk is compile-time
+            edge = s.lk % s.nr
+            if edge:
+                with f.if_(b.icmp_signed(">", rest, const(i64, 0))):
+                    b.call(self.s_kernel(nrows, edge), [a, bp, c, const(i64, s.e), mode,
+                                                        nullp, nullp])
+
+        self._row_tiles(rows, s.mrs, tile)
+
+    def accumulate(self, vh, sbuf, obuf, j0, kv, rows):
+        s, f = self.s, self.f
+        b = f.b
+        nullp = ir.Constant(ptr, None)
+        vb = simd.gep(b, vh, b.mul(j0, const(i64, s.ev)))
+
+        def tile(r0, nrows):
+            a = simd.gep(b, sbuf, b.mul(r0, const(i64, self.bk)))
+            c = simd.gep(b, obuf, b.mul(r0, const(i64, self.ev_pad)))
+            b.call(self.o_kernel(nrows), [a, vb, c, kv, const(i64, 0), nullp, nullp])
+
+        self._row_tiles(rows, s.mro, tile)
+
+    # -- online softmax over one block of scores --------------------------------------------
+    def softmax(self, head, i0, rows, j0, kv, sbuf, obuf, mrow, lrow):
+        s, L, f = self.s, self.L, self.f
+        b = f.b
+        vt = simd.vty(L)
+        ninf = vmath.splat(vt, NEG_INF)
+        with f.for_range(0, rows, name="sr") as r:
+            i = b.add(i0, r)
+            row = simd.gep(b, sbuf, b.mul(r, const(i64, self.bk)))
+            limit = kv
+            if s.causal:  # keys j0 + c <= i are visible
+                vis = b.add(b.sub(i, j0), const(i64, 1))
+                vis = b.select(b.icmp_signed("<", vis, const(i64, 0)), const(i64, 0), vis)
+                limit = b.select(b.icmp_signed("<", vis, kv), vis, kv)
+            mx = f.var(vt, ninf, "mx")
+            with f.for_range(0, kv, step=L, name="c1") as c:
+                live = simd.lane_mask(b, L, b.sub(limit, c))
+                x = simd.masked_load(b, row, c, live, L)
+                x = b.fmul(x, vmath.splat(vt, self.scale))
+                x = self.apply_mask(head, i, b.add(j0, c), x, live, L)
+                x = b.select(live, x, ninf)
+                simd.store_vec(b, x, row, c)
+                mx.set(_vmax(b, mx.get(), x))
+            m_old = simd.load_scalar(b, mrow, r)
+            m_new = _smax(b, m_old, simd.hmax(b, mx.get()))
+            is_ninf = b.fcmp_ordered("==", m_new, ir.Constant(f32, NEG_INF))
+            ref = b.select(is_ninf, ir.Constant(f32, 0.0), m_new)
+            alpha = vmath.exp(b, b.fsub(m_old, ref))
+            refv = simd.broadcast(b, ref, L)
+            acc = f.var(vt, vmath.splat(vt, 0.0), "sum")
+            with f.for_range(0, kv, step=L, name="c2") as c:
+                live = simd.lane_mask(b, L, b.sub(kv, c))
+                x = simd.masked_load(b, row, c, live, L, passthru=NEG_INF)
+                p = vmath.exp(b, b.fsub(x, refv))
+                simd.store_vec(b, p, row, c)
+                acc.set(b.fadd(acc.get(), b.select(live, p, vmath.splat(vt, 0.0))))
+            l_old = simd.load_scalar(b, lrow, r)
+            simd.store_scalar(b, vmath.fma(b, l_old, alpha, simd.hsum(b, acc.get())), lrow, r)
+            simd.store_scalar(b, m_new, mrow, r)
+            av = simd.broadcast(b, alpha, L)
+            orow = b.mul(r, const(i64, self.ev_pad))
+            with f.for_range(0, self.ev_pad, step=L, name="oc") as c:
+                idx = b.add(orow, c)
+                simd.store_vec(b, b.fmul(simd.load_vec(b, obuf, idx, L), av), obuf, idx)
+
+    def apply_mask(self, head, i, j, x, live, L):
+        """Add the float mask / apply the bool mask at (head, row i, keys j..j+L)."""
+        s, b = self.s, self.f.b
+        if s.mask == "none":
+            return x
+        mb, mh, mq, mk = s.mask_shape
+        bi = b.sdiv(head, const(i64, s.heads))
+        hi = b.srem(head, const(i64, s.heads))
+        strides = [mh * mq * mk, mq * mk, mk, 1]
+        off = const(i64, 0)
+        for idx, size, stride in zip((bi, hi, i), (mb, mh, mq), strides):
+            if size != 1:
+                off = b.add(off, b.mul(idx, const(i64, stride)))
+        if s.mask == "float":
+            if mk == 1:
+                mval = simd.broadcast(b, simd.load_scalar(b, self.mask_all, off), L)
+            else:
+                mval = simd.masked_load(b, self.mask_all, b.add(off, j), live, L)
+            return b.fadd(x, mval)
+        # bool mask: one byte per element, True keeps the score
+        if mk == 1:
+            keep_s = b.icmp_unsigned("!=", simd.load_scalar(b, self.mask_all, off, i8),
+                                     const(i8, 0))
+            keep = b.insert_element(ir.Constant(ir.VectorType(i1, L), ir.Undefined), keep_s,
+                                    const(i32, 0))
+            keep = b.shuffle_vector(keep, ir.Constant(ir.VectorType(i1, L), ir.Undefined),
+                                    ir.Constant(ir.VectorType(i32, L), [0] * L))
+        else:
+            vt8 = ir.VectorType(i8, L)
+            fn = intrinsic(b.module, f"llvm.masked.load.v{L}i8.p0", vt8,
+                           [ptr, i32, live.type, vt8])
+            bytes_ = b.call(fn, [simd.gep(b, self.mask_all, b.add(off, j), i8), const(i32, 1),
+                                 live, ir.Constant(vt8, [0] * L)])
+            keep = b.icmp_unsigned("!=", bytes_, ir.Constant(vt8, [0] * L))
+        return b.select(keep, x, vmath.splat(x.type, NEG_INF))
+
+    def finish_rows(self, head, i0, rows, obuf, lrow, o_all):
+        s, L, f = self.s, self.L, self.f
+        b = f.b
+        oh = simd.gep(b, o_all, b.add(b.mul(head, const(i64, s.lq * s.ev)),
+                                      b.mul(i0, const(i64, s.ev))))
+        with f.for_range(0, rows, name="fr") as r:
+            lsum = simd.load_scalar(b, lrow, r)
+            inv = b.fdiv(ir.Constant(f32, 1.0), lsum)
+            inv = b.select(b.fcmp_ordered(">", lsum, ir.Constant(f32, 0.0)), inv,
+                           ir.Constant(f32, 0.0))
+            iv = simd.broadcast(b, inv, L)
+            for v in range(self.ev_pad // L):
+                x = simd.load_vec(b, obuf, b.add(b.mul(r, const(i64, self.ev_pad)),
+                                                 const(i64, v * L)), L)
+                active = min(L, s.ev - v * L)
+                simd.store_any(b, b.fmul(x, iv), oh, b.add(b.mul(r, const(i64, s.ev)),
+                                                           const(i64, v * L)), active)
+
+
+def _align64(b: ir.IRBuilder, raw: ir.Value) -> ir.Value:
+    addr = b.ptrtoint(raw, i64)
+    pad = b.and_(b.sub(const(i64, 64), b.and_(addr, const(i64, 63))), const(i64, 63))
+    return b.gep(raw, [pad], inbounds=True, source_etype=i8)
+
+
+def _vmax(b, x, y):
+    return b.select(b.fcmp_ordered(">", x, y), x, y)
+
+
+def _smax(b, x, y):
+    return b.select(b.fcmp_ordered(">", x, y), x, y)
+
+
+__all__ = ["emit", "Fn"]
