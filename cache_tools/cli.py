@@ -107,11 +107,12 @@ def cmd_list(args, out: dict) -> str | None:
 
 
 def cmd_prewarm(args, out: dict) -> str | None:
-    from . import prewarm
     from kwker.runtime.target import host_target
 
+    from . import prewarm
+
     root = inventory.cache_dir()
-    status, problem = inventory.diagnose(root)
+    _, problem = inventory.diagnose(root)
     if problem:
         raise Failure(f"cannot prewarm: {problem}")
     if args.manifest:
@@ -125,7 +126,7 @@ def cmd_prewarm(args, out: dict) -> str | None:
         from kwker import eager_specs
         specs = eager_specs.generic_specs()
         source = "the generic eager specialisations"
-    jobs = args.jobs or prewarm.default_jobs()
+    jobs = max(1, min(args.jobs or prewarm.default_jobs(), len(specs)))
     target = host_target()
     t0 = time.perf_counter()
     results = prewarm.prewarm(specs, jobs, None if args.json else args.progress)

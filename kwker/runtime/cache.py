@@ -35,9 +35,9 @@ import re
 import stat
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import llvmlite
 import llvmlite.binding as llvm
@@ -57,7 +57,7 @@ DEFAULT_MAX_BYTES = 1 << 30
 LOCK_TIMEOUT = 300.0  # seconds to wait for another process's compile before compiling anyway
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def codegen_version() -> str:
     """Kwker version plus a hash of the sources that decide the emitted code."""
     root = Path(__file__).resolve().parent.parent

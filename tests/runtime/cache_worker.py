@@ -27,6 +27,7 @@ import sys
 import time
 
 import kwsmoke
+
 from kwker.runtime import cache
 
 

@@ -37,7 +37,7 @@ def test_installed_tool_prewarms_real_kernels_from_a_manifest(cache_dir, tmp_pat
     manifest = write_manifest(tmp_path / "model.json", [SortingSpec("topk", "float32", True),
                                                         SortingSpec("sort", "int32")])
     done = subprocess.run([exe, "prewarm", "--manifest", str(manifest), "--json"],
-                          env=child_env(cache_dir), capture_output=True, text=True)
+                          env=child_env(cache_dir), capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert '"compiled": 2' in done.stdout and len(entries(cache_dir)) == 2
 

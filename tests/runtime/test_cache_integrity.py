@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from conftest import entries, entry_for, finish, run_worker, spawn, temps, WORKER
+from conftest import WORKER, entries, entry_for, finish, run_worker, spawn, temps
 
 from kwker.runtime import cache
 
@@ -27,7 +27,7 @@ def test_truncated_corrupted_and_edited_entries_are_discarded_once_and_rebuilt(c
     assert (done.json["hits"], done.json["misses"]) == (0, 4)
     assert len(done.warnings) == 4, done.stderr
     assert all("discarding bad cache entry" in w for w in done.warnings)
-    for n, p in paths.items():  # rebuilt whole, and loadable by the next process
+    for p in paths.values():  # rebuilt whole, and loadable by the next process
         cache.decode_entry(p.read_bytes())
     again = run_worker(cache_dir, 1, 2, 3, 4)
     assert (again.json["hits"], again.json["misses"], again.warnings) == (4, 0, [])
