@@ -118,8 +118,10 @@ class _Emitter:
         with f.for_range(0, s.bq * self.ev_pad, step=L, name="zero") as x:
             simd.store_vec(b, vmath.splat(simd.vty(L), 0.0), obuf, x)
         kv_end = const(i64, s.lk)
-        if s.causal:
-            kv_end = b.select(b.icmp_signed("<", i1, kv_end), i1, kv_end)
+        if s.causal:  # keys up to the block's last row, whole panels (masked per element)
+            need = b.mul(b.sdiv(b.add(i1, const(i64, s.nr - 1)), const(i64, s.nr)),
+                         const(i64, s.nr))
+            kv_end = b.select(b.icmp_signed("<", need, kv_end), need, kv_end)
         with f.for_range(0, kv_end, step=self.bk, name="kv") as j0:
             kv = b.sub(kv_end, j0)
             kv = b.select(b.icmp_signed("<", kv, const(i64, self.bk)), kv, const(i64, self.bk))
