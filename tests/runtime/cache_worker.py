@@ -3,7 +3,7 @@
     python cache_worker.py run N [N ...] [--fault F] [--barrier DIR] [--umask M]
     python cache_worker.py cli [kwker-cache args]   (generic specs = smoke specs 1..4)
 
-KWKER_TEST_CODEGEN_VERSION pins the codegen version (see conftest.py); KWKER_TEST_FAULTS
+KWKER_TEST_CODEGEN_VERSION pins the codegen version (see cache_helpers.py); KWKER_TEST_FAULTS
 (comma-separated) injects faults in both modes.
 
 ``run`` prints one JSON line: {"ok", "hits", "misses", "keys"}. Faults are injected here, in

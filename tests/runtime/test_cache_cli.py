@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import CODEGEN_VERSION, child_env, entries, entry_for, run_cli, run_worker
+from cache_helpers import CODEGEN_VERSION, child_env, entries, entry_for, run_cli, run_worker
 from kwsmoke import CacheSmokeSpec
 
 from kwker.runtime.manifest import write_manifest

@@ -10,7 +10,7 @@ import os
 import stat
 
 import pytest
-from conftest import entries, entry_for, fill, remount_readonly, run_cli, run_worker, temps
+from cache_helpers import entries, entry_for, fill, remount_readonly, run_cli, run_worker, temps
 
 
 def mode(path) -> int:

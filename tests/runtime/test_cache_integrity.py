@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from conftest import WORKER, entries, entry_for, finish, run_worker, spawn, temps
+from cache_helpers import WORKER, entries, entry_for, finish, run_worker, spawn, temps
 
 from kwker.runtime import cache
 
