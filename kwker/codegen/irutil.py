@@ -90,6 +90,11 @@ class Fn:
             v.set(init)
         return v
 
+    def array(self, ty: ir.Type, count: int, name: str = "") -> ir.Value:
+        """A fixed-size local array (in the entry block), as an opaque pointer."""
+        with self.b.goto_block(self.entry):
+            return self.b.alloca(ty, size=const(i32, count), name=name)
+
     # -- control flow -----------------------------------------------------------------------
     @contextmanager
     def if_(self, cond: ir.Value, likely: bool | None = None):

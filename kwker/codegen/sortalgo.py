@@ -21,6 +21,7 @@ from llvmlite import ir
 from .irutil import Fn, const, i1, i32, i64, ptr, vec, void
 
 THRESHOLD = 16  # libstdc++ _S_threshold
+BLOCKS = (64, 16)  # block partition widths: wide while the range is long, then narrow
 
 
 class SortAlgos:
@@ -90,13 +91,13 @@ class SortAlgos:
         return self._fn("hoare", i64, [ptr, ptr, i64, i64, i64], ["K", "I", "lo", "hi", "pp"],
                         body)
 
-    def _stopper_mask(self, f: Fn, K, base, pv, pred: str) -> ir.Value:
-        """i64 bitmask over K[base:base+64]: bit t set iff ``K[base+t] pred pv``."""
-        b, L = f.b, self.lanes
+    def _stopper_mask(self, f: Fn, K, base, pv, pred: str, width: int) -> ir.Value:
+        """i64 bitmask over K[base:base+width]: bit t set iff ``K[base+t] pred pv``."""
+        b, L = f.b, min(self.lanes, width)
         splat = b.insert_element(ir.Constant(vec(self.kt, L), None), pv, const(i32, 0))
         splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, L), [0] * L))
         mask = const(i64, 0)
-        for j in range(64 // L):
+        for j in range(width // L):
             v = f.load_vec(self.kt, L, K, b.add(base, const(i64, j * L)))
             bits = b.bitcast(b.icmp_signed(pred, v, splat), ir.IntType(L))
             mask = b.or_(mask, b.shl(b.zext(bits, i64), const(i64, j * L)))
@@ -112,32 +113,39 @@ class SortAlgos:
             self.median_of_three_to(f, K, I, first, b.add(first, one), mid, b.sub(last, one))
             lo, hi = f.var(i64, b.add(first, one), "lo"), f.var(i64, last, "hi")
             if self.lanes:
-                self._block_pairs(f, K, I, first, lo, hi)
+                for width in BLOCKS:
+                    self._block_pairs(f, K, I, first, lo, hi, width)
             f.ret(b.call(self.hoare(), [K, I, lo.get(), hi.get(), first]))
         return self._fn("partition", i64, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
                         body)
 
-    def _block_pairs(self, f: Fn, K, I, first, lo, hi):
-        """Advance the Hoare state (lo, hi) 64 positions at a time while the scans are apart."""
+    def _block_pairs(self, f: Fn, K, I, first, lo, hi, width: int):
+        """Advance the exact Hoare state (lo, hi) ``width`` positions at a time.
+
+        Left and right blocks are only loaded while they are disjoint, so every pair found
+        lies strictly left-before-right and is a real Hoare swap; when no disjoint block is
+        left, the caller continues from (lo, hi), which is a valid Hoare state at any time.
+        """
         b = f.b
-        c64, c63, zero, one = const(i64, 64), const(i64, 63), const(i64, 0), const(i64, 1)
+        cw, zero, one = const(i64, width), const(i64, 0), const(i64, 1)
         pv = f.load(self.kt, K, first)
         lf, rf = f.var(i64, lo.get(), "lf"), f.var(i64, hi.get(), "rf")  # scanned frontiers
         lb, rb = f.var(i64, zero, "lb"), f.var(i64, zero, "rb")
         lm, rm = f.var(i64, zero, "lm"), f.var(i64, zero, "rm")
         with f.loop():
             with f.if_(b.icmp_unsigned("==", lm.get(), zero)):
-                with f.if_(b.icmp_signed("<", b.sub(rf.get(), lf.get()), c64)):
+                with f.if_(b.icmp_signed("<", b.sub(rf.get(), lf.get()), cw)):
                     f.break_()
                 lb.set(lf.get())
-                lm.set(self._stopper_mask(f, K, lf.get(), pv, ">="))  # not lt(x, pivot)
-                lf.set(b.add(lf.get(), c64))
+                lm.set(self._stopper_mask(f, K, lf.get(), pv, ">=", width))  # not lt(x, p)
+                lf.set(b.add(lf.get(), cw))
             with f.if_(b.icmp_unsigned("==", rm.get(), zero)):
-                with f.if_(b.icmp_signed("<", b.sub(rf.get(), lf.get()), c64)):
+                with f.if_(b.icmp_signed("<", b.sub(rf.get(), lf.get()), cw)):
                     f.break_()
-                rb.set(b.sub(rf.get(), c64))
-                m = self._stopper_mask(f, K, rb.get(), pv, "<=")  # not lt(pivot, x)
-                rm.set(f.call_intrinsic("llvm.bitreverse.i64", i64, [m]))
+                rb.set(b.sub(rf.get(), cw))
+                m = self._stopper_mask(f, K, rb.get(), pv, "<=", width)  # not lt(p, x)
+                m = f.call_intrinsic("llvm.bitreverse.i64", i64, [m])
+                rm.set(b.lshr(m, const(i64, 64 - width)) if width < 64 else m)
                 rf.set(rb.get())
             with f.while_(lambda: b.and_(b.icmp_unsigned("!=", lm.get(), zero),
                                          b.icmp_unsigned("!=", rm.get(), zero))):
@@ -145,9 +153,7 @@ class SortAlgos:
                 tl = f.call_intrinsic("llvm.cttz.i64", i64, [lm.get(), false])
                 tr = f.call_intrinsic("llvm.cttz.i64", i64, [rm.get(), false])
                 left = b.add(lb.get(), tl)
-                right = b.sub(b.add(rb.get(), c63), tr)
-                with f.if_(b.icmp_signed(">=", left, right), likely=False):
-                    f.ret(b.call(self.hoare(), [K, I, lo.get(), hi.get(), first]))
+                right = b.sub(b.add(rb.get(), const(i64, width - 1)), tr)
                 self.swap(f, K, I, left, right)
                 lo.set(b.add(left, one))
                 hi.set(right)
@@ -269,6 +275,45 @@ class SortAlgos:
             with small:
                 b.call(self.guarded_insertion_sort(), [K, I, first, last])
 
+    def small_stable_sort(self) -> ir.Function:
+        """Stable sort of at most 16 elements by rank counting, without branches on the data.
+
+        By the §2.1 theorem, std::sort's final insertion pass equals a stable sort of each
+        segment the partition loop leaves (segments are already in order relative to each
+        other; heapsorted ranges are sorted), so this replaces it exactly.
+        """
+        W = THRESHOLD
+
+        def body(f: Fn):
+            K, I, first, last = f.args
+            b = f.b
+            m = b.sub(last, first)
+            vt = vec(self.kt, W)
+            tk, ti = f.array(self.kt, W, "tk"), f.array(i32, W, "ti")
+            top = const(self.kt, (1 << (self.kt.width - 1)) - 1)
+            with f.for_range(0, W, name="pad") as j:  # padding sorts after every real key
+                f.store(top, tk, j)
+            with f.for_range(const(i64, 0), m, name="copy") as j:
+                f.store(f.load(self.kt, K, b.add(first, j)), tk, j)
+                f.store(f.load(i32, I, b.add(first, j)), ti, j)
+            keys = b.load(tk, typ=vt, align=self.kt.width // 8)
+            with f.for_range(const(i64, 0), m, name="rank") as j:
+                kj = f.load(self.kt, tk, j)
+                splat = b.insert_element(ir.Constant(vt, None), kj, const(i32, 0))
+                splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, W), [0] * W))
+                less = b.bitcast(b.icmp_signed("<", keys, splat), ir.IntType(W))
+                same = b.bitcast(b.icmp_signed("==", keys, splat), ir.IntType(W))
+                before = b.sub(b.shl(const(ir.IntType(W), 1), b.trunc(j, ir.IntType(W))),
+                               const(ir.IntType(W), 1))
+                r = b.add(f.call_intrinsic(f"llvm.ctpop.i{W}", ir.IntType(W), [less]),
+                          f.call_intrinsic(f"llvm.ctpop.i{W}", ir.IntType(W),
+                                           [b.and_(same, before)]))
+                dst = b.add(first, b.zext(r, i64))
+                f.store(kj, K, dst)
+                f.store(f.load(i32, ti, j), I, dst)
+        return self._fn("small_sort", void, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
+                        body)
+
     # ---------------------------------------------------------------- std::sort, nth_element
     def introsort_loop(self) -> ir.Function:
         def body(f: Fn):
@@ -285,6 +330,8 @@ class SortAlgos:
                 cut = b.call(self.partition(), [K, I, first, last.get()])
                 b.call(f.fn, [K, I, cut, last.get(), depth.get()])
                 last.set(cut)
+            if self.lanes:
+                b.call(self.small_stable_sort(), [K, I, first, last.get()])
         return self._fn("introsort_loop", void, [ptr, ptr, i64, i64, i64],
                         ["K", "I", "first", "last", "depth"], body)
 
@@ -301,7 +348,8 @@ class SortAlgos:
                 f.ret()
             depth = self._depth_limit(f, b.sub(last, first))
             b.call(self.introsort_loop(), [K, I, first, last, depth])
-            self.final_insertion_sort(f, K, I, first, last)
+            if not self.lanes:  # else each leftover segment was already sorted in place
+                self.final_insertion_sort(f, K, I, first, last)
         return self._fn("std_sort", void, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
                         body)
 

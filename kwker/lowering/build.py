@@ -171,6 +171,15 @@ def _linear_topk(m: Match, metas, consts):
     return run, None
 
 
+def _transposed_contiguous(meta: TensorMeta) -> bool:
+    """Whether the tensor is ``c.transpose(-1, -2)`` of a contiguous ``c`` (e.g. ``k.mT``)."""
+    if len(meta.shape) < 2:
+        return False
+    shape = (*meta.shape[:-2], meta.shape[-1], meta.shape[-2])
+    stride = (*meta.stride[:-2], meta.stride[-1], meta.stride[-2])
+    return same_layout(shape, stride, contiguous_strides(shape))
+
+
 def _matmul(m: Match, metas, consts):
     am, bm = metas[m.inputs["a"]], metas[m.inputs["b"]]
     (mm, ka), (kb, nn) = am.shape[-2:], bm.shape[-2:]
@@ -178,19 +187,24 @@ def _matmul(m: Match, metas, consts):
         return None, "inner sizes differ"
     if len(bm.shape) == 2:       # (..., m, k) @ (k, n): fold the batch into m
         rows = _prod(am.shape[:-1])
-        batch, a_shape, b_shape = 1, (1, rows, ka), (1, kb, nn)
-        out_shape, c_rows = (*am.shape[:-1], nn), rows
+        batch, a_shape, c_rows = 1, (1, rows, ka), rows
+        out_shape = (*am.shape[:-1], nn)
     else:
         if am.shape[:-2] != bm.shape[:-2]:
             return None, "broadcast batch dimensions"
         batch = _prod(am.shape[:-2])
-        a_shape, b_shape, c_rows = (batch, mm, ka), (batch, kb, nn), mm
+        a_shape, c_rows = (batch, mm, ka), mm
         out_shape = (*am.shape[:-2], mm, nn)
     if 0 in (batch, c_rows, ka, nn):
         return None, "empty input"
-    fn, why = _make("make_matmul", c_rows, ka, nn, batch=batch)
+    # b = c.mT with c contiguous (q @ k.mT): read c as is instead of copying b
+    bt = not bm.contiguous and _transposed_contiguous(bm)
+    b_shape = (batch, nn, kb) if bt else (batch, kb, nn)
+    fn, why = _make("make_matmul", c_rows, ka, nn, batch=batch, b_transposed=bt)
     if fn is None:
         return None, why
+    if bt:
+        return (lambda a, b: fn(a.reshape(a_shape), b.mT.reshape(b_shape)).view(out_shape)), None
     return (lambda a, b: fn(a.reshape(a_shape), b.reshape(b_shape)).view(out_shape)), None
 
 

@@ -143,7 +143,7 @@ def _linear(x, weight, bias, residual, epilogue, transposed):
     fn, _ = linear_kernel(x.shape, weight, bias, None if residual is None else residual.shape,
                           epilogue, transposed)
     if fn is not None:
-        return fn(x) if residual is None else fn(x, residual)
+        return (fn(x) if residual is None else fn(x, residual)).contiguous()
     out = _act(F.linear(x, weight.t() if transposed else weight, bias), epilogue)
     return (out if residual is None else out + residual).contiguous()
 
@@ -159,7 +159,7 @@ def _linear_fake(x, weight, bias, residual, epilogue, transposed):
 def _linear_topk(x, weight, transposed, k, largest):
     fn, _ = linear_topk_kernel(x.shape, weight, transposed, k, largest)
     if fn is not None:
-        return tuple(fn(x))
+        return tuple(t.contiguous() for t in fn(x))
     scores = torch.matmul(x, weight if transposed else weight.t())
     v, i = torch.topk(scores, k, -1, largest, True)
     return v.contiguous(), i.contiguous()
@@ -172,7 +172,7 @@ def _linear_topk_fake(x, weight, transposed, k, largest):
 
 def _matmul(a, b):
     fn, _ = matmul_kernel(a.shape, b.shape)
-    return fn(a, b) if fn is not None else torch.matmul(a, b).contiguous()
+    return (fn(a, b) if fn is not None else torch.matmul(a, b)).contiguous()
 
 
 def _matmul_fake(a, b):
@@ -186,7 +186,7 @@ def _gelu(x, approximate):
     if x.is_contiguous():
         fn, _ = gelu_kernel(x.numel(), approximate)
         if fn is not None:
-            return fn(x)
+            return fn(x).contiguous()
     return F.gelu(x, approximate=approximate).contiguous()
 
 
@@ -199,7 +199,7 @@ def _sdpa(q, k, v, mask, causal, scale):
     fn, _ = sdpa_kernel(q.shape, k.shape, v.shape, None if mask is None else mask.shape, kind,
                         causal, scale)
     if fn is not None:
-        return fn(q, k, v) if mask is None else fn(q, k, v, mask)
+        return (fn(q, k, v) if mask is None else fn(q, k, v, mask)).contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           scale=scale).contiguous()
 

@@ -280,14 +280,21 @@ def load(key: str, expect: dict) -> bytes | None:
         warn_once(f"kwker: cannot read the kernel cache at {path}: {e.strerror}; "
                   "compiling in memory", topic="read")
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        try:
-            check_private(path, st)
-        except UnusableCache as e:
-            warn_once(f"kwker: {e}")
-            return None
-        data = f.read()
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnusableCache(f"{path} is not a regular file; remove it")
+        check_private(path, st)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    except UnusableCache as e:
+        warn_once(f"kwker: {e}")
+        return None
+    except OSError as e:
+        warn_once(f"kwker: cannot read cache entry {path}: {e.strerror}; compiling in memory")
+        return None
+    finally:
+        os.close(fd)
     try:
         header, obj = decode_entry(data)
         problem = mismatch(header, expect)
