@@ -129,3 +129,12 @@ def test_lock_file_removed_while_held_is_not_trusted(root):
     assert fd is not None and os.fstat(fd).st_ino != os.fstat(stale).st_ino
     os.close(fd)
     os.close(stale)
+
+
+def test_a_directory_where_an_entry_should_be_is_not_fatal(root, caplog):
+    key = "1c" * 32
+    path = cache.entry_path(cache.ensure_dir(root), key)
+    path.mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, "kwker"):
+        assert cache.get_or_build(key, HEADER, HEADER, lambda: b"obj") == (b"obj", False)
+    assert "is not a regular file; remove it" in caplog.text
