@@ -35,11 +35,14 @@ def _call_args(m: Match) -> tuple:
         return i["x"], p["approximate"]
     if m.kind == "sdpa":
         return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"]
-    b = p["args"]
-    return {"topk": (i["x"], b["k"], b["dim"], b["largest"], b["sorted"]),
-            "sort": (i["x"], b["dim"], b["descending"], bool(b["stable"])),
-            "kthvalue": (i["x"], b["k"], b["dim"], b["keepdim"]),
-            "mode": (i["x"], b["dim"], b["keepdim"])}[p["op"]]
+    b, op = p["args"], p["op"]
+    if op == "topk":
+        return i["x"], b["k"], b["dim"], b["largest"], b["sorted"]
+    if op == "sort":
+        return i["x"], b["dim"], b["descending"], bool(b["stable"])
+    if op == "kthvalue":
+        return i["x"], b["k"], b["dim"], b["keepdim"]
+    return i["x"], b["dim"], b["keepdim"]
 
 
 def _prebuild(m: Match, metas: dict, consts: dict) -> str | None:
@@ -93,13 +96,21 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
     consts = const_nodes(gm, example_inputs)
     matches = Matcher(nodes, metas, set(consts), B.sorting_module() is not None).run()
     failures, kept = {}, []
+
+    def lower(m) -> None:
+        why = _prebuild(m, metas, consts)
+        if why is None:
+            kept.append(m)
+            return
+        for c in m.covers:
+            failures.setdefault(c, why)
+        for f in m.fallback:
+            lower(f)
+
     with B.dumping(dump_dir):
         for m in matches:
-            why = _prebuild(m, metas, consts)
-            if why is not None:
-                failures.update((c, why) for c in m.covers)
-            else:
-                kept.append(m)
+            lower(m)
+    fill(report, nodes, [(m.name, m.covers) for m in kept], failures)
     graph = gm.graph
     replaced = {}  # outputs of earlier kernels -> their custom-op nodes
     for m in kept:
@@ -115,6 +126,5 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
                 graph.erase_node(c)
     graph.lint()
     gm.recompile()
-    fill(report, nodes, [(m.name, m.covers) for m in kept], failures)
     publish(report)
     return compile_fx(gm, example_inputs, config_patches=patches)

@@ -98,20 +98,26 @@ def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
     consts = const_nodes(gm, args)
     matches = Matcher(nodes, metas, set(consts), B.sorting_module() is not None).run()
     steps, failures, used = [], {}, set()
-    for m in matches:
+
+    def lower(m) -> None:
         try:
             fn, why = B.build(m, metas, consts)
-        except Exception as e:  # noqa: BLE001 - a kernel that cannot be built leaves ATen in place
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot be built leaves ATen
             log.warning("kwker: building %s for %s failed: %s", m.name, m.output.name, e)
             fn, why = None, f"{type(e).__name__}: {e}"
         if fn is None:
             for c in m.covers:
-                failures[c] = why
-            continue
+                failures.setdefault(c, why)
+            for f in m.fallback:
+                lower(f)
+            return
         if m.kind != "sorting" and isinstance(metas.get(m.output), TensorMeta):
             fn = B.restrided(fn, metas[m.output])
         steps.append(KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name))
         used.update(v for v in m.inputs.values() if isinstance(v, Node) and v in consts)
+
+    for m in matches:
+        lower(m)
     program = build_program(gm, steps, metas)
     index = {n: i for i, n in enumerate(placeholders)}
     guards = tuple((index[n], consts[n], _version(consts[n])) for n in used if n in index)

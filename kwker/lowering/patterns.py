@@ -30,6 +30,7 @@ class Match:
     covers: list              # every node the kernel replaces, in graph order
     inputs: dict              # name -> Node (runtime tensor) or constant
     params: dict = field(default_factory=dict)
+    fallback: list = field(default_factory=list)  # smaller matches to try if this one fails
 
     @property
     def name(self) -> str:
@@ -165,6 +166,7 @@ class Matcher:
             if m is not None:
                 return m
         epilogue, cur = "none", n
+        plain = Match("linear", n, list(covers), dict(inputs), {"epilogue": "none"})
         if user is not None and canon(user) in ("relu", "gelu"):
             bu = bind(user)
             if bu is not None and bu["input"] is cur:
@@ -182,10 +184,14 @@ class Matcher:
                 other = bu["other"] if bu["input"] is cur else bu["input"]
                 if other is not cur and isinstance(other, Node) and \
                         _f32(self.metas, other) and cur in (bu["input"], bu["other"]):
+                    without = Match("linear", cur, list(covers), dict(inputs),
+                                    {"epilogue": epilogue}, [plain] if cur is not n else [])
                     inputs["residual"] = other
-                    covers.append(user)
-                    cur = user
-        return Match("linear", cur, covers, inputs, {"epilogue": epilogue})
+                    m = Match("linear", user, covers + [user], inputs, {"epilogue": epilogue},
+                              [without])
+                    return m
+        return Match("linear", cur, covers, inputs, {"epilogue": epilogue},
+                     [plain] if epilogue != "none" else [])
 
     def _topk_after(self, n, user, inputs, covers) -> Match | None:
         bt = bind(user)
@@ -196,8 +202,11 @@ class Matcher:
             return None
         if not isinstance(bt["largest"], bool):
             return None
+        fallback = [Match("linear", n, list(covers), dict(inputs), {"epilogue": "none"})]
+        if self.sorting:
+            fallback.append(Match("sorting", user, [user], {"x": n}, {"op": "topk", "args": bt}))
         return Match("linear_topk", user, covers + [user], dict(inputs),
-                     {"k": bt["k"], "largest": bt["largest"]})
+                     {"k": bt["k"], "largest": bt["largest"]}, fallback)
 
     # ------------------------------------------------------------ GEMM of two activations
     def gemm(self, n: Node, kind: str) -> Match | None:

@@ -35,6 +35,7 @@ class Report:
     inner_nodes: list = field(default_factory=list)  # (node name, op)
     missed: list = field(default_factory=list)       # (node name, op, reason)
     decomposed: list = field(default_factory=list)   # (node name, op) expanded into primitives
+    notes: list = field(default_factory=list)        # (node name, why a bigger fusion failed)
 
     @property
     def kernel_names(self) -> list[str]:
@@ -61,6 +62,7 @@ class Report:
         lines += [f"  {self.inner:<6} {n:<22} {op}" for n, op in self.inner_nodes]
         lines += [f"  missed {n:<22} {op}: {why}" for n, op, why in self.missed]
         lines += [f"  split  {n:<22} {op}" for n, op in self.decomposed]
+        lines += [f"  note   {n:<22} {why}" for n, why in self.notes]
         return "\n".join(lines)
 
 
@@ -79,6 +81,7 @@ def fill(report: Report, nodes: list, kernels: list, failures: dict) -> None:
     for name, cov in kernels:
         report.kernels.append((name, [c.name for c in cov]))
         covered.update(cov)
+    report.notes += [(n.name, why) for n, why in failures.items() if n in covered]
     for n in nodes:
         if n.op not in ("call_function", "call_method") or n in covered:
             continue
