@@ -224,12 +224,26 @@ def _emit_topk(rk: RowKernel):
 
 
 def _emit_kthvalue(rk: RowKernel):
+    """§5. If the k-th key occurs once in the row, its value and index are fixed whatever the
+    algorithm, so the vectorised introselect finds it; a tie at the k-th key needs ATen's own
+    quickselect, step by step, on a fresh copy."""
     f, b = rk.f, rk.f.b
     K, I = rk.scratch_arrays(["K", "I"])
     rk.fill_keys(K, I)
+    zero = const(i64, 0)
     k0 = rk.a["p0"]  # 0-based
-    b.call(rk.algos().aten_quickselect(), [K, I, rk.n, k0])
-    rk.write(const(i64, 0), b.sext(f.load(i32, I, k0), i64))
+    b.call(rk.algos().nth_element(), [K, I, zero, k0, rk.n])
+    kv = f.load(rk.kt, K, k0)
+    same = f.var(i64, zero, "same")
+    with f.for_range(zero, rk.n, name="count") as j:
+        same.set(b.add(same.get(), b.zext(b.icmp_signed("==", f.load(rk.kt, K, j), kv), i64)))
+    with f.if_else(b.icmp_signed("==", same.get(), const(i64, 1))) as (unique, tied):
+        with unique:
+            rk.write(zero, b.sext(f.load(i32, I, k0), i64))
+        with tied:
+            rk.fill_keys(K, I)
+            b.call(rk.algos().aten_quickselect(), [K, I, rk.n, k0])
+            rk.write(zero, b.sext(f.load(i32, I, k0), i64))
 
 
 def _first_match(rk: RowKernel, pred, skip):
@@ -293,35 +307,43 @@ def _emit_median_all(rk: RowKernel, nan_ignoring: bool):
 
 
 def _emit_mode(rk: RowKernel):
-    """§7: std::sort with the plain ``<`` on raw values, then the run scan."""
+    """§7: std::sort with ATen's plain ``<`` on raw values, then the run scan.
+
+    Without NaN, plain ``<`` and the key order make every comparison agree (±0 tie under
+    both), so such rows use the vectorised key sort; rows with NaN sort raw values.
+    """
     f, b = rk.f, rk.f.b
     K, I = rk.scratch_arrays(["K", "I"])
     zero, one = const(i64, 0), const(i64, 1)
+    nnan = rk.fill_keys(K, I, count_nan=True)
+    sorted_as = f.var(i1, const(i1, 1), "keys")  # true: K holds keys, else raw values
+    if not rk.is_float:
+        b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
     if rk.is_float:
         raw = SortAlgos(rk.m, rk.vt, lambda bb, x, y: bb.fcmp_ordered("<", x, y),
                         f"{rk.spec.symbol}.raw")
-        with f.for_range(zero, rk.n, name="fill") as j:
-            f.store(f.load(rk.vt, rk.src, j), K, j)
-            f.store(b.trunc(j, i32), I, j)
-        kt = rk.vt
+        with f.if_else(b.icmp_signed("==", nnan, zero)) as (keys, raws):
+            with keys:
+                b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
+            with raws:
+                with f.for_range(zero, rk.n, name="fill_raw") as j:
+                    f.store(f.load(rk.vt, rk.src, j), K, j)
+                    f.store(b.trunc(j, i32), I, j)
+                b.call(raw.std_sort(), [K, I, zero, rk.n])
+                sorted_as.set(const(i1, 0))
 
-        def differ(x, y):
-            return b.fcmp_unordered("!=", x, y)
-    else:
-        raw = rk.algos(lanes=0)
-        rk.fill_keys(K, I)
-        kt = rk.kt
-
-        def differ(x, y):
-            return b.icmp_signed("!=", x, y)
-    b.call(raw.std_sort(), [K, I, zero, rk.n])
+    def differ(i, j):
+        d = b.icmp_signed("!=", f.load(rk.kt, K, i), f.load(rk.kt, K, j))
+        if rk.is_float:  # raw values: every NaN ends a run
+            d = b.select(sorted_as.get(), d,
+                         b.fcmp_unordered("!=", f.load(rk.vt, K, i), f.load(rk.vt, K, j)))
+        return d
     freq, maxf, mode_i = (f.var(i64, zero, nm) for nm in ("freq", "maxf", "mode_i"))
     last = b.sub(rk.n, one)
     with f.for_range(zero, rk.n, name="run") as i:
         freq.set(b.add(freq.get(), one))
         nxt = b.select(b.icmp_signed("<", i, last), b.add(i, one), i)
-        end = b.or_(b.icmp_signed("==", i, last),
-                    differ(f.load(kt, K, i), f.load(kt, K, nxt)))
+        end = b.or_(b.icmp_signed("==", i, last), differ(i, nxt))
         with f.if_(end):
             with f.if_(b.icmp_signed(">", freq.get(), maxf.get())):
                 maxf.set(freq.get())
