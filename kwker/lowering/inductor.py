@@ -16,7 +16,7 @@ from torch.fx.node import map_arg
 from . import build as B
 from . import custom_ops as C
 from .partition import const_nodes
-from .patterns import Match, Matcher
+from .patterns import Match, Matcher, why_not
 from .report import Report, fill, publish
 from .shapes import is_concrete, propagate_symbolic
 
@@ -110,6 +110,10 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
     with B.dumping(dump_dir):
         for m in matches:
             lower(m)
+    covered = {c for m in kept for c in m.covers}
+    for n in nodes:
+        if n not in failures and n not in covered:
+            failures[n] = why_not(n, metas)
     fill(report, nodes, [(m.name, m.covers) for m in kept], failures)
     graph = gm.graph
     replaced = {}  # outputs of earlier kernels -> their custom-op nodes

@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 
 from . import build as B
 from .ops import is_inplace, is_view
-from .patterns import Matcher
+from .patterns import Matcher, why_not
 from .report import Report, fill, publish
 from .runner import KernelStep, Program, build_program, fetch_attr
 from .shapes import TensorMeta, propagate
@@ -118,6 +118,10 @@ def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
 
     for m in matches:
         lower(m)
+    covered = {c for s in steps for c in s.covers}
+    for n in nodes:
+        if n not in failures and n not in covered:
+            failures[n] = why_not(n, metas)
     program = build_program(gm, steps, metas)
     index = {n: i for i, n in enumerate(placeholders)}
     guards = tuple((index[n], consts[n], _version(consts[n])) for n in used if n in index)

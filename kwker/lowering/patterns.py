@@ -89,14 +89,21 @@ class Matcher:
     def run(self) -> list[Match]:
         claimed: set = set()
         found = []
+
+        def accept(m: Match) -> None:
+            if claimed.intersection(m.covers) or self._spans_write(m):
+                for f in m.fallback:
+                    accept(f)
+                return
+            claimed.update(m.covers)
+            found.append(m)
+
         for n in self.nodes:
             if n in claimed or n.op not in ("call_function", "call_method"):
                 continue
             m = self.match(n)
-            if m is None or claimed.intersection(m.covers) or self._spans_write(m):
-                continue
-            claimed.update(m.covers)
-            found.append(m)
+            if m is not None:
+                accept(m)
         return found
 
     def _spans_write(self, m: Match) -> bool:
@@ -251,3 +258,14 @@ class Matcher:
         return Match("sdpa", n, [n], {"q": q, "k": k, "v": v, "mask": mask},
                      {"causal": b["is_causal"], "scale": None if scale is None else float(scale),
                       "mask": mask_kind})
+
+
+def why_not(node: Node, metas: dict) -> str:
+    """A user-facing reason why ``node`` matched no kernel pattern."""
+    for a in node.all_input_nodes:
+        m = _meta(metas, a)
+        if m is not None and m.dtype != _F32 and m.dtype.is_floating_point:
+            return f"{m.dtype} input (Kwker kernels are float32)"
+        if m is not None and m.device != "cpu":
+            return f"{m.device} input (Kwker kernels run on the CPU)"
+    return "its arguments fit no Kwker kernel (shapes, flags or non-constant weights)"
