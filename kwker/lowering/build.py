@@ -63,25 +63,26 @@ _collecting = threading.local()
 
 
 @contextlib.contextmanager
-def dumping(dump_dir):
-    """Dump the LLVM IR and assembly of every kernel built inside to ``dump_dir`` (if set).
+def collecting(dump_dir=None):
+    """Yield the list of specs of every kernel built inside; dump their IR and assembly.
 
     The runtime dumps only what it compiles; kernels already in the object cache are emitted
-    again here, so the folder always shows every kernel the graph uses.
+    again here, so ``dump_dir`` always receives every kernel the graph uses.
     """
-    if not dump_dir:
-        yield
-        return
+    outer = getattr(_collecting, "specs", None)
     _collecting.specs = specs = []
     try:
-        yield
+        yield specs
     finally:
-        _collecting.specs = None
-    from ..runtime import kernel
-    from ..runtime.target import host_target
-    target = host_target()
-    for spec in dict.fromkeys(specs):
-        kernel.dump(spec, target, str(kernel.emit(spec, target)), Path(dump_dir))
+        _collecting.specs = outer
+        if outer is not None:
+            outer.extend(specs)
+    if dump_dir:
+        from ..runtime import kernel
+        from ..runtime.target import host_target
+        target = host_target()
+        for spec in dict.fromkeys(specs):
+            kernel.dump(spec, target, str(kernel.emit(spec, target)), Path(dump_dir))
 
 
 def _make(name: str, *args, **kwargs):
@@ -101,8 +102,15 @@ def _make(name: str, *args, **kwargs):
 
 
 def build(m: Match, metas: dict, consts: dict):
-    """(callable taking the match's runtime inputs in ``runtime_inputs(m)`` order, or None, reason)."""
-    return _BUILDERS[m.kind](m, metas, consts)
+    """(callable taking the match's runtime inputs in ``runtime_inputs(m)`` order, or None, reason).
+
+    The callable carries ``kwker_specs``, the specs of the kernels it calls.
+    """
+    with collecting() as specs:
+        fn, why = _BUILDERS[m.kind](m, metas, consts)
+    if fn is not None:
+        fn.kwker_specs = list(specs)
+    return fn, why
 
 
 def runtime_inputs(m: Match) -> list:

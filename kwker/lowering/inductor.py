@@ -45,7 +45,7 @@ def _call_args(m: Match) -> tuple:
     return i["x"], b["dim"], b["keepdim"]
 
 
-def _prebuild(m: Match, metas: dict, consts: dict) -> str | None:
+def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> str | None:
     """Build the kernel for static shapes now; returns why it does not fit, or None."""
     i, p = m.inputs, m.params
 
@@ -77,6 +77,7 @@ def _prebuild(m: Match, metas: dict, consts: dict) -> str | None:
                                 p["mask"], p["causal"], p["scale"])
     else:
         return None
+    specs.extend(getattr(fn, "kwker_specs", ()))
     return None if fn is not None else why
 
 
@@ -98,7 +99,7 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
     failures, kept = {}, []
 
     def lower(m) -> None:
-        why = _prebuild(m, metas, consts)
+        why = _prebuild(m, metas, consts, specs)
         if why is None:
             kept.append(m)
             return
@@ -107,9 +108,10 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
         for f in m.fallback:
             lower(f)
 
-    with B.dumping(dump_dir):
+    with B.collecting(dump_dir) as specs:
         for m in matches:
             lower(m)
+    report.specs = list(dict.fromkeys(specs))
     covered = {c for m in kept for c in m.covers}
     for n in nodes:
         if n not in failures and n not in covered:

@@ -80,8 +80,10 @@ class Plan:
 def specialise(gm: GraphModule, args: list, graph_id: int, inner: str, note: str = "",
                dump_dir=None, decomposed=()) -> Plan:
     """Build the flat program for these concrete ``args`` (tensors and ints)."""
-    with B.dumping(dump_dir):
-        return _specialise(gm, args, graph_id, inner, note, decomposed)
+    with B.collecting(dump_dir) as specs:
+        plan = _specialise(gm, args, graph_id, inner, note, decomposed)
+    plan.report.specs = list(dict.fromkeys(specs))
+    return plan
 
 
 def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:

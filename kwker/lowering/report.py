@@ -36,6 +36,7 @@ class Report:
     missed: list = field(default_factory=list)       # (node name, op, reason)
     decomposed: list = field(default_factory=list)   # (node name, op) expanded into primitives
     notes: list = field(default_factory=list)        # (node name, why a bigger fusion failed)
+    specs: list = field(default_factory=list)        # kernel specs built for this graph
 
     @property
     def kernel_names(self) -> list[str]:

@@ -1,0 +1,103 @@
+"""Models the backend tests compile, and the helpers that compile and compare them."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kwker.dynamo as kd
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class Ranker(torch.nn.Module):
+    """The tutorial's scoring model: query MLP, scores against 20,000 items, top 10."""
+
+    def __init__(self, n_items=20_000, dim=128):
+        super().__init__()
+        self.query = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                         torch.nn.Linear(256, dim))
+        self.items = torch.nn.Parameter(torch.randn(n_items, dim) / dim**0.5)
+
+    def forward(self, x):
+        scores = self.query(x) @ self.items.t()
+        return torch.topk(scores, 10, dim=-1)
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                               torch.nn.Linear(4096, 1024))
+
+
+def encoder_layer():
+    return torch.nn.TransformerEncoderLayer(d_model=256, nhead=8, dim_feedforward=1024,
+                                            batch_first=True, activation="gelu")
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+class OddSizes(torch.nn.Module):
+    """Prime sizes everywhere, so every kernel takes its edge (tail) paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(13, 127)
+        self.l2 = torch.nn.Linear(127, 1021)
+        self.l3 = torch.nn.Linear(1021, 7, bias=False)
+        self.l4 = torch.nn.Linear(7, 7)
+        self.items = torch.nn.Parameter(torch.randn(1021, 7))
+        self.attn = torch.nn.MultiheadAttention(7, 7, batch_first=True)
+
+    def forward(self, x, seq, mask):
+        h = torch.relu(self.l1(x))                       # (7, 127) relu epilogue
+        h = F.gelu(self.l2(h), approximate="tanh")       # (7, 1021) tanh GELU epilogue
+        o = self.l3(h)                                   # (7, 7), no bias
+        o = self.l4(o) + o                               # residual epilogue
+        best = torch.topk(o @ self.items.t(), 13, dim=-1)  # GEMM + topk, k=13 of 1021
+        a = F.scaled_dot_product_attention(seq, seq, seq, is_causal=True)     # (3, 13, 7)
+        b = F.scaled_dot_product_attention(seq, seq, seq, attn_mask=mask)     # float mask
+        s = torch.bmm(seq, seq.transpose(1, 2))           # (3, 13, 13), b = k.mT
+        g = F.gelu(seq * 3)                               # standalone exact GELU
+        m = self.attn(seq, seq, seq, need_weights=False)[0]  # nn.MultiheadAttention
+        return o, best.values, best.indices, a, b, s, g, m
+
+
+def compile_run(model, inputs, inner: str, dynamic=None, grad=False):
+    """(eager result, compiled result, reports of this compile)."""
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(model, backend="kwker", options={"inner": inner}, dynamic=dynamic)
+    with torch.set_grad_enabled(grad):
+        expected = model(*inputs)
+        got = compiled(*inputs)
+    return expected, got, kd.all_reports()
+
+
+def assert_close(got, expected, rtol=RTOL, atol=ATOL):
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        if isinstance(e, torch.Tensor) and e.is_floating_point():
+            torch.testing.assert_close(g, e, rtol=rtol, atol=atol)
+        elif isinstance(e, torch.Tensor):
+            assert torch.equal(g, e)
+        else:
+            assert g == e
+
+
+def kernels(reports) -> list[str]:
+    return sorted(k for r in reports for k in r.kernel_names)
+
+
+def assert_no_misses(reports):
+    """Every node Kwker has a kernel for became one (a silent fallback fails here)."""
+    for r in reports:
+        assert r.status == "lowered", str(r)
+        assert not r.missed, str(r)

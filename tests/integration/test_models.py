@@ -1,0 +1,106 @@
+"""torch.compile(backend="kwker") against eager on the issue's models, in both inner modes.
+
+Each test also checks which nodes became Kwker kernels: a model that silently ran on ATen or
+Inductor would still match eager, so the kernel lists are part of the contract.
+"""
+import pytest
+import torch
+
+from .models import (Attention, OddSizes, Ranker, assert_close, assert_no_misses, compile_run,
+                     encoder_layer, kernels, mlp)
+
+INNER = ["eager", "inductor"]
+
+
+@pytest.fixture(scope="module")
+def ranker():
+    torch.manual_seed(0)
+    return Ranker().eval()
+
+
+@pytest.mark.parametrize("inner", INNER)
+@pytest.mark.parametrize("batch", [1, 32, 256])
+def test_ranker(ranker, inner, batch):
+    if inner == "inductor" and batch != 32:
+        pytest.skip("one Inductor compile of the tutorial model is enough (suite time)")
+    x = torch.randn(batch, 64)
+    (ref_v, ref_i), (v, i), reports = compile_run(ranker, (x,), inner)
+    torch.testing.assert_close(v, ref_v, rtol=1e-4, atol=1e-5)
+    assert (i == ref_i).float().mean().item() >= 0.99
+    assert_no_misses(reports)
+    assert kernels(reports) == ["linear", "linear_gelu", "linear_topk"]
+    if inner == "eager":
+        assert reports[-1].inner_nodes == []  # the whole model runs as three Kwker kernels
+
+
+@pytest.mark.parametrize("inner", INNER)
+def test_mlp(inner):
+    torch.manual_seed(1)
+    model, x = mlp().eval(), torch.randn(64, 1024)
+    ref, out, reports = compile_run(model, (x,), inner)
+    assert_close(out, ref)
+    assert_no_misses(reports)
+    assert kernels(reports) == ["linear", "linear_gelu"]
+
+
+@pytest.mark.parametrize("inner", INNER)
+def test_transformer_encoder_layer(inner):
+    torch.manual_seed(2)
+    model, x = encoder_layer().eval(), torch.randn(8, 128, 256)
+    ref, out, reports = compile_run(model, (x,), inner)
+    assert_close(out, ref)
+    assert_no_misses(reports)
+    # the fused native layer is split so its GEMMs and attention become kernels
+    assert [op for _, op in reports[-1].decomposed] == ["_transformer_encoder_layer_fwd"]
+    assert kernels(reports) == sorted(["linear", "sdpa", "linear_residual", "linear_gelu",
+                                       "linear_residual"])
+
+
+@pytest.mark.parametrize("inner", INNER)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa(inner, causal):
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(8, 8, 128, 32) for _ in range(3))
+    ref, out, reports = compile_run(Attention(causal), (q, k, v), inner)
+    assert_close(out, ref)
+    assert_no_misses(reports)
+    assert kernels(reports) == ["sdpa"]
+
+
+@pytest.mark.parametrize("inner", INNER)
+def test_odd_sizes(inner):
+    torch.manual_seed(4)
+    model = OddSizes().eval()
+    x, seq = torch.randn(7, 13), torch.randn(3, 13, 7)
+    mask = torch.randn(13, 13)
+    ref, out, reports = compile_run(model, (x, seq, mask), inner)
+    assert_close(out[:2], ref[:2])
+    assert (out[2] == ref[2]).float().mean().item() >= 0.99
+    assert_close(out[3:], ref[3:])
+    assert_no_misses(reports)
+    assert kernels(reports) == sorted([
+        "linear_relu", "linear_gelu_tanh", "linear", "linear_residual", "linear_topk",
+        "sdpa", "sdpa", "matmul", "gelu",
+        "linear", "sdpa", "linear",  # nn.MultiheadAttention: in-projection, attention, out
+    ])
+    assert [op for _, op in reports[-1].decomposed] == ["multi_head_attention_forward"]
+
+
+@pytest.mark.parametrize("inner", INNER)
+def test_multihead_attention_sequence_first_causal(inner):
+    """nn.MultiheadAttention with (L, N, E) inputs and a causal hint: attention is a kernel."""
+    torch.manual_seed(5)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(64, 4)
+
+        def forward(self, x):
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[0])
+            return self.attn(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)[0]
+
+    ref, out, reports = compile_run(Block().eval(), (torch.randn(10, 2, 64),), inner)
+    assert_close(out, ref)
+    assert_no_misses(reports)
+    assert kernels(reports) == ["linear", "linear", "sdpa"]
