@@ -90,3 +90,23 @@ class AttentionSpec(Spec):
         return (f"kw_sdpa_{self.batch}x{self.heads}x{self.lq}x{self.lk}_e{self.e}_ev{self.ev}"
                 f"_c{int(self.causal)}_s{scale:08x}_{self.mask}{ms}"
                 f"_q{self.bq}_k{self.bk}_n{self.nr}_{self.mrs}_{self.mro}")
+
+
+@register_spec
+@dataclass(frozen=True)
+class TopkGemmSpec(Spec):
+    """Fused ``topk(x @ W.T, k)`` over ``m`` rows of ``n`` scores with ``k_dim`` features, W
+    pre-packed into ``nr``-wide panels; ``mr`` rows per micro-tile (see codegen/fused_topk.py)."""
+    m: int
+    n: int
+    k_dim: int
+    k: int
+    largest: bool = True
+    mr: int = 8
+    nr: int = 48
+    family = "topk_gemm"
+
+    @property
+    def symbol(self) -> str:
+        return (f"kw_linear_topk_{self.m}x{self.n}x{self.k_dim}_k{self.k}_l{int(self.largest)}"
+                f"_t{self.mr}x{self.nr}")

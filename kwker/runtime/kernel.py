@@ -28,6 +28,7 @@ EMITTERS = {
     "eltwise": "kwker.codegen.elementwise",
     "gemm": "kwker.codegen.gemm",
     "attention": "kwker.codegen.attention",
+    "topk_gemm": "kwker.codegen.fused_topk",
 }
 
 stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0}

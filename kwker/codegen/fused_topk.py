@@ -1,0 +1,276 @@
+"""Fused scoring + top-k: ``topk(x @ W.T, k)`` without materialising the score matrix.
+
+Contract: for each of the ``m`` rows of x, the ``k`` best of the ``n`` scores ``x[i] . W[j]``,
+values sorted best first and indices as ``torch.topk`` returns them on those scores (ATen's heap
+path, ``k * 64 <= n``: the factory checks). W is pre-packed by the factory into ``nr``-wide
+panels exactly as for ``linear``.
+
+Schedule: the GEMM micro-kernel computes an ``mr x nr`` tile of scores into an L1 buffer (K is
+not blocked, so the tile is final). Each tile row is compared 16 lanes at a time against the
+row's live threshold, the root of its heap, with ATen's NaN-aware strict test; the few survivors
+(a bitmask walked with cttz, in index order) go through the exact heap step of codegen/heap.py.
+The threshold only tightens, so a stale one filters nothing that matters (spec §2.2).
+
+Threads split the row tiles when there are enough, each thread owning whole rows and scanning
+columns in order: its heaps are the exact ones. With fewer row tiles than threads (decode-sized
+m), threads split the columns instead; each keeps its own heaps and logs every element that
+entered them, and after the join the logs are replayed per row, in index order, through a fresh
+heap. That is exact because an element its thread's heap rejected cannot enter the global heap
+either (the global root is at least as strict), and the replay runs ATen's own step sequence on
+the rest.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import simd
+from .gemm_micro import FIRST, LAST, Micro, emit_micro
+from .gemm_pack import emit_pack_rows
+from .heap import Heap, lt
+from .irutil import Fn, const, f32, i1, i32, i64, intrinsic, new_module, ptr, void
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def emit(spec, target) -> ir.Module:
+    return _Emitter(spec, target).module
+
+
+class _Emitter:
+    def __init__(self, spec, target):
+        self.s = s = spec
+        self.L = simd.float_lanes(target)
+        if s.nr % self.L:
+            raise ValueError(f"kwker topk: nr={s.nr} not a multiple of {self.L} lanes")
+        self.module = new_module(s.symbol)
+        self.mt = _cdiv(s.m, s.mr)
+        self.np = _cdiv(s.n, s.nr)
+        self.mr_edge = s.m - (self.mt - 1) * s.mr
+        self.nr_edge = s.n - (self.np - 1) * s.nr
+        self.heap = Heap(self.module, s.largest)
+        self.malloc = intrinsic(self.module, "malloc", ptr, [i64])
+        self.free = intrinsic(self.module, "free", void, [ptr])
+        body = self.emit_body()
+        self.emit_main(body)
+
+    def micro(self, rows, cols):
+        s = self.s
+        return emit_micro(self.module, Micro(rows, _cdiv(cols, self.L), self.L, cols, 1, s.mr,
+                                             s.nr, False, s.nr))
+
+    # -- parallel body: ctx = x, w, vals, idx, split_cols, hv, hi, cnt, logv, logi, logn --------
+    def emit_body(self) -> ir.Function:
+        s, L = self.s, self.L
+        f = Fn(self.module, f"{s.symbol}.body", void, [ptr, i64, i64], ["ctx", "tid", "nt"])
+        self.f = f
+        b = f.b
+        ctx, tid, nt = f.args
+        x, w, vals, idx = (f.arg_ptr(ctx, i) for i in range(4))
+        split_cols = b.icmp_signed("!=", f.arg_i64(ctx, 4), const(i64, 0))
+        hv_all, hi_all, cnt_all, logv, logi, logn = (f.arg_ptr(ctx, i) for i in range(5, 11))
+
+        with f.if_(b.icmp_signed("==", tid, const(i64, 0))):
+            simd.store_scalar(b, nt, ctx, const(i64, 11))  # the team size the merge must use
+        t0, t1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, self.mt))
+        q0, q1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, self.np))
+        with f.if_else(split_cols) as (cols, rows):
+            with cols:
+                q0.set(b.sdiv(b.mul(const(i64, self.np), tid), nt))
+                q1.set(b.sdiv(b.mul(const(i64, self.np), b.add(tid, const(i64, 1))), nt))
+            with rows:
+                t0.set(b.sdiv(b.mul(const(i64, self.mt), tid), nt))
+                t1.set(b.sdiv(b.mul(const(i64, self.mt), b.add(tid, const(i64, 1))), nt))
+        # heap state: per thread in column mode (all rows), shared by row in row mode
+        state_off = b.select(split_cols, b.mul(tid, const(i64, s.m)), const(i64, 0))
+        hv = simd.gep(b, hv_all, b.mul(state_off, const(i64, s.k)))
+        hi = simd.gep(b, hi_all, b.mul(state_off, const(i64, s.k)), i32)
+        cnt = simd.gep(b, cnt_all, state_off, i64)
+        nlog = simd.gep(b, logn, state_off, i64)
+
+        row0 = b.mul(t0.get(), const(i64, s.mr))
+        row1 = b.mul(t1.get(), const(i64, s.mr))
+        row1 = b.select(b.icmp_signed("<", row1, const(i64, s.m)), row1, const(i64, s.m))
+        with f.for_range(row0, row1, name="init") as r:
+            simd.store_scalar(b, const(i64, 0), cnt, r)
+            simd.store_scalar(b, const(i64, 0), nlog, r)
+
+        raw_a = b.call(self.malloc, [const(i64, s.m * s.k_dim * 4 + s.mr * s.k_dim * 4 + 64)])
+        raw_t = b.call(self.malloc, [const(i64, s.mr * s.nr * 4 + 64)])
+        ap, tile = _align64(b, raw_a), _align64(b, raw_t)
+        pack = emit_pack_rows(self.module, s.mr, s.k_dim)
+        b.call(pack, [simd.gep(b, x, b.mul(row0, const(i64, s.k_dim))), b.sub(row1, row0),
+                      const(i64, s.k_dim), ap])
+        nullp = ir.Constant(ptr, None)
+        self.log_base = b.mul(q0.get(), const(i64, s.nr))
+        state = (hv, hi, cnt, nlog, logv, logi, split_cols)
+        with f.for_range(q0.get(), q1.get(), name="q") as q:
+            wq = simd.gep(b, w, b.mul(q, const(i64, s.k_dim * s.nr)))
+            with f.for_range(t0.get(), t1.get(), name="t") as t:
+                a_tile = simd.gep(b, ap, b.mul(b.sub(t, t0.get()), const(i64, s.mr * s.k_dim)))
+                for rows in sorted({s.mr, self.mr_edge}):
+                    cond = b.icmp_signed("==", t, const(i64, self.mt - 1))
+                    if rows == s.mr and self.mr_edge != s.mr:
+                        cond = b.not_(cond)
+                    elif self.mr_edge == s.mr:
+                        cond = const(i1, 1)
+                    with f.if_(cond):
+                        for cols in sorted({s.nr, self.nr_edge}):
+                            qc = b.icmp_signed("==", q, const(i64, self.np - 1))
+                            if cols == s.nr and self.nr_edge != s.nr:
+                                qc = b.not_(qc)
+                            elif self.nr_edge == s.nr:
+                                qc = const(i1, 1)
+                            with f.if_(qc):
+                                b.call(self.micro(rows, cols),
+                                       [a_tile, wq, tile, const(i64, s.k_dim),
+                                        const(i64, FIRST | LAST), nullp, nullp])
+                                self.filter_tile(tile, b.mul(t, const(i64, s.mr)), rows,
+                                                 b.mul(q, const(i64, s.nr)), cols, state)
+        # row mode: this thread's rows are final
+        with f.if_(b.not_(split_cols)):
+            with f.for_range(row0, row1, name="out") as r:
+                self.emit_output(f, r, simd.gep(b, hv, b.mul(r, const(i64, s.k))),
+                                 simd.gep(b, hi, b.mul(r, const(i64, s.k)), i32), vals, idx)
+        b.call(self.free, [raw_a])
+        b.call(self.free, [raw_t])
+        return f.finish()
+
+    def filter_tile(self, tile, row0, rows: int, col0, cols: int, state):
+        """Feed the tile's scores that beat their row's threshold to the row's heap, in order."""
+        s, L, f = self.s, self.L, self.f
+        b = f.b
+        hv, hi, cnt, nlog, logv, logi, logging = state
+        k = const(i64, s.k)
+        for r in range(rows):
+            i = b.add(row0, const(i64, r))
+            rhv = simd.gep(b, hv, b.mul(i, k))
+            rhi = simd.gep(b, hi, b.mul(i, k), i32)
+            rcnt = simd.gep(b, cnt, i, i64)
+            base = r * s.nr
+            full = b.icmp_signed(">=", b.load(rcnt, typ=i64), k)
+            with f.if_else(full, likely=True) as (fast, slow):
+                with fast:
+                    for v in range(_cdiv(cols, L)):
+                        xv = simd.load_vec(b, tile, const(i64, base + v * L), L)
+                        thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
+                        hit = lt(b, xv, thr, s.largest)
+                        active = min(L, cols - v * L)
+                        if active < L:
+                            hit = b.and_(hit, simd.const_mask(L, active))
+                        bits = b.zext(b.bitcast(hit, ir.IntType(L)), i64)
+                        word = f.var(i64, bits, "bits")
+                        with f.while_(lambda: b.icmp_unsigned("!=", word.get(), const(i64, 0))):
+                            wv = word.get()
+                            lane = f.call_intrinsic("llvm.cttz.i64", i64, [wv, const(i1, 0)])
+                            word.set(b.and_(wv, b.sub(wv, const(i64, 1))))
+                            c = b.add(const(i64, v * L), lane)
+                            self.push(i, rhv, rhi, rcnt, simd.load_scalar(b, tile, b.add(
+                                const(i64, base), c)), b.add(col0, c), state)
+                with slow:
+                    with f.for_range(0, cols, name="c") as c:
+                        self.push(i, rhv, rhi, rcnt, simd.load_scalar(
+                            b, tile, b.add(const(i64, base), c)), b.add(col0, c), state)
+
+    def push(self, i, rhv, rhi, rcnt, v, col, state):
+        """One exact heap step; in column mode, log the element if it entered the heap."""
+        s, f = self.s, self.f
+        b = f.b
+        _, _, _, nlog, logv, logi, logging = state
+        entered = b.call(self.heap.push, [rhv, rhi, rcnt, const(i64, s.k), v,
+                                          b.trunc(col, i32)])
+        with f.if_(b.and_(entered, logging)):
+            slot = simd.gep(b, nlog, i, i64)
+            n = b.load(slot, typ=i64)
+            b.store(b.add(n, const(i64, 1)), slot)
+            # the thread's columns [c0, c1) own the stretch [c0, c1) of row i's log
+            pos = b.add(b.mul(i, const(i64, s.n)), b.add(self.log_base, n))
+            simd.store_scalar(b, v, logv, pos)
+            simd.store_scalar(b, b.trunc(col, i32), logi, pos)
+
+    def emit_output(self, f, r, rhv, rhi, vals, idx):
+        s, b = self.s, f.b
+        b.call(self.heap.sort, [rhv, rhi, const(i64, s.k)])
+        with f.for_range(0, s.k, name="o") as j:
+            pos = b.add(b.mul(r, const(i64, s.k)), j)
+            simd.store_scalar(b, simd.load_scalar(b, rhv, j), vals, pos)
+            simd.store_scalar(b, b.sext(simd.load_scalar(b, rhi, j, i32), i64), idx, pos)
+
+    def emit_main(self, body):
+        """Export ``sym(x, w, vals, idx, nthreads)``: choose the split, fork, merge, free."""
+        s, m = self.s, self.module
+        gomp = intrinsic(m, "GOMP_parallel", void, [ptr, ptr, i32, i32])
+        tnum = intrinsic(m, "omp_get_thread_num", i32, [])
+        tcount = intrinsic(m, "omp_get_num_threads", i32, [])
+        outlined = Fn(m, f"{s.symbol}.omp", void, [ptr], ["ctx"])
+        ob = outlined.b
+        ob.call(body, [outlined.args[0], ob.sext(ob.call(tnum, []), i64),
+                       ob.sext(ob.call(tcount, []), i64)])
+        outlined.finish()
+
+        f = Fn(m, s.symbol, void, [ptr, ptr, ptr, ptr, i64],
+               ["x", "w", "vals", "idx", "nthreads"], internal=False)
+        self.f = f
+        b = f.b
+        x, w, vals, idx, nreq = f.args
+        cap = const(i64, max(1, min(max(self.mt, self.np), 2 * s.m * s.n * s.k_dim >> 20)))
+        nt = b.select(b.icmp_signed("<", nreq, cap), nreq, cap)
+        nt = b.select(b.icmp_signed("<", nt, const(i64, 1)), const(i64, 1), nt)
+        split_cols = b.and_(b.icmp_signed(">", nt, const(i64, 1)),
+                            b.icmp_signed("<", const(i64, self.mt), nt))
+        nt = b.select(b.and_(split_cols, b.icmp_signed(">", nt, const(i64, self.np))),
+                      const(i64, self.np), nt)
+        copies = b.select(split_cols, nt, const(i64, 1))
+        per = b.mul(copies, const(i64, s.m))
+        bufs = [b.mul(per, const(i64, s.k * 4)), b.mul(per, const(i64, s.k * 4)),
+                b.mul(per, const(i64, 8)), b.mul(per, const(i64, 8))]
+        logsz = b.select(split_cols, const(i64, s.m * s.n * 4), const(i64, 0))
+        bufs[3:3] = [logsz, logsz]
+        raws = [b.call(self.malloc, [b.add(n, const(i64, 64))]) for n in bufs]
+        hv, hi, cnt, logv, logi, logn = (_align64(b, r) for r in raws)
+        with b.goto_block(f.entry):
+            block = b.alloca(i64, size=12, name="ctx")
+        for slot, v in enumerate([x, w, vals, idx, b.zext(split_cols, i64), hv, hi, cnt, logv,
+                                  logi, logn, const(i64, 1)]):
+            if isinstance(v.type, ir.PointerType):
+                v = b.ptrtoint(v, i64)
+            f.store(v, block, const(i64, slot))
+        with f.if_else(b.icmp_signed("<=", nt, const(i64, 1))) as (serial, par):
+            with serial:
+                b.call(body, [block, const(i64, 0), const(i64, 1)])
+            with par:
+                b.call(gomp, [outlined.fn, block, b.trunc(nt, i32), const(i32, 0)])
+        with f.if_(split_cols):
+            self.emit_merge(f, f.arg_i64(block, 11), hv, hi, cnt, logv, logi, logn, vals, idx)
+        for r in raws:
+            b.call(self.free, [r])
+        f.finish()
+
+    def emit_merge(self, f, team, hv, hi, cnt, logv, logi, logn, vals, idx):
+        """Replay every thread's log of row i, in column order, through a fresh heap."""
+        s, b = self.s, f.b
+        k = const(i64, s.k)
+        with f.for_range(0, s.m, name="row") as i:
+            rhv = simd.gep(b, hv, b.mul(i, k))  # thread 0's heap of this row is free now
+            rhi = simd.gep(b, hi, b.mul(i, k), i32)
+            rcnt = simd.gep(b, cnt, i, i64)
+            simd.store_scalar(b, const(i64, 0), rcnt, const(i64, 0))
+            with f.for_range(0, team, name="t") as t:
+                c0 = b.mul(b.sdiv(b.mul(const(i64, self.np), t), team), const(i64, s.nr))
+                n = simd.load_scalar(b, logn, b.add(b.mul(t, const(i64, s.m)), i), i64)
+                base = b.add(b.mul(i, const(i64, s.n)), c0)
+                with f.for_range(0, n, name="e") as e:
+                    pos = b.add(base, e)
+                    b.call(self.heap.push, [rhv, rhi, rcnt, k, simd.load_scalar(b, logv, pos),
+                                            simd.load_scalar(b, logi, pos, i32)])
+            self.emit_output(f, i, rhv, rhi, vals, idx)
+
+
+def _align64(b: ir.IRBuilder, raw: ir.Value) -> ir.Value:
+    addr = b.ptrtoint(raw, i64)
+    pad = b.and_(b.sub(const(i64, 64), b.and_(addr, const(i64, 63))), const(i64, 63))
+    return b.gep(raw, [pad], inbounds=True, source_etype=ir.IntType(8))
+
+
+__all__ = ["emit", "f32"]
