@@ -1,0 +1,146 @@
+"""Timing and reporting helpers shared by the benchmark scripts.
+
+The machine is shared and noisy, so every comparison is *interleaved* (one sample of each side in
+turn, the order alternating every repetition) and reported as the best of N samples after a
+warm-up: the minimum is the least disturbed estimate of what the code itself costs, and
+interleaving exposes both sides to the same background load.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+THREADS = 2
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def set_threads(n: int = THREADS) -> int:
+    """Pin torch's intra-op threads (the figures in the docs are all taken with 2)."""
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def cpu_name() -> str:
+    """LLVM's name for the host CPU (what Kwker compiles for), plus its widest vector ISA."""
+    try:
+        import llvmlite.binding as llvm
+
+        name = llvm.get_host_cpu_name()
+        feats = llvm.get_host_cpu_features()
+        isa = ("AVX-512" if feats.get("avx512f") else "AVX2" if feats.get("avx2") else "SSE")
+        return f"{name} ({isa})"
+    except (ImportError, OSError, RuntimeError) as exc:  # a report without the CPU name is still worth writing
+        return f"unknown ({type(exc).__name__})"
+
+
+def machine_info() -> dict:
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "load": load(),
+    }
+
+
+def load() -> str:
+    """1/5/15-minute load averages: on a shared 2-core machine they explain noisy figures."""
+    try:
+        return "/".join(f"{v:.1f}" for v in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def machine_line(info: dict | None = None) -> str:
+    i = info or machine_info()
+    return (f"CPU {i['cpu']}, {i['cores']} cores; torch {i['torch']}; "
+            f"{i['threads']} threads; Python {i['python']}; {i['date']}; "
+            f"load {i.get('load', '?')} at start")
+
+
+# ------------------------------------------------------------------------------------ timing
+@dataclass
+class Side:
+    """One contender: a zero-argument call, run inside ``context()`` (e.g. kto.accelerated)."""
+
+    name: str
+    fn: Callable[[], object]
+    context: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    samples: list[float] = field(default_factory=list)  # seconds per call
+
+    @property
+    def best(self) -> float:
+        return min(self.samples)
+
+
+def _sample(side: Side, number: int) -> float:
+    """Seconds per call over ``number`` back-to-back calls (context entered outside the clock)."""
+    with side.context():
+        t0 = time.perf_counter()
+        for _ in range(number):
+            side.fn()
+        return (time.perf_counter() - t0) / number
+
+
+def compare(sides: Sequence[Side], reps: int = 20, warmup: int = 3,
+            min_sample: float = 2e-3) -> list[float]:
+    """Best seconds per call of each side, samples interleaved across sides.
+
+    Tiny calls are repeated back to back until one sample takes ``min_sample`` seconds, so the
+    clock's resolution and the context switch do not dominate.
+    """
+    for side in sides:
+        side.samples.clear()
+        for _ in range(warmup):
+            _sample(side, 1)
+    one = min(min(_sample(s, 1) for _ in range(2)) for s in sides)
+    number = max(1, min(10_000, math.ceil(min_sample / max(one, 1e-7))))
+    for r in range(reps):
+        order = sides if r % 2 == 0 else list(reversed(sides))
+        for side in order:
+            side.samples.append(_sample(side, number))
+    return [s.best for s in sides]
+
+
+# ------------------------------------------------------------------------------------ output
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table (no dependency on tabulate)."""
+    def cell(v):
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """The same table aligned for a terminal."""
+    cols = [list(map(str, c)) for c in zip(headers, *rows)]
+    widths = [max(len(v) for v in c) for c in cols]
+    out = [headers] + [list(map(str, r)) for r in rows]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in out]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def fmt_ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"

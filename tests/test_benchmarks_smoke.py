@@ -1,0 +1,82 @@
+"""The benchmark harness on one tiny case: it produces rows, and its equality check can fail.
+
+No timing is asserted (the machine is shared); only the harness's logic is.
+"""
+import dataclasses
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bs():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("bench_sorting")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture
+def min_numel(monkeypatch):
+    """Set the size below which Kwker hands a case to ATen (its policy is not under test)."""
+    from kwker.ops import sorting
+
+    return lambda n: monkeypatch.setattr(sorting, "MIN_NUMEL", n)
+
+
+def test_run_produces_rows(bs, min_numel):
+    min_numel(0)
+    c = bs.case("smoke", "topk", (4, 300), k=5, target=1.0)
+    rows = bs.run([c], reps=2, warmup=1, min_sample=1e-4, log=lambda *a, **k: None)
+    (r,) = rows
+    assert r["check"] == "ok"  # a Kwker kernel ran and matched ATen
+    assert r["aten_ms"] > 0 and r["kwker_ms"] > 0
+    assert r["ratio"] == pytest.approx(r["aten_ms"] / r["kwker_ms"])
+    assert r["met"] == (r["ratio"] >= 1.0)
+    md = bs.markdown(rows, {"cpu": "x", "cores": 2, "torch": torch.__version__, "threads": 2,
+                            "python": "3", "date": "d"}, 2, 1, 1e-4)
+    assert "| topk | (4, 300) | float32 | k=5 |" in md and "best of 2" in md
+    json.dumps(rows)  # the raw results file must be serialisable
+
+
+def test_handoff_to_aten_is_reported(bs, min_numel):
+    min_numel(10**9)
+    (r,) = bs.run([bs.case("sweep", "sort", (8,))], reps=1, warmup=0, min_sample=1e-4,
+                  log=lambda *a, **k: None)
+    assert r["check"] == "ok, ATen path" and r["target"] == bs.FLOOR
+    assert "sort" in bs.sweep_table([r]) and "(8,)" in bs.sweep_table([r])
+
+
+def test_check_reports_a_wrong_result(bs, min_numel):
+    min_numel(0)
+    import kwker.torch_ops as kto
+
+    c = bs.case("smoke", "sort", (4, 300))
+    x = bs.make_input(c.shape, c.dtype, c.kind)
+    assert bs.check(c, x) == "ok"
+    # a "Kwker" whose sort returns the indices reversed (seen only while accelerated)
+    wrong = dataclasses.replace(c, fn=lambda t: (
+        c.fn(t) if not kto.is_active() else (c.fn(t)[0], c.fn(t)[1].flip(-1))))
+    assert bs.check(wrong, x).startswith("MISMATCH indices: ")
+    r = bs.run_case(wrong, reps=1, warmup=0, min_sample=1e-4)
+    assert r["check"].startswith("MISMATCH") and not r["met"]
+    assert bs.summary([r])[0].startswith("RESULT MISMATCH (bug): sort (4, 300)")
+    assert "**MISMATCH indices" in bs.markdown([r], {"cpu": "x", "cores": 2, "torch": "t",
+                                                     "threads": 2, "python": "3",
+                                                     "date": "d"}, 1, 0, 1e-4)
+
+
+def test_same_compares_nan_positions_and_strides(bs):
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    assert bs._same(a, a.clone()) is None
+    assert bs._same(a, torch.tensor([1.0, 2.0, 3.0])) == "NaN positions differ"
+    assert "elements differ" in bs._same(a, torch.tensor([1.0, float("nan"), 4.0]))
+    m = torch.zeros(3, 2)
+    assert "strides" in bs._same(m, m.t().contiguous().t())
