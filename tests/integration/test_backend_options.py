@@ -1,0 +1,135 @@
+"""Registration, options, reports and logs, kernel dumps, profiler names, wider-ISA code."""
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kwker.dynamo as kd
+from kwker.runtime import kernel
+from kwker.runtime.compiler import compile_assembly
+from kwker.runtime.target import host_target, make_target
+
+from .models import assert_close, compile_run
+
+
+class Two(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(24, 40)
+        self.l2 = torch.nn.Linear(40, 8)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+def test_entry_point_resolves_without_importing_kwker():
+    code = textwrap.dedent("""
+        import sys, torch
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).eval()
+        assert "kwker" not in sys.modules
+        c = torch.compile(m, backend="kwker", options={"inner": "eager"})
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            assert torch.allclose(c(x), m(x), rtol=1e-4, atol=1e-5)
+        import kwker.dynamo
+        print(kwker.dynamo.last_report().kernel_names)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "['linear_gelu']"
+
+
+def test_register_by_name_is_idempotent():
+    from torch._dynamo.backends.registry import lookup_backend
+    kd.register()
+    kd.register()
+    assert lookup_backend("kwker") is kd.backend
+
+
+@pytest.mark.parametrize("options,needle", [
+    ({"inner": "eager", "fast": True}, "'fast'"),
+    ({"inner": "tvm"}, "'tvm'"),
+])
+def test_bad_options_are_explained(options, needle):
+    torch._dynamo.reset()
+    compiled = torch.compile(Two().eval(), backend="kwker", options=options)
+    with pytest.raises(Exception) as info:
+        compiled(torch.randn(3, 24))
+    text = str(info.value)
+    assert needle in text
+    assert "inner" in text and ("dump_dir" in text or "'inductor', 'eager'" in text)
+
+
+def test_default_inner_is_inductor():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    kd.clear_reports()
+    model = Two().eval()
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert_close(torch.compile(model, backend="kwker")(x), model(x))
+    assert kd.last_report().inner == "inductor"
+    assert kd.last_report().kernel_names == ["linear_relu", "linear"]
+
+
+def test_report_and_log_line(caplog):
+    torch.manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="kwker"):
+        _, _, reports = compile_run(Two().eval(), (torch.randn(3, 24),), "eager")
+    lines = [r.getMessage() for r in caplog.records if r.name == "kwker"]
+    assert len(lines) == 1 and "2 Kwker kernels (linear_relu, linear)" in lines[0]
+    report = reports[-1]
+    assert len(report.kwker_nodes) == 3
+    assert report.inner_nodes == [] and report.missed == []
+    assert "linear_relu" in str(report)
+
+
+def test_dump_dir_receives_ir_and_assembly(tmp_path):
+    torch.manual_seed(2)
+    torch._dynamo.reset()
+    kd.clear_reports()
+    model = Two().eval()
+    compiled = torch.compile(model, backend="kwker",
+                             options={"inner": "eager", "dump_dir": str(tmp_path)})
+    with torch.no_grad():
+        compiled(torch.randn(3, 24))
+    specs = kd.last_report().specs
+    assert len(specs) == 2
+    for spec in specs:
+        for ext in (".ll", ".opt.ll", ".s"):
+            assert (tmp_path / f"{spec.symbol}{ext}").stat().st_size > 0
+    asm = (tmp_path / f"{specs[0].symbol}.s").read_text()
+    wide = "zmm" if host_target().vector_bits == 512 else "ymm"
+    assert wide in asm
+
+
+def test_kernels_named_in_profiler_traces():
+    torch.manual_seed(3)
+    torch._dynamo.reset()
+    model = Two().eval()
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        compiled(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled(x)
+    names = {e.key for e in prof.key_averages()}
+    assert {s.symbol for s in kd.last_report().specs} <= names
+
+
+def test_avx512_and_avx2_code_for_the_graphs_kernels():
+    """The specs a compiled graph uses, emitted for both ISAs without running them."""
+    torch.manual_seed(4)
+    _, _, reports = compile_run(Two().eval(), (torch.randn(3, 24),), "eager")
+    avx512 = make_target("skylake-avx512", "+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx2,+fma")
+    avx2 = make_target("haswell", "+avx2,+fma,-avx512f")
+    for spec in reports[-1].specs:
+        _, asm512 = compile_assembly(str(kernel.emit(spec, avx512)), avx512)
+        _, asm256 = compile_assembly(str(kernel.emit(spec, avx2)), avx2)
+        assert "zmm" in asm512, spec.symbol
+        assert "ymm" in asm256 and "zmm" not in asm256, spec.symbol
