@@ -21,7 +21,7 @@ from llvmlite import ir
 from .irutil import Fn, const, i1, i32, i64, ptr, vec, void
 
 THRESHOLD = 16  # libstdc++ _S_threshold
-BLOCKS = (64, 16)  # block partition widths: wide while the range is long, then narrow
+BLOCKS = (64, 16)  # block partition widths: wide while the scans are far apart, then narrow
 
 
 class SortAlgos:
@@ -32,18 +32,35 @@ class SortAlgos:
     """
 
     def __init__(self, module: ir.Module, key_type: ir.Type, lt, prefix: str,
-                 vector_lanes: int = 0):
+                 vector_lanes: int = 0, packed: bool = False):
         self.m, self.kt, self.lt, self.prefix = module, key_type, lt, prefix
         self.lanes = vector_lanes
+        # packed: one i64 word per element, (i32 key << 32) | index, in K (I unused): a swap is
+        # two loads and two stores instead of four and four
+        self.packed = packed
+        assert not packed or key_type == i32
+        self.elem_types = [i64] if packed else [key_type, i32]
         self._fns: dict[str, ir.Function] = {}
 
     # ---------------------------------------------------------------- element helpers
     def _get(self, f: Fn, K, I, i):
+        if self.packed:
+            return (f.load(i64, K, i),)
         return f.load(self.kt, K, i), f.load(i32, I, i)
 
     def _put(self, f: Fn, K, I, i, elem):
+        if self.packed:
+            f.store(elem[0], K, i)
+            return
         f.store(elem[0], K, i)
         f.store(elem[1], I, i)
+
+    def key_of(self, b, elem):
+        return b.trunc(b.ashr(elem[0], const(i64, 32)), i32) if self.packed else elem[0]
+
+    def key_at(self, f: Fn, K, i):
+        return self.key_of(f.b, self._get(f, K, None, i)) if self.packed else \
+            f.load(self.kt, K, i)
 
     def _move(self, f: Fn, K, I, dst, src):
         self._put(f, K, I, dst, self._get(f, K, I, src))
@@ -65,7 +82,7 @@ class SortAlgos:
     # ---------------------------------------------------------------- §2.1 introsort parts
     def median_of_three_to(self, f: Fn, K, I, dest, a, b, c):
         b_ = f.b
-        ka, kb, kc = (f.load(self.kt, K, x) for x in (a, b, c))
+        ka, kb, kc = (self.key_at(f, K, x) for x in (a, b, c))
         ab, bc, ac = self.lt(b_, ka, kb), self.lt(b_, kb, kc), self.lt(b_, ka, kc)
         m_true = b_.select(bc, b, b_.select(ac, c, a))
         m_false = b_.select(ac, a, b_.select(bc, c, b))
@@ -77,12 +94,12 @@ class SortAlgos:
             K, I, lo0, hi0, pp = f.args
             b = f.b
             lo, hi = f.var(i64, lo0, "lo"), f.var(i64, hi0, "hi")
-            pv = f.load(self.kt, K, pp)
+            pv = self.key_at(f, K, pp)
             with f.loop():
-                with f.while_(lambda: self.lt(b, f.load(self.kt, K, lo.get()), pv)):
+                with f.while_(lambda: self.lt(b, self.key_at(f, K, lo.get()), pv)):
                     lo.set(b.add(lo.get(), const(i64, 1)))
                 hi.set(b.sub(hi.get(), const(i64, 1)))
-                with f.while_(lambda: self.lt(b, pv, f.load(self.kt, K, hi.get()))):
+                with f.while_(lambda: self.lt(b, pv, self.key_at(f, K, hi.get()))):
                     hi.set(b.sub(hi.get(), const(i64, 1)))
                 with f.if_(b.icmp_signed(">=", lo.get(), hi.get())):
                     f.ret(lo.get())
@@ -91,14 +108,61 @@ class SortAlgos:
         return self._fn("hoare", i64, [ptr, ptr, i64, i64, i64], ["K", "I", "lo", "hi", "pp"],
                         body)
 
+    def hoare_small(self) -> ir.Function:
+        """hoare_unguarded(lo, hi) for hi - lo < 64, from two stopper masks taken up front.
+
+        Swaps only touch positions that neither scan visits again, so the masks of the
+        untouched range stay valid, and libstdc++'s unguarded scans reduce to bit scans: the
+        left scan stops at the first left stopper in [lo, hi), else at hi (which holds a
+        swapped-in left stopper, or is beyond the median-of-three guard); the right scan at the
+        last right stopper in [lo, hi), else at lo - 1 (the pivot or a swapped-in right stopper).
+        No mispredicted branch per element, and no wide load right after a narrow store. The
+        masks read up to 64 keys from lo: the key arrays carry that much padding.
+        """
+        def body(f: Fn):
+            K, I, lo0, hi0, pp = f.args
+            b = f.b
+            zero, one = const(i64, 0), const(i64, 1)
+            pv = self.key_at(f, K, pp)
+            left_m = self._stopper_mask(f, K, lo0, pv, ">=", 64)
+            right_m = self._stopper_mask(f, K, lo0, pv, "<=", 64)
+            lo, hi = f.var(i64, lo0, "lo"), f.var(i64, hi0, "hi")
+
+            def span(a, c):  # bits [a - lo0, c - lo0) of a 64-bit mask, for lo0 <= a <= c < +64
+                hi_bits = b.sub(b.shl(one, b.sub(c, lo0)), one)
+                lo_bits = b.sub(b.shl(one, b.sub(a, lo0)), one)
+                return b.and_(hi_bits, b.not_(lo_bits))
+            with f.loop():
+                live = span(lo.get(), hi.get())
+                lm = b.and_(left_m, live)
+                rm = b.and_(right_m, live)
+                left = b.select(b.icmp_unsigned("==", lm, zero), hi.get(), b.add(
+                    lo0, f.call_intrinsic("llvm.cttz.i64", i64, [lm, const(i1, 0)])))
+                right = b.select(b.icmp_unsigned("==", rm, zero), b.sub(lo.get(), one), b.add(
+                    lo0, b.sub(const(i64, 63),
+                               f.call_intrinsic("llvm.ctlz.i64", i64, [rm, const(i1, 0)]))))
+                with f.if_(b.icmp_signed(">=", left, right)):
+                    f.ret(left)
+                self.swap(f, K, I, left, right)
+                lo.set(b.add(left, one))
+                hi.set(right)
+        return self._fn("hoare_small", i64, [ptr, ptr, i64, i64, i64],
+                        ["K", "I", "lo", "hi", "pp"], body)
+
     def _stopper_mask(self, f: Fn, K, base, pv, pred: str, width: int) -> ir.Value:
         """i64 bitmask over K[base:base+width]: bit t set iff ``K[base+t] pred pv``."""
         b, L = f.b, min(self.lanes, width)
-        splat = b.insert_element(ir.Constant(vec(self.kt, L), None), pv, const(i32, 0))
+        lane_t = self.kt
+        if self.packed:  # compare whole words: key >= p <=> w >= p<<32; key <= p <=> w <= p<<32|~0
+            lane_t = i64
+            pv = b.shl(b.sext(pv, i64), const(i64, 32))
+            if pred == "<=":
+                pv = b.or_(pv, const(i64, 0xFFFFFFFF))
+        splat = b.insert_element(ir.Constant(vec(lane_t, L), None), pv, const(i32, 0))
         splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, L), [0] * L))
         mask = const(i64, 0)
         for j in range(width // L):
-            v = f.load_vec(self.kt, L, K, b.add(base, const(i64, j * L)))
+            v = f.load_vec(lane_t, L, K, b.add(base, const(i64, j * L)))
             bits = b.bitcast(b.icmp_signed(pred, v, splat), ir.IntType(L))
             mask = b.or_(mask, b.shl(b.zext(bits, i64), const(i64, j * L)))
         return mask
@@ -112,10 +176,14 @@ class SortAlgos:
             mid = b.add(first, b.sdiv(b.sub(last, first), const(i64, 2)))
             self.median_of_three_to(f, K, I, first, b.add(first, one), mid, b.sub(last, one))
             lo, hi = f.var(i64, b.add(first, one), "lo"), f.var(i64, last, "hi")
+            finish = self.hoare()
             if self.lanes:
                 for width in BLOCKS:
-                    self._block_pairs(f, K, I, first, lo, hi, width)
-            f.ret(b.call(self.hoare(), [K, I, lo.get(), hi.get(), first]))
+                    with f.while_(lambda: b.icmp_signed(">=", b.sub(hi.get(), lo.get()),
+                                                        const(i64, 2 * width))):
+                        self._block_pairs(f, K, I, first, lo, hi, width)
+                finish = self.hoare_small()
+            f.ret(b.call(finish, [K, I, lo.get(), hi.get(), first]))
         return self._fn("partition", i64, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
                         body)
 
@@ -128,7 +196,7 @@ class SortAlgos:
         """
         b = f.b
         cw, zero, one = const(i64, width), const(i64, 0), const(i64, 1)
-        pv = f.load(self.kt, K, first)
+        pv = self.key_at(f, K, first)
         lf, rf = f.var(i64, lo.get(), "lf"), f.var(i64, hi.get(), "rf")  # scanned frontiers
         lb, rb = f.var(i64, zero, "lb"), f.var(i64, zero, "rb")
         lm, rm = f.var(i64, zero, "lm"), f.var(i64, zero, "rm")
@@ -159,20 +227,27 @@ class SortAlgos:
                 hi.set(right)
                 lm.set(b.and_(lm.get(), b.sub(lm.get(), one)))
                 rm.set(b.and_(rm.get(), b.sub(rm.get(), one)))
+        # A side whose mask is used up scanned only non-stoppers since its last swap, and its
+        # next scan would pass over them: start it at its frontier (still an exact state).
+        with f.if_(b.icmp_unsigned("==", lm.get(), zero)):
+            lo.set(b.select(b.icmp_signed(">", lf.get(), lo.get()), lf.get(), lo.get()))
+        with f.if_(b.icmp_unsigned("==", rm.get(), zero)):
+            hi.set(b.select(b.icmp_signed("<", rf.get(), hi.get()), rf.get(), hi.get()))
 
     # ---------------------------------------------------------------- §2.2 heaps
     def sift_down(self) -> ir.Function:
         """libstdc++ __adjust_heap(base, hole, len, value) followed by __push_heap."""
         def body(f: Fn):
-            K, I, base, hole0, ln, vk, vi = f.args
+            K, I, base, hole0, ln, *elem = f.args
+            vk = self.key_of(f.b, elem)
             b = f.b
             one, two = const(i64, 1), const(i64, 2)
             hole, child = f.var(i64, hole0, "hole"), f.var(i64, hole0, "child")
             half = b.sdiv(b.sub(ln, one), two)
             with f.while_(lambda: b.icmp_signed("<", child.get(), half)):
                 c = b.add(b.mul(child.get(), two), two)
-                kc = f.load(self.kt, K, b.add(base, c))
-                kl = f.load(self.kt, K, b.add(base, b.sub(c, one)))
+                kc = self.key_at(f, K, b.add(base, c))
+                kl = self.key_at(f, K, b.add(base, b.sub(c, one)))
                 c = b.select(self.lt(b, kc, kl), b.sub(c, one), c)
                 child.set(c)
                 self._move(f, K, I, b.add(base, hole.get()), b.add(base, c))
@@ -187,15 +262,16 @@ class SortAlgos:
 
             def rising():  # parent is a valid slot even when hole == top, so no branch
                 above = b.icmp_signed(">", hole.get(), hole0)
-                kp = f.load(self.kt, K, b.add(base, parent.get()))
+                kp = self.key_at(f, K, b.add(base, parent.get()))
                 return b.and_(above, self.lt(b, kp, vk))
             with f.while_(rising):
                 self._move(f, K, I, b.add(base, hole.get()), b.add(base, parent.get()))
                 hole.set(parent.get())
                 parent.set(b.sdiv(b.sub(hole.get(), one), two))
-            self._put(f, K, I, b.add(base, hole.get()), (vk, vi))
-        return self._fn("sift_down", void, [ptr, ptr, i64, i64, i64, self.kt, i32],
-                        ["K", "I", "base", "hole", "len", "vk", "vi"], body)
+            self._put(f, K, I, b.add(base, hole.get()), elem)
+        names = ["K", "I", "base", "hole", "len"] + [f"v{i}" for i in range(len(self.elem_types))]
+        return self._fn("sift_down", void, [ptr, ptr, i64, i64, i64] + self.elem_types, names,
+                        body)
 
     def make_heap(self) -> ir.Function:
         def body(f: Fn):
@@ -206,15 +282,15 @@ class SortAlgos:
                 f.ret()
             start = b.sdiv(b.sub(ln, const(i64, 2)), const(i64, 2))
             with f.for_range(start, const(i64, -1), step=-1, name="p") as p:
-                vk, vi = self._get(f, K, I, b.add(first, p))
-                b.call(self.sift_down(), [K, I, first, p, ln, vk, vi])
+                elem = self._get(f, K, I, b.add(first, p))
+                b.call(self.sift_down(), [K, I, first, p, ln, *elem])
         return self._fn("make_heap", void, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
                         body)
 
     def pop_root_into(self, f: Fn, K, I, first, last, r):
-        vk, vi = self._get(f, K, I, r)
+        elem = self._get(f, K, I, r)
         self._move(f, K, I, r, first)
-        f.b.call(self.sift_down(), [K, I, first, const(i64, 0), f.b.sub(last, first), vk, vi])
+        f.b.call(self.sift_down(), [K, I, first, const(i64, 0), f.b.sub(last, first), *elem])
 
     def sort_heap(self) -> ir.Function:
         def body(f: Fn):
@@ -233,7 +309,7 @@ class SortAlgos:
             b = f.b
             b.call(self.make_heap(), [K, I, first, middle])
             with f.for_range(middle, last) as i:
-                with f.if_(self.lt(b, f.load(self.kt, K, i), f.load(self.kt, K, first))):
+                with f.if_(self.lt(b, self.key_at(f, K, i), self.key_at(f, K, first))):
                     self.pop_root_into(f, K, I, first, middle, i)
         return self._fn("heap_select", void, [ptr, ptr, i64, i64, i64],
                         ["K", "I", "first", "middle", "last"], body)
@@ -241,24 +317,26 @@ class SortAlgos:
     # ---------------------------------------------------------------- insertion sorts
     def _unguarded_insert(self, f: Fn, K, I, i):
         b = f.b
-        vk, vi = self._get(f, K, I, i)
+        elem = self._get(f, K, I, i)
+        vk = self.key_of(b, elem)
         j = f.var(i64, b.sub(i, const(i64, 1)), "j")
-        with f.while_(lambda: self.lt(b, vk, f.load(self.kt, K, j.get()))):
+        with f.while_(lambda: self.lt(b, vk, self.key_at(f, K, j.get()))):
             self._move(f, K, I, b.add(j.get(), const(i64, 1)), j.get())
             j.set(b.sub(j.get(), const(i64, 1)))
-        self._put(f, K, I, b.add(j.get(), const(i64, 1)), (vk, vi))
+        self._put(f, K, I, b.add(j.get(), const(i64, 1)), elem)
 
     def guarded_insertion_sort(self) -> ir.Function:
         def body(f: Fn):
             K, I, first, last = f.args
             b = f.b
             with f.for_range(b.add(first, const(i64, 1)), last) as i:
-                vk, vi = self._get(f, K, I, i)
-                with f.if_else(self.lt(b, vk, f.load(self.kt, K, first))) as (front, other):
+                elem = self._get(f, K, I, i)
+                with f.if_else(self.lt(b, self.key_of(b, elem),
+                                       self.key_at(f, K, first))) as (front, other):
                     with front:
                         with f.for_range(i, first, step=-1, name="s") as s:
                             self._move(f, K, I, s, b.sub(s, const(i64, 1)))
-                        self._put(f, K, I, first, (vk, vi))
+                        self._put(f, K, I, first, elem)
                     with other:
                         self._unguarded_insert(f, K, I, i)
         return self._fn("insertion_sort", void, [ptr, ptr, i64, i64],
@@ -288,17 +366,22 @@ class SortAlgos:
             K, I, first, last = f.args
             b = f.b
             m = b.sub(last, first)
-            vt = vec(self.kt, W)
-            tk, ti = f.array(self.kt, W, "tk"), f.array(i32, W, "ti")
-            top = const(self.kt, (1 << (self.kt.width - 1)) - 1)
+            et = self.elem_types[0]  # the key, or the packed word
+            vt = vec(et, W)
+            tk, ti = f.array(et, W, "tk"), f.array(i32, W, "ti")
+            top = const(et, (1 << (et.width - 1)) - 1)
             with f.for_range(0, W, name="pad") as j:  # padding sorts after every real key
                 f.store(top, tk, j)
             with f.for_range(const(i64, 0), m, name="copy") as j:
-                f.store(f.load(self.kt, K, b.add(first, j)), tk, j)
-                f.store(f.load(i32, I, b.add(first, j)), ti, j)
-            keys = b.load(tk, typ=vt, align=self.kt.width // 8)
+                f.store(f.load(et, K, b.add(first, j)), tk, j)
+                if not self.packed:
+                    f.store(f.load(i32, I, b.add(first, j)), ti, j)
+            words = b.load(tk, typ=vt, align=et.width // 8)
+            shift = ir.Constant(vt, [32] * W)
+            keys = b.ashr(words, shift) if self.packed else words
             with f.for_range(const(i64, 0), m, name="rank") as j:
-                kj = f.load(self.kt, tk, j)
+                word = f.load(et, tk, j)
+                kj = b.ashr(word, const(i64, 32)) if self.packed else word
                 splat = b.insert_element(ir.Constant(vt, None), kj, const(i32, 0))
                 splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, W), [0] * W))
                 less = b.bitcast(b.icmp_signed("<", keys, splat), ir.IntType(W))
@@ -309,8 +392,9 @@ class SortAlgos:
                           f.call_intrinsic(f"llvm.ctpop.i{W}", ir.IntType(W),
                                            [b.and_(same, before)]))
                 dst = b.add(first, b.zext(r, i64))
-                f.store(kj, K, dst)
-                f.store(f.load(i32, ti, j), I, dst)
+                f.store(word, K, dst)
+                if not self.packed:
+                    f.store(f.load(i32, ti, j), I, dst)
         return self._fn("small_sort", void, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
                         body)
 
@@ -393,7 +477,7 @@ class SortAlgos:
                 return self.lt(b, y, x)
 
             def key(i):
-                return f.load(self.kt, K, i)
+                return self.key_at(f, K, i)
 
             def cswap(x, y):
                 with f.if_(gt(key(x), key(y))):

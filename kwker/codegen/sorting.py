@@ -28,7 +28,8 @@ SLOTS = {name: FIRST_OP_SLOT + i for i, name in enumerate(
      "p0", "p1", "p2", "p3"))}
 NARG = FIRST_OP_SLOT + len(SLOTS)
 INTERPOLATIONS = ("linear", "lower", "higher", "midpoint", "nearest")
-BLOCK = 64  # positions per stopper bitmask in the block partition
+# bytes before and after each scratch array: stopper masks may read 64 keys past the end
+PAD = 512
 
 
 def key_type(dtype: str) -> ir.IntType:
@@ -47,8 +48,8 @@ def scratch_layout(op: str, dtype: str, n: int, stable: bool = False) -> dict[st
         sizes += [("K2", n * kb), ("I2", n * 4), ("H", 256 * kb * 8)]
     out, pos = {}, 0
     for name, size in sizes:
-        out[name] = pos
-        pos += _align(size + 64)
+        out[name] = pos + PAD
+        pos += _align(size + 2 * PAD)
     out["size"] = pos
     return out
 
@@ -70,29 +71,49 @@ class RowKernel:
         self.src = f.gep(self.a["src"], b.mul(self.row, self.a["in_rs"]), self.vt)
         lanes = max(target.vector_bits // self.kt.width, 4)
         self.lanes = min(lanes, 16)
-        self._algos: dict[int, SortAlgos] = {}
+        self._algos: dict[tuple, SortAlgos] = {}
 
     def lt(self, b, x, y):
         return b.icmp_signed("<", x, y)
 
-    def algos(self, lanes: int | None = None) -> SortAlgos:
-        """The exact algorithms on this op's keys (one set per module and lane count)."""
+    def algos(self, lanes: int | None = None, packed: bool = False) -> SortAlgos:
+        """The exact algorithms on this op's keys (one set per module and variant)."""
         lanes = self.lanes if lanes is None else lanes
-        if lanes not in self._algos:
-            self._algos[lanes] = SortAlgos(self.m, self.kt, self.lt,
-                                           f"{self.spec.symbol}.algo{lanes}", vector_lanes=lanes)
-        return self._algos[lanes]
+        if packed:
+            lanes = max(lanes // 2, 4)  # i64 words per vector
+        key = (lanes, packed)
+        if key not in self._algos:
+            self._algos[key] = SortAlgos(self.m, self.kt, self.lt,
+                                         f"{self.spec.symbol}.algo{lanes}{'p' * packed}",
+                                         vector_lanes=lanes, packed=packed)
+        return self._algos[key]
+
+    def fill_packed(self, P):
+        """P[j] = (key(src[j]) << 32) | j: one word per element for 32-bit keys."""
+        f, b = self.f, self.f.b
+        with f.for_range(const(i64, 0), self.n, name="fillp") as j:
+            k = b.shl(b.sext(self.key(f.load(self.vt, self.src, j)), i64), const(i64, 32))
+            f.store(b.or_(k, j), P, j)
+
+    def write_packed(self, P, count):
+        f, b = self.f, self.f.b
+        with f.for_range(const(i64, 0), count, name="outp") as j:
+            self.write(j, b.and_(f.load(i64, P, j), const(i64, 0xFFFFFFFF)))
 
     def scratch_arrays(self, names):
         """Pointers to the scratch arrays: offsets computed at run time from n."""
         b, kb = self.f.b, self.kt.width // 8
-        sizes = {"K": b.mul(self.n, const(i64, kb)), "I": b.mul(self.n, const(i64, 4))}
+        sizes = {"K": b.mul(self.n, const(i64, kb)), "I": b.mul(self.n, const(i64, 4)),
+                 "P": b.mul(self.n, const(i64, 8))}
+        pad = const(i64, PAD)
+        if names == ["P"]:
+            return [self.f.gep(self.scratch, pad, ir.IntType(8))]
         sizes["K2"], sizes["I2"] = sizes["K"], sizes["I"]
         sizes["H"] = const(i64, 256 * kb * 8)
         out, pos = {}, const(i64, 0)
         for name in ("K", "I", "K2", "I2", "H"):
-            out[name] = self.f.gep(self.scratch, pos, ir.IntType(8))
-            size = b.add(sizes[name], const(i64, 64 + 63))
+            out[name] = self.f.gep(self.scratch, b.add(pos, pad), ir.IntType(8))
+            size = b.add(sizes[name], const(i64, 2 * PAD + 63))
             pos = b.add(pos, b.and_(size, const(i64, ~63)))
             if name == names[-1]:
                 break
@@ -170,6 +191,11 @@ def _emit_sort(rk: RowKernel):
         radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")
         flipped = b.call(radix, [K, I, K2, I2, H, rk.n])
         rk.write_sorted(b.select(flipped, I2, I), rk.n)
+    elif rk.kt == i32:
+        P, = rk.scratch_arrays(["P"])
+        rk.fill_packed(P)
+        b.call(rk.algos(packed=True).std_sort(), [P, P, const(i64, 0), rk.n])
+        rk.write_packed(P, rk.n)
     else:
         K, I = rk.scratch_arrays(["K", "I"])
         rk.fill_keys(K, I)
