@@ -61,6 +61,8 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
         pass
     f = Fn(module, mk.name, void, [ptr, ptr, ptr, i64, i64, ptr, ptr],
            ["a", "b", "c", "kc", "mode", "bias", "res"])
+    # noinline: a constant kc must not let LLVM unroll the k loop completely (compile time)
+    f.fn.attributes.add("noinline")
     a, bp, c, kc, mode, bias, res = f.args
     for arg in (a, bp, c, bias, res):
         arg.add_attribute("noalias")
@@ -117,16 +119,30 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
                     x = total[r][v]
                     if mk.bias:
                         x = b.fadd(x, bias_v[v])
-                    x = vmath.activation(b, mk.epilogue, x)
-                    if mk.residual:
-                        x = b.fadd(x, _load_c(b, res, r * mk.ldc + v * L, L, last_active,
-                                              v == nv - 1))
                     _store_c(b, x, c, r * mk.ldc + v * L, last_active, v == nv - 1)
+            if mk.epilogue != "none" or mk.residual:
+                _epilogue_pass(f, mk, c, res, last_active)
         with otherwise:
             for r in range(mr):
                 for v in range(nv):
                     _store_c(b, total[r][v], c, r * mk.ldc + v * L, last_active, v == nv - 1)
     return f.finish()
+
+
+def _epilogue_pass(f: Fn, mk: Micro, c, res, last_active: int) -> None:
+    """C = act(C) + residual over the stored tile, one row per iteration: the activation is
+    emitted ``nv`` times instead of ``mr * nv`` times (compile time), at the cost of an L1
+    round trip per vector."""
+    b, L = f.b, mk.lanes
+    with f.for_range(0, mk.mr, name="ep") as r:
+        row = b.mul(r, const(i64, mk.ldc))
+        for v in range(mk.nv):
+            active = last_active if v == mk.nv - 1 else L
+            idx = b.add(row, const(i64, v * L))
+            x = vmath.activation(b, mk.epilogue, simd.load_any(b, c, idx, L, active))
+            if mk.residual:
+                x = b.fadd(x, simd.load_any(b, res, idx, L, active))
+            simd.store_any(b, x, c, idx, active)
 
 
 def _load_c(b, base, index: int, lanes: int, last_active: int, is_last: bool):

@@ -29,24 +29,25 @@ def emit_pack_rows(module: ir.Module, mr: int, ld: int) -> ir.Function:
     except KeyError:
         pass
     f = Fn(module, name, void, [ptr, i64, i64, ptr], ["src", "rows", "kc", "dst"])
+    f.fn.attributes.add("noinline")
     src, rows, kc, dst = f.args
     b = f.b
     tiles = b.sdiv(b.add(rows, const(i64, mr - 1)), const(i64, mr))
     with f.for_range(0, tiles, name="t") as t:
         tile_dst = b.mul(t, b.mul(kc, const(i64, mr)))
         row0 = b.mul(t, const(i64, mr))
-        for r in range(mr):
-            row = b.add(row0, const(i64, r))
+        with f.for_range(0, mr, name="r") as r:  # a loop, not unrolled: small code
+            row = b.add(row0, r)
             with f.if_else(b.icmp_signed("<", row, rows)) as (real, pad):
                 with real:
                     rbase = b.mul(row, const(i64, ld))
                     with f.for_range(0, kc, name="k") as k:
                         v = simd.load_scalar(b, src, b.add(rbase, k))
-                        idx = b.add(tile_dst, b.add(b.mul(k, const(i64, mr)), const(i64, r)))
+                        idx = b.add(tile_dst, b.add(b.mul(k, const(i64, mr)), r))
                         simd.store_scalar(b, v, dst, idx)
                 with pad:
                     with f.for_range(0, kc, name="kz") as k:
-                        idx = b.add(tile_dst, b.add(b.mul(k, const(i64, mr)), const(i64, r)))
+                        idx = b.add(tile_dst, b.add(b.mul(k, const(i64, mr)), r))
                         simd.store_scalar(b, ir.Constant(f32, 0.0), dst, idx)
     return f.finish()
 
@@ -62,6 +63,7 @@ def emit_pack_cols(module: ir.Module, nr: int, ld: int, lanes: int) -> ir.Functi
     except KeyError:
         pass
     f = Fn(module, name, void, [ptr, i64, i64, ptr], ["src", "cols", "kc", "dst"])
+    f.fn.attributes.add("noinline")
     src, cols, kc, dst = f.args
     b = f.b
     nv = nr // lanes

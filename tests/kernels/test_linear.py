@@ -1,0 +1,99 @@
+"""make_linear / make_matmul against ATen: primes, m=1, edge tiles, epilogues, residual."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kwker.kernels.linear import make_linear
+from kwker.kernels.matmul import make_matmul
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def reference(x, w, b, epilogue, res):
+    y = F.linear(x, w, b)
+    if epilogue == "relu":
+        y = torch.relu(y)
+    elif epilogue == "gelu":
+        y = F.gelu(y)
+    elif epilogue == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    return y if res is None else y + res
+
+
+def assert_close(y, ref, k):
+    # float32 sums of k products: allow the rounding of the sum, scaled like the inputs
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5 * max(1.0, k ** 0.5))
+
+
+@pytest.mark.parametrize("m,n,k", [
+    (1, 7, 13), (1, 127, 1021), (7, 13, 127), (12, 32, 64), (13, 33, 17), (25, 1021, 7),
+    (100, 65, 300), (127, 97, 130), (1, 4096, 64), (8, 300, 1000), (30, 200, 257)])
+def test_linear_shapes(m, n, k, threads):
+    torch.manual_seed(m * 1000 + n + k)
+    w, b, x = torch.randn(n, k) / k ** 0.5, torch.randn(n), torch.randn(m, k)
+    f = make_linear(w, b, m)
+    assert_close(f(x), F.linear(x, w, b), k)
+
+
+@pytest.mark.parametrize("epilogue", ["none", "relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("m,bias,residual", [(1, True, False), (5, False, True),
+                                             (29, True, True), (64, True, False)])
+def test_linear_epilogues(epilogue, m, bias, residual):
+    torch.manual_seed(7)
+    n, k = 75, 53
+    w, x = torch.randn(n, k) / k ** 0.5, torch.randn(m, k) * 2
+    b = torch.randn(n) if bias else None
+    r = torch.randn(m, n) if residual else None
+    f = make_linear(w, b, m, epilogue, residual)
+    y = f(x, r) if residual else f(x)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert_close(y, reference(x, w, b, epilogue, r), k)
+
+
+def test_linear_large_k_blocks(threads):
+    """K spans several cache blocks: partial sums go through C between blocks."""
+    torch.manual_seed(3)
+    m, n, k = 40, 70, 1500
+    w, b, x = torch.randn(n, k) / k ** 0.5, torch.randn(n), torch.randn(m, k)
+    f = make_linear(w, b, m, "gelu")
+    assert_close(f(x), F.gelu(F.linear(x, w, b)), k)
+
+
+def test_linear_keeps_weights_and_noncontiguous_input():
+    torch.manual_seed(4)
+    w = torch.randn(33, 20)
+    kept = w.clone()
+    f = make_linear(w, None, 6)
+    w.zero_()  # packed at build time: later edits of the tensor do not leak in
+    x = torch.randn(20, 6).t()  # non-contiguous
+    assert_close(f(x), F.linear(x, kept), 20)
+
+
+def test_linear_rejects_bad_input():
+    f = make_linear(torch.randn(8, 4), None, 3)
+    with pytest.raises(ValueError, match="shape"):
+        f(torch.randn(2, 4))
+    with pytest.raises(NotImplementedError):
+        f(torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(NotImplementedError):
+        make_linear(torch.randn(8, 4, dtype=torch.float64), None, 3)
+
+
+@pytest.mark.parametrize("m,k,n,batch,bt", [
+    (1, 7, 13, 1, False), (3, 13, 7, 2, True), (13, 127, 101, 3, False), (64, 64, 64, 4, True),
+    (100, 300, 65, 1, False), (8, 1024, 130, 1, True), (128, 32, 128, 9, False),
+    (37, 41, 43, 2, True)])
+def test_matmul(m, k, n, batch, bt, threads):
+    torch.manual_seed(m + k + n)
+    a = torch.randn(batch, m, k)
+    b = torch.randn(batch, n, k) if bt else torch.randn(batch, k, n)
+    f = make_matmul(m, k, n, batch, b_transposed=bt)
+    assert_close(f(a, b), a @ (b.transpose(1, 2) if bt else b), k)
+
+
+def test_matmul_2d():
+    torch.manual_seed(1)
+    a, b = torch.randn(9, 31), torch.randn(31, 17)
+    f = make_matmul(9, 31, 17)
+    assert f(a, b).shape == (9, 17)
+    assert_close(f(a, b), a @ b, 31)
