@@ -93,7 +93,9 @@ class Fn:
     def array(self, ty: ir.Type, count: int, name: str = "") -> ir.Value:
         """A fixed-size local array (in the entry block), as an opaque pointer."""
         with self.b.goto_block(self.entry):
-            return self.b.alloca(ty, size=const(i32, count), name=name)
+            slot = self.b.alloca(ty, size=const(i32, count), name=name)
+        slot.type = ptr  # opaque, so GEPs may address it with any element type
+        return slot
 
     # -- control flow -----------------------------------------------------------------------
     @contextmanager

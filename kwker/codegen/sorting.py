@@ -194,13 +194,81 @@ def _emit_sort(rk: RowKernel):
     elif rk.kt == i32:
         P, = rk.scratch_arrays(["P"])
         rk.fill_packed(P)
-        b.call(rk.algos(packed=True).std_sort(), [P, P, const(i64, 0), rk.n])
+        _std_sort_maybe_parallel(rk, rk.algos(packed=True), P, P)
         rk.write_packed(P, rk.n)
     else:
         K, I = rk.scratch_arrays(["K", "I"])
         rk.fill_keys(K, I)
-        b.call(rk.algos().std_sort(), [K, I, const(i64, 0), rk.n])
+        _std_sort_maybe_parallel(rk, rk.algos(), K, I)
         rk.write_sorted(I, rk.n)
+
+
+SPLIT_LEVELS = 2  # partition levels done before a long row's ranges go to threads (4 ranges)
+
+
+def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
+    """std::sort of the row; with ``p0`` > 1 threads, one long row is shared between threads.
+
+    introsort_loop(first, last, depth) partitions, recurses on the right part and loops on the
+    left one with the same decremented depth, which is exactly introsort_loop(first, cut,
+    depth). So after SPLIT_LEVELS partitions done here in the same order, the ranges are
+    independent calls that may run on any thread in any order (§2.1; exact-and-fast §5).
+    """
+    f, b = rk.f, rk.f.b
+    zero, one = const(i64, 0), const(i64, 1)
+    threads = rk.a["p0"]
+    with f.if_else(b.icmp_signed("<=", threads, one)) as (serial, parallel):
+        with serial:
+            b.call(algos.std_sort(), [K, I, zero, rk.n])
+        with parallel:
+            ntask = 2 ** SPLIT_LEVELS
+            ctx = f.array(i64, 2 + 3 * ntask, "tasks")  # K, I, then (first, last, depth)*
+            f.store(K, ctx, zero)
+            f.store(I, ctx, one)
+            lg = b.sub(const(i64, 63), f.call_intrinsic("llvm.ctlz.i64", i64, [rk.n,
+                                                                                const(i1, 0)]))
+            tasks = [(zero, rk.n, b.mul(lg, const(i64, 2)))]
+            for _ in range(SPLIT_LEVELS):
+                split = []
+                for first, last, depth in tasks:
+                    can = b.and_(b.icmp_signed(">", b.sub(last, first), const(i64, 16)),
+                                 b.icmp_signed(">", depth, zero))
+                    cut = f.var(i64, last, "cut")
+                    with f.if_(can):
+                        cut.set(b.call(algos.partition(), [K, I, first, last]))
+                    d = b.select(can, b.sub(depth, one), depth)
+                    # without a partition the left task keeps the whole range, the right none
+                    split += [(first, cut.get(), d), (cut.get(), last, d)]
+                tasks = split
+            for t, (first, last, depth) in enumerate(tasks):
+                for j, v in enumerate((first, last, depth)):
+                    f.store(v, ctx, const(i64, 2 + 3 * t + j))
+            worker = _introsort_worker(rk, algos, ntask)
+            from .irutil import intrinsic
+            gomp = intrinsic(rk.m, "GOMP_parallel", void, [ptr, ptr, i32, i32])
+            b.call(gomp, [worker, ctx, b.trunc(threads, i32), const(i32, 0)])
+
+
+def _introsort_worker(rk: RowKernel, algos: SortAlgos, ntask: int) -> ir.Function:
+    from .irutil import intrinsic
+    tnum = intrinsic(rk.m, "omp_get_thread_num", i32, [])
+    tcount = intrinsic(rk.m, "omp_get_num_threads", i32, [])
+    w = Fn(rk.m, f"{algos.prefix}.worker", void, [ptr], ["ctx"])
+    b = w.b
+    ctx = w.args[0]
+    K, I = w.arg_ptr(ctx, 0), w.arg_ptr(ctx, 1)
+    tid = b.sext(b.call(tnum, []), i64)
+    nt = b.sext(b.call(tcount, []), i64)
+    with w.for_range(tid, const(i64, ntask), name="task") as t:
+        # tasks of one thread: t = tid, tid + nt, ...; for_range steps by 1, so skip others
+        with w.if_(b.icmp_signed("==", b.srem(b.sub(t, tid), nt), const(i64, 0))):
+            base = b.add(const(i64, 2), b.mul(t, const(i64, 3)))
+            first = w.load(i64, ctx, base)
+            last = w.load(i64, ctx, b.add(base, const(i64, 1)))
+            depth = w.load(i64, ctx, b.add(base, const(i64, 2)))
+            with w.if_(b.icmp_signed("<", first, last)):
+                b.call(algos.introsort_loop(), [K, I, first, last, depth])
+    return w.finish()
 
 
 def _emit_topk(rk: RowKernel):

@@ -16,6 +16,7 @@ from .rows import DTYPES, MAX_ROW, DenseOut, OutRows, resize_out, rows_of, run
 FLOAT_DTYPES = (torch.float32, torch.float64)
 # Below this many elements a row kernel does not beat ATen's own per-call cost.
 MIN_NUMEL = 64
+SPLIT_ROW = 100_000  # a single row at least this long sorts on several threads
 
 
 def _dtype_name(x: torch.Tensor) -> str | None:
@@ -54,7 +55,10 @@ def fast_sort(x, stable=False, dim=-1, descending=False):
     spec = SortingSpec("sort", name, bool(descending), bool(stable) or radix)
     values = torch.empty_like(x)
     indices = torch.empty_like(x, dtype=torch.int64)
-    run(spec, x2, rs, rows, n, OutRows(values, d, rows, n), OutRows(indices, d, rows, n))
+    # one long row: its unstable sort splits over threads after the first partitions
+    inner = torch.get_num_threads() if rows == 1 and n >= SPLIT_ROW and not spec.stable else 1
+    run(spec, x2, rs, rows, n, OutRows(values, d, rows, n), OutRows(indices, d, rows, n),
+        (inner, 0, 0, 0))
     return values, indices
 
 

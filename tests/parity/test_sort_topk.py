@@ -116,3 +116,15 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.int32), ids=str)
+def test_long_row_split_over_threads(dtype, kernels_everywhere):
+    """One row of >= 100000 elements is partitioned, then its ranges sort on two threads."""
+    torch.set_num_threads(2)
+    for pattern in ("normal", "ties4", "ties_nan", "descending", "equal"):
+        if pattern == "ties_nan" and not dtype.is_floating_point:
+            continue
+        x = make(pattern, (150_001,), dtype, seed=4)
+        check(lambda: torch.sort(x), f"long sort {pattern}")
+        check(lambda: torch.sort(x, descending=True), f"long sort desc {pattern}")
