@@ -52,6 +52,7 @@ class _Emitter:
         self.heap = Heap(self.module, s.largest)
         self.malloc = intrinsic(self.module, "malloc", ptr, [i64])
         self.free = intrinsic(self.module, "free", void, [ptr])
+        self.filter_row = self.emit_filter_row()
         body = self.emit_body()
         self.emit_main(body)
 
@@ -103,8 +104,8 @@ class _Emitter:
         b.call(pack, [simd.gep(b, x, b.mul(row0, const(i64, s.k_dim))), b.sub(row1, row0),
                       const(i64, s.k_dim), ap])
         nullp = ir.Constant(ptr, None)
-        self.log_base = b.mul(q0.get(), const(i64, s.nr))
-        state = (hv, hi, cnt, nlog, logv, logi, split_cols)
+        log_base = b.mul(q0.get(), const(i64, s.nr))
+        state = (hv, hi, cnt, nlog, logv, logi, b.zext(split_cols, i64), log_base)
         with f.for_range(q0.get(), q1.get(), name="q") as q:
             wq = simd.gep(b, w, b.mul(q, const(i64, s.k_dim * s.nr)))
             with f.for_range(t0.get(), t1.get(), name="t") as t:
@@ -126,8 +127,12 @@ class _Emitter:
                                 b.call(self.micro(rows, cols),
                                        [a_tile, wq, tile, const(i64, s.k_dim),
                                         const(i64, FIRST | LAST), nullp, nullp])
-                                self.filter_tile(tile, b.mul(t, const(i64, s.mr)), rows,
-                                                 b.mul(q, const(i64, s.nr)), cols, state)
+                                row_t = b.mul(t, const(i64, s.mr))
+                                with f.for_range(0, rows, name="fr") as r:
+                                    b.call(self.filter_row, [
+                                        simd.gep(b, tile, b.mul(r, const(i64, s.nr))),
+                                        b.add(row_t, r), b.mul(q, const(i64, s.nr)),
+                                        const(i64, cols), *state])
         # row mode: this thread's rows are final
         with f.if_(b.not_(split_cols)):
             with f.for_range(row0, row1, name="out") as r:
@@ -137,47 +142,48 @@ class _Emitter:
         b.call(self.free, [raw_t])
         return f.finish()
 
-    def filter_tile(self, tile, row0, rows: int, col0, cols: int, state):
-        """Feed the tile's scores that beat their row's threshold to the row's heap, in order."""
-        s, L, f = self.s, self.L, self.f
+    def emit_filter_row(self) -> ir.Function:
+        """``filter_row(tile_row, i, col0, cols, hv, hi, cnt, nlog, logv, logi, logging,
+        log_base)``: feed the row's scores that beat its threshold to its heap, in order."""
+        s, L = self.s, self.L
+        f = Fn(self.module, f"{s.symbol}.filter_row", void,
+               [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64],
+               ["row", "i", "col0", "cols", "hv", "hi", "cnt", "nlog", "logv", "logi",
+                "logging", "log_base"])
         b = f.b
-        hv, hi, cnt, nlog, logv, logi, logging = state
+        row, i, col0, cols, hv, hi, cnt, nlog, logv, logi, logging, log_base = f.args
         k = const(i64, s.k)
-        for r in range(rows):
-            i = b.add(row0, const(i64, r))
-            rhv = simd.gep(b, hv, b.mul(i, k))
-            rhi = simd.gep(b, hi, b.mul(i, k), i32)
-            rcnt = simd.gep(b, cnt, i, i64)
-            base = r * s.nr
-            full = b.icmp_signed(">=", b.load(rcnt, typ=i64), k)
-            with f.if_else(full, likely=True) as (fast, slow):
-                with fast:
-                    for v in range(_cdiv(cols, L)):
-                        xv = simd.load_vec(b, tile, const(i64, base + v * L), L)
-                        thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
-                        hit = lt(b, xv, thr, s.largest)
-                        active = min(L, cols - v * L)
-                        if active < L:
-                            hit = b.and_(hit, simd.const_mask(L, active))
-                        bits = b.zext(b.bitcast(hit, ir.IntType(L)), i64)
-                        word = f.var(i64, bits, "bits")
-                        with f.while_(lambda: b.icmp_unsigned("!=", word.get(), const(i64, 0))):
-                            wv = word.get()
-                            lane = f.call_intrinsic("llvm.cttz.i64", i64, [wv, const(i1, 0)])
-                            word.set(b.and_(wv, b.sub(wv, const(i64, 1))))
-                            c = b.add(const(i64, v * L), lane)
-                            self.push(i, rhv, rhi, rcnt, simd.load_scalar(b, tile, b.add(
-                                const(i64, base), c)), b.add(col0, c), state)
-                with slow:
-                    with f.for_range(0, cols, name="c") as c:
-                        self.push(i, rhv, rhi, rcnt, simd.load_scalar(
-                            b, tile, b.add(const(i64, base), c)), b.add(col0, c), state)
+        rhv = simd.gep(b, hv, b.mul(i, k))
+        rhi = simd.gep(b, hi, b.mul(i, k), i32)
+        rcnt = simd.gep(b, cnt, i, i64)
+        log = (nlog, logv, logi, b.icmp_signed("!=", logging, const(i64, 0)), log_base)
 
-    def push(self, i, rhv, rhi, rcnt, v, col, state):
+        def push(c):
+            self.push(f, i, rhv, rhi, rcnt, simd.load_scalar(b, row, c), b.add(col0, c), log)
+
+        full = b.icmp_signed(">=", b.load(rcnt, typ=i64), k)
+        with f.if_else(full, likely=True) as (fast, slow):
+            with fast:
+                for v in range(s.nr // L):
+                    live = simd.lane_mask(b, L, b.sub(cols, const(i64, v * L)))
+                    xv = simd.load_vec(b, row, const(i64, v * L), L)
+                    thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
+                    hit = b.and_(lt(b, xv, thr, s.largest), live)
+                    word = f.var(i64, b.zext(b.bitcast(hit, ir.IntType(L)), i64), "bits")
+                    with f.while_(lambda: b.icmp_unsigned("!=", word.get(), const(i64, 0))):
+                        wv = word.get()
+                        lane = f.call_intrinsic("llvm.cttz.i64", i64, [wv, const(i1, 0)])
+                        word.set(b.and_(wv, b.sub(wv, const(i64, 1))))
+                        push(b.add(const(i64, v * L), lane))
+            with slow:
+                with f.for_range(0, cols, name="c") as c:
+                    push(c)
+        return f.finish()
+
+    def push(self, f, i, rhv, rhi, rcnt, v, col, log):
         """One exact heap step; in column mode, log the element if it entered the heap."""
-        s, f = self.s, self.f
-        b = f.b
-        _, _, _, nlog, logv, logi, logging = state
+        s, b = self.s, f.b
+        nlog, logv, logi, logging, log_base = log
         entered = b.call(self.heap.push, [rhv, rhi, rcnt, const(i64, s.k), v,
                                           b.trunc(col, i32)])
         with f.if_(b.and_(entered, logging)):
@@ -185,7 +191,7 @@ class _Emitter:
             n = b.load(slot, typ=i64)
             b.store(b.add(n, const(i64, 1)), slot)
             # the thread's columns [c0, c1) own the stretch [c0, c1) of row i's log
-            pos = b.add(b.mul(i, const(i64, s.n)), b.add(self.log_base, n))
+            pos = b.add(b.mul(i, const(i64, s.n)), b.add(log_base, n))
             simd.store_scalar(b, v, logv, pos)
             simd.store_scalar(b, b.trunc(col, i32), logi, pos)
 

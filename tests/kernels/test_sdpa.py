@@ -1,0 +1,81 @@
+"""make_sdpa against torch's scaled_dot_product_attention: shapes, causal, masks, scale."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kwker.kernels.sdpa import make_sdpa
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def run(b, h, lq, lk, e, ev, causal=False, scale=None, mask=None, mask_shape=None, seed=0):
+    torch.manual_seed(seed)
+    q, k, v = torch.randn(b, h, lq, e), torch.randn(b, h, lk, e), torch.randn(b, h, lk, ev)
+    am = None
+    if mask == "bool":
+        am = torch.rand(mask_shape) > 0.3
+    elif mask == "float":
+        am = torch.randn(mask_shape)
+    f = make_sdpa(b, h, lq, lk, e, ev, causal, scale, mask, mask_shape)
+    return f(q, k, v, am), (q, k, v, am)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5, 7, 3, 3), (2, 3, 37, 53, 16, 16),
+                                   (1, 2, 130, 300, 32, 32), (1, 1, 1, 129, 64, 64),
+                                   (3, 2, 25, 1, 8, 8), (1, 2, 49, 49, 24, 40)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_shapes(shape, causal, threads):
+    y, (q, k, v, _) = run(*shape, causal=causal)
+    torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                               **TOL)
+
+
+def test_sdpa_causal_more_queries_than_keys():
+    y, (q, k, v, _) = run(1, 2, 300, 130, 64, 64, causal=True, seed=2)
+    torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v, is_causal=True), **TOL)
+
+
+def test_sdpa_custom_scale():
+    y, (q, k, v, _) = run(2, 2, 40, 70, 32, 32, scale=0.3, seed=3)
+    torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v, scale=0.3), **TOL)
+
+
+@pytest.mark.parametrize("mask", ["bool", "float"])
+@pytest.mark.parametrize("mask_shape", [(2, 2, 33, 65), (2, 1, 33, 65), (1, 2, 1, 65),
+                                        (2, 2, 33, 1), (1, 1, 33, 65)])
+def test_sdpa_masks(mask, mask_shape, threads):
+    y, (q, k, v, am) = run(2, 2, 33, 65, 24, 40, mask=mask, mask_shape=mask_shape, seed=4)
+    torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v, attn_mask=am), **TOL)
+
+
+def test_sdpa_fully_masked_rows_give_zero():
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 9, 8), torch.randn(1, 1, 9, 8)
+    am = torch.ones(1, 1, 6, 9, dtype=torch.bool)
+    am[0, 0, 2] = False
+    fm = torch.zeros(1, 1, 6, 9)
+    fm[0, 0, 4] = -float("inf")
+    for mask, m in (("bool", am), ("float", fm)):
+        y = make_sdpa(1, 1, 6, 9, 8, 8, False, None, mask, tuple(m.shape))(q, k, v, m)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        torch.testing.assert_close(y, ref, **TOL)
+
+
+def test_sdpa_large_values_are_stable():
+    """Online softmax: scores far apart in magnitude across key blocks (max moves late)."""
+    torch.manual_seed(6)
+    q, k, v = torch.randn(1, 1, 20, 16) * 8, torch.randn(1, 1, 600, 16), torch.randn(1, 1, 600, 16)
+    k[..., 500:, :] *= 6
+    y = make_sdpa(1, 1, 20, 600, 16, 16)(q, k, v)
+    torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v), **TOL)
+
+
+def test_sdpa_rejects_wrong_inputs():
+    f = make_sdpa(1, 1, 4, 4, 8, 8, mask="bool")
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError):
+        f(q, q, q)  # mask missing
+    with pytest.raises(NotImplementedError):
+        f(q, q, q, torch.zeros(1, 1, 4, 4))  # float mask for a bool kernel
+    with pytest.raises(ValueError):
+        make_sdpa(1, 1, 4, 4, 8, 8, mask="bool", mask_shape=(1, 1, 3, 4))

@@ -1,0 +1,64 @@
+"""make_linear_topk against torch.topk(x @ W.T): values, and ATen's tie order on equal scores."""
+import pytest
+import torch
+
+from kwker.kernels.topk import make_linear_topk
+
+
+def check(w, x, k, largest, exact):
+    m = x.shape[0]
+    v, i = make_linear_topk(w, m, k, largest)(x)
+    scores = x @ w.t()
+    rv, ri = torch.topk(scores, k, largest=largest)
+    assert v.shape == (m, k) and i.dtype == torch.int64
+    torch.testing.assert_close(v, rv, rtol=1e-4, atol=1e-5)
+    # our values are the scores at our indices, and every index is distinct per row
+    torch.testing.assert_close(v, torch.gather(scores, 1, i), rtol=1e-4, atol=1e-5)
+    assert all(len(set(r.tolist())) == k for r in i)
+    if exact:
+        assert torch.equal(i, ri) and torch.equal(v, rv)
+    else:
+        assert (i == ri).float().mean().item() >= 0.99
+
+
+@pytest.mark.parametrize("m,n,kd,k", [(32, 20000, 128, 10), (1, 20000, 128, 10),
+                                      (3, 1000, 13, 5), (13, 7000, 127, 100), (1, 641, 7, 10),
+                                      (9, 6400, 64, 17), (20, 130, 3, 2)])
+@pytest.mark.parametrize("largest", [True, False])
+def test_linear_topk_random(m, n, kd, k, largest, threads):
+    torch.manual_seed(m + n + k)
+    check(torch.randn(n, kd) / kd ** 0.5, torch.randn(m, kd), k, largest, exact=False)
+
+
+@pytest.mark.parametrize("m", [1, 9, 24])
+@pytest.mark.parametrize("largest", [True, False])
+def test_linear_topk_ties_match_aten_exactly(m, largest, threads):
+    """Small integers make every score exact and ties plentiful: indices must equal ATen's."""
+    torch.manual_seed(m)
+    w = torch.randint(-2, 3, (3000, 16)).float()
+    x = torch.randint(-2, 3, (m, 16)).float()
+    check(w, x, 40, largest, exact=True)
+
+
+def test_linear_topk_all_equal_scores(threads):
+    w = torch.ones(4096, 8)
+    x = torch.ones(5, 8)
+    check(w, x, 50, True, exact=True)
+
+
+def test_linear_topk_nan_scores(threads):
+    torch.manual_seed(9)
+    w = torch.randint(-3, 4, (2000, 8)).float()
+    w[[5, 700, 1999]] = float("nan")
+    x = torch.randint(-3, 4, (4, 8)).float()
+    for largest in (True, False):
+        v, i = make_linear_topk(w, 4, 20, largest)(x)
+        rv, ri = torch.topk(x @ w.t(), 20, largest=largest)
+        assert torch.equal(i, ri)
+        assert torch.equal(torch.isnan(v), torch.isnan(rv))
+
+
+def test_linear_topk_large_k_uses_topk_on_scores():
+    torch.manual_seed(10)
+    w, x = torch.randn(300, 16), torch.randn(7, 16)
+    check(w, x, 100, True, exact=False)  # k * 64 > n: ATen's selection path
