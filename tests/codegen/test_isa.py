@@ -1,0 +1,72 @@
+"""The kernels compile for AVX2+FMA and for AVX-512 targets and use that ISA's FMAs.
+
+Nothing runs here: each spec is emitted for an overridden target, optimised and turned into
+assembly, which must hold ymm FMAs (AVX2, no zmm at all) or zmm FMAs (AVX-512).
+"""
+import re
+
+import pytest
+
+from kwker.kernels import blocking
+from kwker.kernels.specs import AttentionSpec, EltwiseSpec, GemmSpec, TopkGemmSpec
+from kwker.runtime.compiler import compile_assembly
+from kwker.runtime.kernel import emit
+from kwker.runtime.target import make_target
+
+AVX512 = make_target("skylake-avx512", "+avx,+avx2,+fma,+avx512f,+avx512bw,+avx512vl,+avx512dq")
+AVX2 = make_target("haswell", "+avx,+avx2,+fma,-avx512f,-avx512bw,-avx512vl,-avx512dq")
+TARGETS = {"avx512": (AVX512, "zmm", 16), "avx2": (AVX2, "ymm", 8)}
+
+
+def specs(target):
+    lanes = blocking.lanes(target)
+    big = blocking.choose(200, 300, 400, target).as_kwargs()
+    small = blocking.choose(3, 300, 400, target).as_kwargs()
+    nr = 2 * lanes
+    return {
+        "gemm": GemmSpec(200, 300, 400, 1, "packed", True, "gelu", True, **big),
+        "gemm_small_m": GemmSpec(3, 300, 400, 1, "packed", True, "relu", False, **small),
+        "matmul_nk": GemmSpec(200, 300, 400, 2, "nk", **big),
+        "gelu": EltwiseSpec("gelu", 4096),
+        "gelu_tanh": EltwiseSpec("gelu_tanh", 4096),
+        "sdpa": AttentionSpec(2, 2, 100, 100, 32, 32, True, 0.0, "none", (), 2 * (12 if lanes
+                              == 16 else 6), 128, nr, 12 if lanes == 16 else 6, 6),
+        "topk": TopkGemmSpec(16, 5000, 64, 10, True, 8 if lanes == 16 else 6, 3 * lanes),
+    }
+
+
+@pytest.mark.parametrize("isa", sorted(TARGETS))
+@pytest.mark.parametrize("name", ["gemm", "gemm_small_m", "matmul_nk", "gelu", "gelu_tanh",
+                                  "sdpa", "topk"])
+def test_kernel_uses_target_fma(isa, name):
+    target, reg, lanes = TARGETS[isa]
+    spec = specs(target)[name]
+    ir_text = str(emit(spec, target))
+    assert f"llvm.fma.v{lanes}f32" in ir_text
+    opt_ir, asm = compile_assembly(ir_text, target)
+    fmas = re.findall(r"vfn?m(?:add|sub)\d{3}ps\s+[^\n]*%" + reg, asm)
+    assert fmas, f"no {reg} FMA in {spec.symbol}"
+    if isa == "avx2":
+        assert "zmm" not in asm
+    # exported symbol, no libm calls for the maths
+    assert re.search(rf"^{re.escape(spec.symbol)}:", asm, re.M)
+    for libm in ("expf", "erff", "tanhf", "exp", "erf", "tanh"):
+        assert not re.search(rf"\bcall\w*\s+{libm}\b", asm)
+
+
+def test_gemm_micro_kernel_keeps_accumulators_in_registers():
+    """The 12x32 AVX-512 tile: 24 independent zmm FMAs per k step, B and A from memory."""
+    target = AVX512
+    spec = GemmSpec(240, 256, 256, 1, "packed", **blocking.choose(240, 256, 256, target)
+                    .as_kwargs())
+    _, asm = compile_assembly(str(emit(spec, target)), target)
+    fma_lines = [ln for ln in asm.splitlines() if re.search(r"vfmadd231ps.*zmm", ln)]
+    accs = {ln.split(",")[-1].strip() for ln in fma_lines}
+    assert len(accs) >= 24
+    assert not re.search(r"vmovups\s+%zmm\d+, -?\d*\(%rsp\)", asm), "accumulator spills"
+
+
+def test_sdpa_softmax_uses_vscalef_on_avx512():
+    spec = specs(AVX512)["sdpa"]
+    _, asm = compile_assembly(str(emit(spec, AVX512)), AVX512)
+    assert "vscalefps" in asm
