@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -165,35 +165,77 @@ def check(c: Case, x: torch.Tensor) -> str:
 
 
 # ------------------------------------------------------------------------------------ timing
-def run_case(c: Case, reps: int, warmup: int, min_sample: float) -> dict:
+BUDGET = 0.05  # seconds per case and round below which cheap calls get extra samples
+
+
+@dataclass
+class Timed:
+    """A case being timed: its input, check status, the two sides and their sample size."""
+
+    case: Case
+    status: str
+    sides: list
+    number: int
+    bounds: list = field(default_factory=lambda: [0])  # sample index where each round ends
+
+    def sample(self, reps: int, budget: float) -> None:
+        common.sample_round(self.sides, reps, self.number, budget)
+        self.bounds.append(len(self.sides[0].samples))
+
+
+def prepare(c: Case, warmup: int, min_sample: float) -> Timed:
     import kwker.torch_ops as kto
 
     x = make_input(c.shape, c.dtype, c.kind)
     status = check(c, x)
-    aten = common.Side("ATen", lambda: c.fn(x))
-    kw = common.Side("Kwker", lambda: c.fn(x), kto.accelerated)
-    t_aten, t_kw = common.compare([aten, kw], reps, warmup, min_sample)
-    ratio = t_aten / t_kw
+    sides = [common.Side("ATen", lambda: c.fn(x)),
+             common.Side("Kwker", lambda: c.fn(x), kto.accelerated)]
+    return Timed(c, status, sides, common.calibrate(sides, warmup, min_sample))
+
+
+def result(t: Timed) -> dict:
+    c, (aten, kw) = t.case, t.sides
+    ratio = aten.best / kw.best
     target = c.target if c.target is not None else FLOOR
+    def round_bests(side):
+        return [min(side.samples[a:b]) * 1e3 for a, b in zip(t.bounds, t.bounds[1:])]
+
     return {
         "section": c.section, "op": c.op, "shape": list(c.shape), "dtype": str(c.dtype)[6:],
-        "params": c.params, "aten_ms": t_aten * 1e3, "kwker_ms": t_kw * 1e3,
+        "params": c.params, "aten_ms": aten.best * 1e3, "kwker_ms": kw.best * 1e3,
         "ratio": ratio, "target": target, "explicit_target": c.target is not None,
-        "met": ratio >= target and not status.startswith("MISMATCH"), "check": status,
-        "reps": reps,
+        "met": ratio >= target and not t.status.startswith("MISMATCH"), "check": t.status,
+        "reps": len(aten.samples), "calls_per_sample": t.number,
+        "aten_ms_per_round": round_bests(aten), "kwker_ms_per_round": round_bests(kw),
     }
 
 
-def run(case_list: list[Case], reps: int, warmup: int, min_sample: float,
-        log=print) -> list[dict]:
-    rows = []
+def run(case_list: list[Case], reps: int, warmup: int, min_sample: float, rounds: int = 1,
+        log=print, budget: float = 0.0) -> list[dict]:
+    """Time every case: ``rounds`` passes over all cases, ``reps`` samples per side each.
+
+    Spreading a case's samples over passes keeps one burst of background load (which on 2 busy
+    cores stalls every 2-thread OpenMP region) from spoiling all of them.
+    """
+    timed = []
     for i, c in enumerate(case_list, 1):
-        r = run_case(c, reps, warmup, min_sample)
-        rows.append(r)
+        t = prepare(c, warmup, min_sample)
+        t.sample(reps, budget)
+        timed.append(t)
+        r = result(t)
         flag = "" if r["met"] else "   <-- below target" if r["check"][:2] == "ok" else \
             "   <-- " + r["check"]
         log(f"[{i:3d}/{len(case_list)}] {c.label:60s} {r['ratio']:6.2f}x{flag}", flush=True)
-    return rows
+    for k in range(1, rounds):
+        for t in timed:
+            t.sample(reps, budget)
+        log(f"round {k + 1}/{rounds} done", flush=True)
+    return [result(t) for t in timed]
+
+
+def run_case(c: Case, reps: int, warmup: int, min_sample: float) -> dict:
+    (row,) = run([c], reps, warmup, min_sample, log=lambda *a, **k: None)
+    return row
 
 
 # ------------------------------------------------------------------------------------ report
@@ -287,16 +329,21 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
-def markdown(rows: list[dict], info: dict, reps: int, warmup: int, min_sample: float) -> str:
+def markdown(rows: list[dict], info: dict, reps: int, warmup: int, min_sample: float,
+             rounds: int = 1, budget: float = 0.0) -> str:
+    spread = f" ({rounds} passes over all cases, >= {reps} each)" if rounds > 1 else ""
+    extra = (f" Cheap calls get more samples (up to 4x, until {budget * 1e3:g} ms per case "
+             "and pass are spent); the JSON has each case's count.") if budget else ""
     method = (
-        f"Times are the **best of {reps}** samples per side after {warmup} warm-up calls, ATen "
-        f"and Kwker samples interleaved (alternating order) in one process, {info['threads']} "
-        f"threads; a sample repeats calls back to back until it lasts >= {min_sample * 1e3:g} "
-        "ms and reports ms per call. ATen = the plain `torch.*` call; Kwker = the same call "
-        "inside `kto.accelerated()`. ratio = ATen ms / Kwker ms (higher is better). Every Kwker "
-        "result was first checked identical to ATen's (values and indices, NaN positions, "
-        "strides); `ok, ATen path` = Kwker handed the case to ATen. The machine is shared with "
-        "other jobs: treat absolute times as noisy and compare ratios.")
+        f"Times are the **best of >= {reps * rounds}** samples per side{spread} after "
+        f"{warmup} warm-up calls, ATen and Kwker samples interleaved (alternating order) in "
+        f"one process, {info['threads']} threads; a sample repeats calls back to back until "
+        f"it lasts >= {min_sample * 1e3:g} ms and reports ms per call.{extra} ATen = the plain "
+        "`torch.*` call; Kwker = the same call inside `kto.accelerated()`. ratio = ATen ms / "
+        "Kwker ms (higher is better). Every Kwker result was first checked identical to "
+        "ATen's (values and indices, NaN positions, strides); `ok, ATen path` = Kwker handed "
+        "the case to ATen. The machine is shared with other jobs: treat absolute times as "
+        "noisy and compare ratios.")
     parts = ["# Sorting-type ops: Kwker vs ATen (eager, CPU)", "",
              f"Machine: {common.machine_line(info)}, {info.get('load_end', '?')} at the end.",
              "", method, "", "## Summary", ""]
@@ -353,7 +400,7 @@ def plot(rows: list[dict], path: Path, info: dict) -> bool:
     ax2.set_ylabel("ATen ms / Kwker ms (log)")
     ax2.set_title("size sweep, float32", fontsize=10)
     ax2.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"Kwker vs ATen, best of {bars[0]['reps'] if bars else '?'}; "
+    fig.suptitle(f"Kwker vs ATen, best of >= {min(r['reps'] for r in rows) if rows else '?'}; "
                  f"{common.machine_line(info)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -366,7 +413,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: fewer cases and repetitions; writes files only with --out")
-    ap.add_argument("--reps", type=int, help="samples per side (default 20, quick 5)")
+    ap.add_argument("--reps", type=int, help="samples per side and round (default 5)")
+    ap.add_argument("--rounds", type=int,
+                    help="passes over all cases, samples spread across them (default 4, quick 1)")
     ap.add_argument("--threads", type=int, default=common.THREADS,
                     help=f"torch threads (default {common.THREADS})")
     ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS})")
@@ -378,11 +427,13 @@ def main(argv=None) -> int:
         return 2
     common.set_threads(args.threads)
     info = common.machine_info()
-    reps = args.reps or (5 if args.quick else 20)
+    reps = args.reps or 5
+    rounds = args.rounds or (1 if args.quick else 4)
     warmup = 1 if args.quick else 3
-    print(f"# {common.machine_line(info)}; best of {reps}", flush=True)
-    min_sample = 1e-3 if args.quick else 2e-3
-    rows = run(cases(args.quick), reps, warmup, min_sample)
+    print(f"# {common.machine_line(info)}; best of {reps * rounds} ({rounds} rounds)",
+          flush=True)
+    min_sample, budget = 2.5e-4, (0.0 if args.quick else BUDGET)
+    rows = run(cases(args.quick), reps, warmup, min_sample, rounds, budget=budget)
     info["load_end"] = common.load()
 
     table = common.text_table(HEADERS, table_rows(rows, False))
@@ -392,9 +443,11 @@ def main(argv=None) -> int:
     out = args.out or (None if args.quick else common.RESULTS)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "sorting.md").write_text(markdown(rows, info, reps, warmup, min_sample))
+        (out / "sorting.md").write_text(markdown(rows, info, reps, warmup, min_sample, rounds,
+                                                     budget))
         common.write_json(out / "sorting.json", {
-            "benchmark": "sorting", "script": "bench_sorting.py", "machine": info, "reps": reps, "warmup": warmup,
+            "benchmark": "sorting", "script": "bench_sorting.py", "machine": info,
+            "reps_per_round": reps, "rounds": rounds, "budget_s": budget, "warmup": warmup,
             "min_sample_s": min_sample, "threads": args.threads, "floor": FLOOR, "headline": headline(rows),
             "rows": rows})
         plot(rows, out / "sorting.png", info)

@@ -95,23 +95,39 @@ def _sample(side: Side, number: int) -> float:
         return (time.perf_counter() - t0) / number
 
 
-def compare(sides: Sequence[Side], reps: int = 20, warmup: int = 3,
-            min_sample: float = 2e-3) -> list[float]:
-    """Best seconds per call of each side, samples interleaved across sides.
+def calibrate(sides: Sequence[Side], warmup: int = 3, min_sample: float = 2e-3) -> int:
+    """Warm every side up; return how many back-to-back calls make one sample.
 
-    Tiny calls are repeated back to back until one sample takes ``min_sample`` seconds, so the
-    clock's resolution and the context switch do not dominate.
+    Tiny calls are repeated until one sample takes ``min_sample`` seconds, so the clock's
+    resolution and the context switch do not dominate.
     """
     for side in sides:
         side.samples.clear()
         for _ in range(warmup):
             _sample(side, 1)
     one = min(min(_sample(s, 1) for _ in range(2)) for s in sides)
-    number = max(1, min(10_000, math.ceil(min_sample / max(one, 1e-7))))
-    for r in range(reps):
-        order = sides if r % 2 == 0 else list(reversed(sides))
-        for side in order:
+    return max(1, min(10_000, math.ceil(min_sample / max(one, 1e-7))))
+
+
+def sample_round(sides: Sequence[Side], reps: int, number: int, budget: float = 0.0,
+                 max_factor: int = 4) -> None:
+    """At least ``reps`` samples of every side, interleaved, the order alternating each time.
+
+    Cheap calls get more samples (until ``budget`` seconds have been spent, at most
+    ``max_factor * reps``): on a loaded machine a short sample is more likely to fall in a quiet
+    moment, and the best of many cheap samples is worth the little time it costs.
+    """
+    t0, r = time.perf_counter(), 0
+    while r < reps or (r < max_factor * reps and time.perf_counter() - t0 < budget):
+        for side in (sides if r % 2 == 0 else reversed(sides)):
             side.samples.append(_sample(side, number))
+        r += 1
+
+
+def compare(sides: Sequence[Side], reps: int = 20, warmup: int = 3,
+            min_sample: float = 2e-3) -> list[float]:
+    """Best seconds per call of each side over ``reps`` interleaved samples after warm-up."""
+    sample_round(sides, reps, calibrate(sides, warmup, min_sample))
     return [s.best for s in sides]
 
 

@@ -95,7 +95,8 @@ def build_index(results: Path = RESULTS) -> str:
         script = data.get("script") or f"bench_{data.get('benchmark', stem)}.py"
         listed.add(script)
         run = status.get(script, {})
-        last = f"{run['status']} ({run['seconds']:.0f} s, {run['date']})" if run else "—"
+        last = (f"{run['status']} ({' '.join(run.get('args', []) + [''])}{run['seconds']:.0f} s, "
+                f"{run['date']})") if run else "—"
         machine = data.get("machine") if isinstance(data.get("machine"), dict) else {}
         where = ", ".join(str(machine[k]) for k in ("cpu", "date") if k in machine) or "—"
         lines.append(f"| {' '.join(links)} | {script} | {where} | {last} | "
