@@ -19,8 +19,7 @@ import logging
 
 import torch
 
-from .lowering.report import Report, all_reports, clear_reports, last_report, new_graph_id, \
-    publish
+from .lowering.report import Report, all_reports, clear_reports, last_report, new_graph_id, publish
 
 log = logging.getLogger("kwker")
 
@@ -30,7 +29,7 @@ OPTIONS = {
 }
 INNER = ("inductor", "eager")
 
-__all__ = ["backend", "last_report", "all_reports", "clear_reports", "register", "Report"]
+__all__ = ["Report", "all_reports", "backend", "clear_reports", "last_report", "register"]
 
 
 def _parse(options: dict | None, kwargs: dict) -> dict:

@@ -89,7 +89,7 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
     patches = torch._inductor.list_mode_options(mode) if mode else None
     try:
         metas = propagate_symbolic(gm)
-    except Exception as e:  # noqa: BLE001 - Inductor alone then
+    except Exception as e:  # an op fake tensors cannot run: Inductor alone, no error
         log.debug("kwker: symbolic propagation failed", exc_info=True)
         report.status, report.reason = "fallback", f"shape propagation failed: {e}"
         publish(report)

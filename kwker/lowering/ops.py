@@ -81,9 +81,9 @@ def canon(node: Node) -> str | None:
             name = _FUNCTIONS.get(node.target)
         except TypeError:  # unhashable target
             return None
-        if name is None and node.target is getattr and len(node.args) == 2:
-            if node.args[1] in ("T", "mT"):
-                return "t"
+        if name is None and node.target is getattr and len(node.args) == 2 \
+                and node.args[1] in ("T", "mT"):
+            return "t"
         return name
     if node.op == "call_method":
         return _METHODS.get(node.target)

@@ -64,7 +64,7 @@ def _version(t: torch.Tensor):
 
 
 class Plan:
-    __slots__ = ("program", "guards", "report")
+    __slots__ = ("guards", "program", "report")
 
     def __init__(self, program: Program, guards: tuple, report: Report):
         self.program, self.guards, self.report = program, guards, report
@@ -92,7 +92,7 @@ def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
     nodes = list(gm.graph.nodes)
     try:
         metas = propagate(gm, args)
-    except Exception as e:  # noqa: BLE001 - an op fake tensors cannot run: no kernels, no error
+    except Exception as e:  # an op fake tensors cannot run: no kernels, no error
         log.debug("kwker: shape propagation failed", exc_info=True)
         report.status, report.reason = "fallback", f"shape propagation failed: {e}"
         fill(report, nodes, [], {})

@@ -66,9 +66,7 @@ def _sole_user(n: Node) -> Node | None:
 def _transposed_const(y: Node, metas, consts) -> Node | None:
     """The constant 2-D W if ``y`` is a transpose view of it (W.t(), W.T, W.transpose(0, 1))."""
     kind = canon(y)
-    if y.op == "call_method" and y.target == "permute" and tuple(y.args[1:]) in ((1, 0),):
-        w = y.args[0]
-    elif kind == "t":
+    if y.op == "call_method" and y.target == "permute" and tuple(y.args[1:]) in ((1, 0),) or kind == "t":
         w = y.args[0]
     elif kind == "transpose":
         b = bind(y)

@@ -9,8 +9,9 @@ last use, so intermediates die as early as they do in eager mode.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -29,7 +30,7 @@ class KernelStep:
 class Program:
     """``program(args)`` runs the steps on a fresh slot list and returns the graph's outputs."""
 
-    __slots__ = ("n_inputs", "template", "steps", "output")
+    __slots__ = ("n_inputs", "output", "steps", "template")
 
     def __init__(self, n_inputs: int, template: list, steps: list, output: Callable):
         self.n_inputs, self.template, self.steps, self.output = n_inputs, template, steps, output

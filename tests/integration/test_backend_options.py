@@ -39,7 +39,8 @@ def test_entry_point_resolves_without_importing_kwker():
         print(kwker.dynamo.last_report().kernel_names)
     """)
     env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "['linear_gelu']"
 

@@ -6,8 +6,17 @@ Inductor would still match eager, so the kernel lists are part of the contract.
 import pytest
 import torch
 
-from .models import (Attention, OddSizes, Ranker, assert_close, assert_no_misses, compile_run,
-                     encoder_layer, kernels, mlp)
+from .models import (
+    Attention,
+    OddSizes,
+    Ranker,
+    assert_close,
+    assert_no_misses,
+    compile_run,
+    encoder_layer,
+    kernels,
+    mlp,
+)
 
 INNER = ["eager", "inductor"]
 
