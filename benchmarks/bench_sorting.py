@@ -240,7 +240,7 @@ def run_case(c: Case, reps: int, warmup: int, min_sample: float) -> dict:
 
 # ------------------------------------------------------------------------------------ report
 HEADERS = ["op", "shape", "dtype", "params", "ATen ms", "Kwker ms", "ratio (ATen/Kwker)",
-           "target", "met?", "check"]
+           "target", "met?", "check", "ratio per pass"]
 SECTIONS = {"main": "(32, 20000) float32, along the last dim",
             "sampling": "Top-k sampling (vocabulary 50257, k=50)",
             "1-D": "1-D sort", "dtypes": "Other dtypes at (32, 20000)",
@@ -260,8 +260,16 @@ def table_rows(rows: list[dict], markdown: bool) -> list[list]:
         target = f">= {r['target']:g}x" if r["explicit_target"] else f">= {FLOOR}x (floor)"
         out.append([r["op"], fmt_shape(r["shape"]), r["dtype"], r["params"],
                     common.fmt_ms(r["aten_ms"] / 1e3), common.fmt_ms(r["kwker_ms"] / 1e3),
-                    f"{r['ratio']:.2f}", target, met, check])
+                    f"{r['ratio']:.2f}", target, met, check, pass_range(r)])
     return out
+
+
+def pass_range(r: dict) -> str:
+    """min-max of the per-pass ratios: a wide range means the machine was busy, not the code."""
+    per = [a / k for a, k in zip(r.get("aten_ms_per_round", []), r.get("kwker_ms_per_round", []))]
+    if len(per) < 2:
+        return ""
+    return f"{min(per):.2f}-{max(per):.2f}"
 
 
 def sweep_table(rows: list[dict], markdown: bool = True) -> str:
@@ -343,7 +351,8 @@ def markdown(rows: list[dict], info: dict, reps: int, warmup: int, min_sample: f
         "Kwker ms (higher is better). Every Kwker result was first checked identical to "
         "ATen's (values and indices, NaN positions, strides); `ok, ATen path` = Kwker handed "
         "the case to ATen. The machine is shared with other jobs: treat absolute times as "
-        "noisy and compare ratios.")
+        "noisy and compare ratios; `ratio per pass` is the range of the ratios of each pass's "
+        "best samples (a wide range means background load, not the code).")
     parts = ["# Sorting-type ops: Kwker vs ATen (eager, CPU)", "",
              f"Machine: {common.machine_line(info)}, {info.get('load_end', '?')} at the end.",
              "", method, "", "## Summary", ""]

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -53,7 +54,21 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "load": load(),
+        "commit": commit(),
     }
+
+
+def commit() -> str:
+    """The checkout measured: short hash, '+dirty' when kwker/ has uncommitted edits."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kwker"], cwd=root,
+                               check=True, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return head + ("+dirty" if dirty else "")
 
 
 def load() -> str:
@@ -68,7 +83,7 @@ def machine_line(info: dict | None = None) -> str:
     i = info or machine_info()
     return (f"CPU {i['cpu']}, {i['cores']} cores; torch {i['torch']}; "
             f"{i['threads']} threads; Python {i['python']}; {i['date']}; "
-            f"load {i.get('load', '?')} at start")
+            f"kwker {i.get('commit', '?')}; load {i.get('load', '?')} at start")
 
 
 # ------------------------------------------------------------------------------------ timing

@@ -28,7 +28,11 @@ def min_numel(monkeypatch):
     """Set the size below which Kwker hands a case to ATen (its policy is not under test)."""
     from kwker.ops import sorting
 
-    return lambda n: monkeypatch.setattr(sorting, "MIN_NUMEL", n)
+    def set_min(n):
+        old = sorting.MIN_NUMEL  # one size for all ops, or one per op family
+        monkeypatch.setattr(sorting, "MIN_NUMEL",
+                            dict.fromkeys(old, n) if isinstance(old, dict) else n)
+    return set_min
 
 
 def test_run_produces_rows(bs, min_numel):
