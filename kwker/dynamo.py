@@ -58,15 +58,32 @@ def _needs_autograd(gm: torch.fx.GraphModule, example_inputs) -> bool:
                for n in gm.graph.nodes)
 
 
+def _autocast(gm: torch.fx.GraphModule) -> bool:
+    """Whether autocast may change dtypes in this graph (kernels are float32 in, float32 out)."""
+    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        return True
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "") == "_enter_autocast"
+               for n in gm.graph.nodes)
+
+
+def _leave_to_inner(gm, example_inputs) -> tuple[str, str] | None:
+    """(status, reason) when the whole graph goes to the inner compiler unchanged."""
+    if _needs_autograd(gm, example_inputs):
+        return "training", "inputs require grad; the inner compiler handles autograd"
+    if _autocast(gm):
+        return "autocast", "autocast decides dtypes; Kwker kernels are float32"
+    return None
+
+
 def backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
             mode: str | None = None, **kwargs):
     """Compile one FX graph from dynamo; returns a callable with the graph's signature."""
     opts = _parse(options, kwargs)
     inner = opts["inner"]
     graph_id = new_graph_id()
-    if _needs_autograd(gm, example_inputs):
-        publish(Report(graph_id, inner, status="training",
-                       reason="inputs require grad; the inner compiler handles autograd"))
+    leave = _leave_to_inner(gm, example_inputs)
+    if leave is not None:
+        publish(Report(graph_id, inner, status=leave[0], reason=leave[1]))
         return _inner(gm, example_inputs, inner, mode)
     from .lowering.decompose import decompose
     gm, decomposed = decompose(gm)

@@ -199,3 +199,29 @@ def test_unsupported_ops_and_shapes_fall_back():
     ref, out, reports = compile_run(Odd().eval(), args, "eager")
     assert_close(out, ref)
     assert kernels(reports) == ["linear"]
+
+
+@pytest.mark.parametrize("where", ["around", "inside"])
+def test_autocast_keeps_its_dtypes(where):
+    class Inside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = F.gelu(self.lin(x))
+            return y.float() + 1
+
+    torch.manual_seed(9)
+    model = Inside().eval() if where == "inside" else \
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).eval()
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    x = torch.randn(2, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "around"):
+        out, ref = compiled(x), model(x)
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref)
+    assert kd.last_report().status == "autocast"
