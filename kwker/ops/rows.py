@@ -6,12 +6,14 @@ them. Inputs whose rows are not contiguous are copied first (ATen copies them to
 """
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
 from collections import Counter
 
 import torch
 
-from ..codegen.sorting import NARG, SLOTS, scratch_layout
+from ..codegen.sorting import NARG, SLOTS, scratch_layout  # noqa: F401 (NARG: arg order)
 from ..runtime.calling import call
 
 # ATen's grain for row-parallel sorting ops: 32768 elements per task
@@ -47,9 +49,12 @@ def rows_of(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, int, int]:
 
     Inputs whose rows are not evenly spaced, unit-stride slices are copied (ATen copies too).
     """
-    shape, strides = x.shape, x.stride()
+    shape = x.shape
     n = shape[dim] if shape else 1
     rows = x.numel() // n if n else 0
+    if dim == len(shape) - 1 and x.is_contiguous():
+        return x, n, rows, n
+    strides = x.stride()
     if n <= 1 or strides[dim] == 1:
         rs = row_stride(shape, strides, dim)
         if rs is not None:
@@ -64,6 +69,9 @@ class OutRows:
     def __init__(self, out: torch.Tensor, dim: int, rows: int, m: int):
         self.tmp = None
         self.ptr = out.data_ptr()
+        if dim == out.dim() - 1 and out.is_contiguous():
+            self.rs, self.es = m, 1
+            return
         shape, strides = out.shape, out.stride()
         rs = row_stride(shape, strides, dim) if shape else 0
         if rs is not None:
@@ -81,6 +89,8 @@ class OutRows:
 class DenseOut:
     """A contiguous output the kernel indexes itself (``row * rs``), e.g. quantile's (q, row)."""
 
+    tmp = None
+
     def __init__(self, out: torch.Tensor, rs: int = 1):
         self.ptr, self.rs, self.es = out.data_ptr(), rs, 1
 
@@ -94,28 +104,37 @@ def threads_for(rows: int, n: int) -> int:
     return max(1, min(torch.get_num_threads(), rows))
 
 
+_layout_size = functools.lru_cache(maxsize=1024)(
+    lambda op, dtype, n, stable: scratch_layout(op, dtype, n, stable)["size"])
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> int:
+    """Address of this thread's scratch buffer of at least ``nbytes``: reused across calls.
+
+    A kernel call is synchronous and never re-enters Python, so one buffer per calling thread
+    is safe; it spares an allocation (and, for large rows, fresh zeroed pages) per call.
+    """
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return buf.data_ptr()
+
+
 def run(spec, x2: torch.Tensor, in_rs: int, rows: int, n: int, out_v, out_i,
         params=(0, 0, 0, 0), nthreads: int | None = None) -> None:
     """Call ``spec``'s row kernel over ``rows`` rows of ``x2`` (``in_rs`` elements apart)."""
     nthreads = threads_for(rows, n) if nthreads is None else nthreads
-    layout = scratch_layout(spec.op, spec.dtype, n, spec.stable)
-    scratch = torch.empty(nthreads * layout["size"], dtype=torch.uint8)
-    args = [0] * NARG
-    args[0:4] = [nthreads, rows, scratch.data_ptr(), layout["size"]]
-    args[SLOTS["src"]] = x2.data_ptr()
-    args[SLOTS["in_rs"]] = in_rs
-    args[SLOTS["n"]] = n
-    for name, o in (("out_v", out_v), ("out_i", out_i)):
-        if o is not None:
-            args[SLOTS[name]], args[SLOTS[name + "_rs"]], args[SLOTS[name + "_es"]] = (
-                o.ptr, o.rs, o.es)
-    for i, p in enumerate(params):
-        args[SLOTS[f"p{i}"]] = p
-    call(spec, args)
+    size = _layout_size(spec.op, spec.dtype, n, spec.stable)
+    vp, vrs, ves = (out_v.ptr, out_v.rs, out_v.es) if out_v is not None else (0, 0, 0)
+    ip, irs, ies = (out_i.ptr, out_i.rs, out_i.es) if out_i is not None else (0, 0, 0)
+    call(spec, [nthreads, rows, _scratch(nthreads * size), size, x2.data_ptr(), in_rs, n,
+                vp, vrs, ves, ip, irs, ies, *params])
     calls[spec.op] += 1
-    for o in (out_v, out_i):
-        if o is not None:
-            o.done()
+    if out_v is not None and out_v.tmp is not None:
+        out_v.done()
+    if out_i is not None and out_i.tmp is not None:
+        out_i.done()
 
 
 def resize_out(out: torch.Tensor, shape) -> None:

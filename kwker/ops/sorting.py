@@ -14,37 +14,51 @@ from ..spec import SortingSpec
 from .rows import DTYPES, MAX_ROW, DenseOut, OutRows, resize_out, rows_of, run
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
-# Below this many elements a row kernel does not beat ATen's own per-call cost.
-MIN_NUMEL = 64
+# Below these many elements a Kwker call (Python dispatch, output allocation, ctypes: ~10 us)
+# costs more than ATen's whole kernel, so ATen runs; measured crossovers on a 2-core Zen 4.
+MIN_NUMEL = {"topk": 8192, "sort": 8192, "stable": 1024, "kthvalue": 8192, "median": 8192,
+             "median_all": 8192, "mode": 1024, "quantile": 64}
 SPLIT_ROW = 100_000  # a single row at least this long sorts on several threads
 
 
 def _dtype_name(x: torch.Tensor) -> str | None:
-    if x.device.type != "cpu" or x.layout != torch.strided or x.is_quantized:
+    if not x.is_cpu or x.layout is not torch.strided:
         return None
     return DTYPES.get(x.dtype)
 
 
 def _dim(x: torch.Tensor, dim: int) -> int | None:
-    nd = max(x.dim(), 1)
+    nd = x.dim() or 1
     if not -nd <= dim < nd:
         return None
     return dim % nd
 
 
-def _usable(x: torch.Tensor, dim) -> tuple[str, int] | None:
+def _usable(x: torch.Tensor, dim, family: str, any_size: bool = False):
+    """(dtype name, wrapped dim) when Kwker takes this call, else None."""
     name = _dtype_name(x)
-    if name is None or x.dim() == 0 or x.numel() < MIN_NUMEL:
+    if name is None or x.dim() == 0 or (x.numel() < MIN_NUMEL[family] and not any_size):
         return None
     d = _dim(x, dim)
-    if d is None or x.shape[d] > MAX_ROW or x.shape[d] == 0:
+    if d is None or not 0 < x.shape[d] <= MAX_ROW:
         return None
     return name, d
 
 
+_specs: dict = {}
+
+
+def _spec(op: str, dtype: str, descending: bool = False, stable: bool = False) -> SortingSpec:
+    key = (op, dtype, descending, stable)
+    spec = _specs.get(key)
+    if spec is None:
+        spec = _specs[key] = SortingSpec(op, dtype, descending, stable)
+    return spec
+
+
 # ------------------------------------------------------------------------------------- sort
 def fast_sort(x, stable=False, dim=-1, descending=False):
-    u = _usable(x, dim)
+    u = _usable(x, dim, "stable" if stable else "sort")
     if u is None or x.stride(u[1]) == 0:  # stride 0 along dim: ATen keeps arange indices
         return NotImplemented
     name, d = u
@@ -52,7 +66,7 @@ def fast_sort(x, stable=False, dim=-1, descending=False):
     # §3.1 path 4: 1-D integer ascending sorts of >= 32768 elements take the stable radix path
     radix = (x.dim() == 1 and not descending and not x.dtype.is_floating_point
              and x.numel() >= 32768)
-    spec = SortingSpec("sort", name, bool(descending), bool(stable) or radix)
+    spec = _spec("sort", name, bool(descending), bool(stable) or radix)
     values = torch.empty_like(x)
     indices = torch.empty_like(x, dtype=torch.int64)
     # one long row: its unstable sort splits over threads after the first partitions
@@ -64,7 +78,7 @@ def fast_sort(x, stable=False, dim=-1, descending=False):
 
 # ------------------------------------------------------------------------------------- topk
 def fast_topk(x, k, dim=-1, largest=True, sorted=True):
-    u = _usable(x, dim)
+    u = _usable(x, dim, "topk")
     if u is None:
         return NotImplemented
     name, d = u
@@ -76,7 +90,7 @@ def fast_topk(x, k, dim=-1, largest=True, sorted=True):
     shape[d] = k
     values = torch.empty(shape, dtype=x.dtype)
     indices = torch.empty(shape, dtype=torch.int64)
-    run(SortingSpec("topk", name, bool(largest)), x2, rs, rows, n,
+    run(_spec("topk", name, bool(largest)), x2, rs, rows, n,
         OutRows(values, d, rows, k), OutRows(indices, d, rows, k), (k, int(bool(sorted)), 0, 0))
     return values, indices
 
@@ -93,7 +107,9 @@ def _reduced_shape(x, d, keepdim):
 
 def _reduce_with_index(op, x, dim, keepdim, param=0):
     """values, indices of a per-row reduction (kthvalue, median(dim), mode), keepdim applied."""
-    u = _usable(x, dim)
+    # ATen's median/nanmedian(dim) read expanded (stride-0) inputs wrongly: always take those
+    expanded = op in ("median", "nanmedian") and 0 in x.stride()
+    u = _usable(x, dim, "median" if op == "nanmedian" else op, any_size=expanded)
     if u is None:
         return NotImplemented
     name, d = u
@@ -101,7 +117,7 @@ def _reduce_with_index(op, x, dim, keepdim, param=0):
     kshape = _reduced_shape(x, d, True)
     values = torch.empty(kshape, dtype=x.dtype)
     indices = torch.empty(kshape, dtype=torch.int64)
-    run(SortingSpec(op, name), x2, rs, rows, n, OutRows(values, d, rows, 1),
+    run(_spec(op, name), x2, rs, rows, n, OutRows(values, d, rows, 1),
         OutRows(indices, d, rows, 1), (param, 0, 0, 0))
     if not keepdim:
         values, indices = values.squeeze(d), indices.squeeze(d)
@@ -109,7 +125,7 @@ def _reduce_with_index(op, x, dim, keepdim, param=0):
 
 
 def fast_kthvalue(x, k, dim=-1, keepdim=False):
-    u = _usable(x, dim)
+    u = _usable(x, dim, "kthvalue")
     if u is None or not 1 <= k <= x.shape[u[1]]:
         return NotImplemented
     return _reduce_with_index("kthvalue", x, dim, keepdim, k - 1)
@@ -125,7 +141,7 @@ def fast_mode(x, dim=-1, keepdim=False):
 
 def fast_median_all(x, ignore_nan=False):
     name = _dtype_name(x)
-    if name is None or x.dim() == 0 or not MIN_NUMEL <= x.numel() <= MAX_ROW:
+    if name is None or x.dim() == 0 or not MIN_NUMEL["median_all"] <= x.numel() <= MAX_ROW:
         return NotImplemented
     # ATen flattens in memory order (a preserve-format clone), which decides ±0 and NaN picks
     if not x.is_contiguous():
@@ -134,7 +150,7 @@ def fast_median_all(x, ignore_nan=False):
     value = torch.empty((), dtype=x.dtype)
     index = torch.empty((), dtype=torch.int64)
     op = "nanmedian_all" if ignore_nan else "median_all"
-    run(SortingSpec(op, name), flat, 0, 1, flat.shape[1], OutRows(value, 0, 1, 1),
+    run(_spec(op, name), flat, 0, 1, flat.shape[1], OutRows(value, 0, 1, 1),
         OutRows(index, 0, 1, 1))
     return value
 
@@ -156,13 +172,13 @@ def fast_quantile(x, q, dim=None, keepdim=False, interpolation="linear", ignore_
     if not bool(((q_flat >= 0) & (q_flat <= 1)).all()):
         return NotImplemented  # ATen raises its own error
     if dim is None:
-        if x.numel() < MIN_NUMEL:
+        if x.numel() < MIN_NUMEL["quantile"]:
             return NotImplemented
         x2 = x.reshape(1, -1).contiguous()
         rs, rows, n = 0, 1, x2.shape[1]
         reduced = [1] * x.dim() if keepdim else []
     else:
-        u = _usable(x, dim)
+        u = _usable(x, dim, "quantile")
         if u is None:
             return NotImplemented
         _, d = u
@@ -174,7 +190,7 @@ def fast_quantile(x, q, dim=None, keepdim=False, interpolation="linear", ignore_
     # ATen computes (reduced..., q) and moves q to the front: same layout, same strides
     out = torch.empty(list(reduced) + [nq], dtype=x.dtype)
     op = "nanquantile" if ignore_nan else "quantile"
-    run(SortingSpec(op, name), x2, rs, rows, n, DenseOut(out, rs=nq), None,
+    run(_spec(op, name), x2, rs, rows, n, DenseOut(out, rs=nq), None,
         (q_flat.data_ptr(), nq, INTERPOLATIONS.index(interpolation), 1))
     return out.movedim(-1, 0) if q_t.dim() == 1 else out.squeeze(-1)
 
