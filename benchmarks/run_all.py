@@ -77,7 +77,8 @@ def headline_text(data: dict) -> str:
     return "—"
 
 
-def build_index(results: Path = RESULTS) -> str:
+def build_index(results: Path = RESULTS, scripts_dir: Path = HERE,
+                scripts: tuple = SCRIPTS) -> str:
     """Markdown index: one line per results file, with links, last run and headline ratios."""
     status = _load(results / STATUS) or {}
     stems = sorted({p.stem for p in results.glob("*.json") if p.name != STATUS}
@@ -101,9 +102,9 @@ def build_index(results: Path = RESULTS) -> str:
         where = ", ".join(str(machine[k]) for k in ("cpu", "date") if k in machine) or "—"
         lines.append(f"| {' '.join(links)} | {script} | {where} | {last} | "
                      f"{headline_text(data).replace('|', '/')} |")
-    for script in (s for s in SCRIPTS if s not in listed):
+    for script in (s for s in scripts if s not in listed):
         run = status.get(script)
-        if run or (HERE / script).exists():
+        if run or (scripts_dir / script).exists():
             last = f"{run['status']} ({run['date']})" if run else "not run"
             lines.append(f"| (no results file) | {script} | — | {last} | — |")
     return "\n".join(lines) + "\n"
@@ -117,24 +118,32 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, help="seconds allowed per script")
     args = ap.parse_args(argv)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    failed = []
-    if not args.index_only:
-        status = _load(RESULTS / STATUS) or {}
-        for name in args.only or SCRIPTS:
-            script = HERE / name
-            if not script.exists():
-                print(f"===== {name}: not present, skipped", flush=True)
-                continue
-            status[name] = run_script(script, ["--quick"] if args.quick else [], args.timeout)
-            if status[name]["status"] != "ok":
-                failed.append(name)
-            (RESULTS / STATUS).write_text(json.dumps(status, indent=1) + "\n")
-    (RESULTS / "README.md").write_text(build_index())
-    print(f"\nwrote {RESULTS / 'README.md'}")
+    failed = run_all(args.only or SCRIPTS, ["--quick"] if args.quick else [], args.timeout,
+                     run=not args.index_only)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def run_all(names, extra: list[str], timeout: float | None = None, run: bool = True,
+            scripts_dir: Path = HERE, results: Path = RESULTS) -> list[str]:
+    """Run the scripts present among ``names``; rebuild the index; return those that failed."""
+    results.mkdir(parents=True, exist_ok=True)
+    failed = []
+    status = _load(results / STATUS) or {}
+    for name in names if run else ():
+        script = scripts_dir / name
+        if not script.exists():
+            print(f"===== {name}: not present, skipped", flush=True)
+            continue
+        status[name] = run_script(script, extra, timeout)
+        if status[name]["status"] != "ok":
+            failed.append(name)
+        (results / STATUS).write_text(json.dumps(status, indent=1) + "\n")
+    indexed = tuple(dict.fromkeys([*SCRIPTS, *names]))
+    (results / "README.md").write_text(build_index(results, scripts_dir, indexed))
+    print(f"\nwrote {results / 'README.md'}")
+    return failed
 
 
 if __name__ == "__main__":

@@ -84,3 +84,35 @@ def test_same_compares_nan_positions_and_strides(bs):
     assert "elements differ" in bs._same(a, torch.tensor([1.0, float("nan"), 4.0]))
     m = torch.zeros(3, 2)
     assert "strides" in bs._same(m, m.t().contiguous().t())
+
+
+def test_run_all_survives_a_failing_script_and_indexes_results(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        run_all = importlib.import_module("run_all")
+    finally:
+        sys.path.remove(str(BENCH))
+    scripts, results = tmp_path / "scripts", tmp_path / "results"
+    scripts.mkdir()
+    (scripts / "bench_broken.py").write_text("raise SystemExit(3)\n")
+    (scripts / "bench_good.py").write_text(
+        "import json, pathlib, sys\n"
+        f"out = pathlib.Path({str(results)!r})\n"
+        "assert sys.argv[1:] == ['--quick']\n"
+        "(out / 'good.md').write_text('# good')\n"
+        "(out / 'good.json').write_text(json.dumps({'headline': [\n"
+        "    {'label': 'op A', 'ratio': 4.5, 'target': 4}, {'label': 'op B', 'ratio': 0.5,\n"
+        "    'target': 0.9}], 'machine': {'cpu': 'znver4', 'date': 'today'}}))\n")
+    (results / "other.json").parent.mkdir()
+    (results / "other.json").write_text('{"rows": [{"ratio": 2.0}, {"ratio": 8.0}]}')
+    failed = run_all.run_all(["bench_broken.py", "bench_good.py", "bench_absent.py"],
+                             ["--quick"], scripts_dir=scripts, results=results)
+    assert failed == ["bench_broken.py"]
+    index = (results / "README.md").read_text()
+    good = next(line for line in index.splitlines() if "bench_good.py" in line)
+    assert "[good.md](good.md) [good.json](good.json)" in good and "| ok (--quick" in good
+    assert "op A: 4.50x;" in good and "op B: 0.50x (target 0.9x)" in good
+    assert "znver4, today" in good
+    assert "| (no results file) | bench_broken.py | — | exit 3 (" in index
+    assert "bench_absent.py" not in index
+    assert "2 cases: min 2.00x, geomean 4.00x, max 8.00x" in index  # other.json, no headline
