@@ -109,11 +109,12 @@ def test_dump_dir_receives_ir_and_assembly(tmp_path):
     assert wide in asm
 
 
-def test_kernels_named_in_profiler_traces():
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_kernels_named_in_profiler_traces(inner):
     torch.manual_seed(3)
     torch._dynamo.reset()
     model = Two().eval()
-    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    compiled = torch.compile(model, backend="kwker", options={"inner": inner})
     x = torch.randn(3, 24)
     with torch.no_grad():
         compiled(x)
@@ -121,6 +122,8 @@ def test_kernels_named_in_profiler_traces():
             compiled(x)
     names = {e.key for e in prof.key_averages()}
     assert {s.symbol for s in kd.last_report().specs} <= names
+    if inner == "inductor":
+        assert "kwker::linear" in names
 
 
 def test_avx512_and_avx2_code_for_the_graphs_kernels():
