@@ -178,6 +178,7 @@ class SortAlgos:
             lo, hi = f.var(i64, b.add(first, one), "lo"), f.var(i64, last, "hi")
             finish = self.hoare()
             if self.lanes:
+                self._all_equal_shortcut(f, K, I, first, last)
                 for width in BLOCKS:
                     with f.while_(lambda: b.icmp_signed(">=", b.sub(hi.get(), lo.get()),
                                                         const(i64, 2 * width))):
@@ -186,6 +187,36 @@ class SortAlgos:
             f.ret(b.call(finish, [K, I, lo.get(), hi.get(), first]))
         return self._fn("partition", i64, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
                         body)
+
+    def _all_equal_shortcut(self, f: Fn, K, I, first, last):
+        """A range whose keys all equal the pivot: every element stops both scans, so Hoare
+        swaps (first+1, last-1), (first+2, last-2), ... -- it reverses [first+1, last) -- and
+        returns first + 1 + (last-first-1)//2. Tie-heavy rows spend most of their time in such
+        ranges; the check leaves at the first differing block otherwise."""
+        b = f.b
+        one, zero = const(i64, 1), const(i64, 0)
+        pv = self.key_at(f, K, first)
+        pos = f.var(i64, first, "eqpos")
+        W = 16
+        with f.while_(lambda: b.icmp_signed("<=", b.add(pos.get(), const(i64, W)), last)):
+            lt = self._stopper_mask(f, K, pos.get(), pv, ">=", W)  # not below the pivot
+            gt = self._stopper_mask(f, K, pos.get(), pv, "<=", W)  # not above the pivot
+            full = const(i64, (1 << W) - 1)
+            with f.if_(b.icmp_unsigned("!=", b.and_(lt, gt), full)):
+                f.break_()
+            pos.set(b.add(pos.get(), const(i64, W)))
+        with f.if_(b.icmp_signed(">", b.add(pos.get(), const(i64, W)), last)):
+            # the vector blocks were all equal; check the tail one by one
+            tail_ok = f.var(ir.IntType(1), const(ir.IntType(1), 1), "tail_ok")
+            with f.for_range(pos.get(), last, name="eqtail") as j:
+                with f.if_(b.icmp_signed("!=", self.key_at(f, K, j), pv)):
+                    tail_ok.set(const(ir.IntType(1), 0))
+                    f.break_()
+            with f.if_(tail_ok.get()):
+                n_rev = b.sdiv(b.sub(b.sub(last, first), one), const(i64, 2))
+                with f.for_range(zero, n_rev, name="rev") as i:
+                    self.swap(f, K, I, b.add(b.add(first, one), i), b.sub(b.sub(last, one), i))
+                f.ret(b.add(b.add(first, one), n_rev))
 
     def _block_pairs(self, f: Fn, K, I, first, lo, hi, width: int):
         """Advance the exact Hoare state (lo, hi) ``width`` positions at a time.
