@@ -7,6 +7,7 @@ which ones fit.
 """
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -84,16 +85,29 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> str | None:
 def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode: str | None,
                      dump_dir=None, decomposed=()):
     from torch._inductor.compile_fx import compile_fx
+    patches = torch._inductor.list_mode_options(mode) if mode else None
+    try:
+        lowered = GraphModule(gm, copy.deepcopy(gm.graph))
+        _rewrite(lowered, example_inputs, graph_id, dump_dir, decomposed)
+    except Exception as e:  # a lowering bug must cost speed, never the user's answer
+        log.warning("kwker: lowering graph %d failed, Inductor compiles it alone: %s", graph_id,
+                    e, exc_info=log.isEnabledFor(logging.DEBUG))
+        publish(Report(graph_id, "inductor", status="fallback", reason=f"lowering failed: {e}"))
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(lowered, example_inputs, config_patches=patches)
+
+
+def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, decomposed):
+    """Replace matched nodes of ``gm`` (in place) by Kwker custom ops; publish the report."""
     report = Report(graph_id, "inductor", decomposed=list(decomposed))
     nodes = list(gm.graph.nodes)
-    patches = torch._inductor.list_mode_options(mode) if mode else None
     try:
         metas = propagate_symbolic(gm)
     except Exception as e:  # an op fake tensors cannot run: Inductor alone, no error
         log.debug("kwker: symbolic propagation failed", exc_info=True)
         report.status, report.reason = "fallback", f"shape propagation failed: {e}"
         publish(report)
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return
     consts = const_nodes(gm, example_inputs)
     matches = Matcher(nodes, metas, set(consts), B.sorting_module() is not None).run()
     failures, kept = {}, []
@@ -133,4 +147,3 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
     graph.lint()
     gm.recompile()
     publish(report)
-    return compile_fx(gm, example_inputs, config_patches=patches)

@@ -80,8 +80,14 @@ class Plan:
 def specialise(gm: GraphModule, args: list, graph_id: int, inner: str, note: str = "",
                dump_dir=None, decomposed=()) -> Plan:
     """Build the flat program for these concrete ``args`` (tensors and ints)."""
-    with B.collecting(dump_dir) as specs:
-        plan = _specialise(gm, args, graph_id, inner, note, decomposed)
+    try:
+        with B.collecting(dump_dir) as specs:
+            plan = _specialise(gm, args, graph_id, inner, note, decomposed)
+    except Exception as e:  # a lowering bug must cost speed, never the user's answer
+        log.warning("kwker: lowering graph %d failed, it runs on ATen: %s", graph_id, e,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+        report = Report(graph_id, inner, status="fallback", reason=f"lowering failed: {e}")
+        return Plan(build_program(gm), (), publish(report))
     plan.report.specs = list(dict.fromkeys(specs))
     return plan
 

@@ -178,6 +178,9 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             fn = _method(n.target, _is_tensor_node(n.args[0], metas))
             step = make_step(fn, n.args, n.kwargs, slot_of[n], slot_of)
             reads = n.all_input_nodes
+        elif n.op == "call_module":
+            step = make_step(gm.get_submodule(n.target), n.args, n.kwargs, slot_of[n], slot_of)
+            reads = n.all_input_nodes
         else:
             raise NotImplementedError(f"FX node kind {n.op!r} ({n.name})")
         planned.append((step, reads))

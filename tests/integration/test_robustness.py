@@ -225,3 +225,17 @@ def test_autocast_keeps_its_dtypes(where):
     assert out.dtype == ref.dtype
     torch.testing.assert_close(out, ref)
     assert kd.last_report().status == "autocast"
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_lowering_bug_costs_speed_not_the_answer(inner, monkeypatch):
+    from kwker.lowering import patterns
+
+    def broken(self):
+        raise RuntimeError("simulated matcher bug")
+
+    monkeypatch.setattr(patterns.Matcher, "run", broken)
+    torch.manual_seed(10)
+    ref, out, reports = compile_run(Small().eval(), (torch.randn(4, 16),), inner)
+    assert_close(out, ref)
+    assert reports[-1].status == "fallback" and "simulated" in reports[-1].reason
