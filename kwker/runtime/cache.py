@@ -60,11 +60,15 @@ LOCK_TIMEOUT = 300.0  # seconds to wait for another process's compile before com
 @functools.cache
 def codegen_version() -> str:
     """Kwker version plus a hash of the sources that decide the emitted code."""
-    root = Path(__file__).resolve().parent.parent
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    codegen = os.path.join(root, "codegen")
     h = hashlib.sha256(__version__.encode())
-    for path in sorted((root / "codegen").glob("*.py")) + [root / "spec.py"]:
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
+    # os.listdir, not Path.glob: glob compiles a regex, which costs ~0.1 s on a cold start
+    paths = sorted(os.path.join(codegen, n) for n in os.listdir(codegen) if n.endswith(".py"))
+    for path in paths + [os.path.join(root, "spec.py")]:
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as fh:
+            h.update(fh.read())
     return f"{__version__}+{h.hexdigest()[:12]}"
 
 
