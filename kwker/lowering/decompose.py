@@ -159,12 +159,19 @@ def _mha(e: _Emit, node: Node) -> Node | None:
 
 
 _RULES = {_TEL: _encoder_layer, _NATIVE_MHA: _native_mha, _MHA: _mha}
+_KEPT = {  # why a fused op stays one opaque ATen call
+    _TEL: "kept whole: a mask, nested or non-float32 input, or heads not dividing the width",
+    _NATIVE_MHA: "kept whole: attention weights, a mask, or cross-attention requested",
+    _MHA: "kept whole: attention weights, masks (other than a causal hint), dropout, bias_k/v, "
+          "separate projections or cross-attention requested",
+}
+KEPT_NOTE = "kwker.decompose"  # node.meta key holding that reason
 
 
 def decompose(gm: GraphModule) -> tuple[GraphModule, list]:
     """A copy of ``gm`` with the fused blocks expanded; also [(node name, op)] of those expanded."""
     if not any(n.op == "call_function" and n.target in _RULES for n in gm.graph.nodes):
-        return gm, []
+        return gm, []  # nothing to expand: no copy
     graph = copy.deepcopy(gm.graph)
     done = []
     e = _Emit(graph)
@@ -175,6 +182,7 @@ def decompose(gm: GraphModule) -> tuple[GraphModule, list]:
         with graph.inserting_before(node):
             out = rule(e, node)
         if out is None:  # not a case we expand (rules add nodes only once they accept)
+            node.meta[KEPT_NOTE] = _KEPT[node.target]
             continue
         done.append((node.name, getattr(node.target, "__name__", str(node.target))))
         if node.target is _TEL:

@@ -260,6 +260,8 @@ class Matcher:
 
 def why_not(node: Node, metas: dict) -> str:
     """A user-facing reason why ``node`` matched no kernel pattern."""
+    if "kwker.decompose" in node.meta:
+        return node.meta["kwker.decompose"]
     for a in node.all_input_nodes:
         m = _meta(metas, a)
         if m is not None and m.dtype != _F32 and m.dtype.is_floating_point:
