@@ -396,12 +396,12 @@ def plot(rows: list[dict], path: Path, info: dict) -> bool:
     ax1.tick_params(axis="y", labelsize=7)
     shapes = [s for s in SWEEP_SHAPES]
     xs = range(len(shapes))
-    for op in SWEEP_OPS:
+    for j, op in enumerate(SWEEP_OPS):
         pts = [(i, r["ratio"]) for i, s in enumerate(shapes) for r in rows
                if r["op"] == op and tuple(r["shape"]) == s and r["dtype"] == "float32"
                and r["section"] in ("sweep", "main")]
         if pts:
-            ax2.plot(*zip(*pts), marker="o", label=op)
+            ax2.plot(*zip(*pts), marker="os^v"[j % 4], color=plt.cm.tab20(j % 20), label=op)
     ax2.axhline(FLOOR, color="red", lw=0.8, ls="--")
     ax2.axhline(1.0, color="grey", lw=0.8)
     ax2.set_yscale("log")
