@@ -6,8 +6,12 @@ threads. First-compile time: ``torch.compile`` + first call in a fresh process, 
 Kwker and Inductor caches ("cold") and once more with the caches that run left ("warm");
 importing torch and torch._dynamo is timed separately, since every backend pays it.
 
-    python benchmarks/bench_models.py            # full run, writes results/models.{md,json}
-    python benchmarks/bench_models.py --quick    # fewer reps, compile times of the tutorial model
+    python benchmarks/bench_models.py            # writes results/models.{md,json}
+    python benchmarks/bench_models.py --quick    # fewer reps, prints only
+    python benchmarks/bench_models.py --compile-times all   # cold/warm compile of every model
+
+Compile times are measured for the tutorial model unless ``--compile-times all`` (each costs two
+fresh processes per compiler, minutes for all models with cold Inductor caches).
 """
 from __future__ import annotations
 
@@ -224,8 +228,8 @@ def headline(rows):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer reps; tutorial compile times only")
-    ap.add_argument("--no-compile-times", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer reps, no results files")
+    ap.add_argument("--compile-times", choices=("tutorial", "all", "none"), default="tutorial")
     ap.add_argument("--models", nargs="*", help="subset of model names")
     ap.add_argument("--probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS})")
@@ -240,7 +244,7 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         row = speed(name, reps)
-        if not args.no_compile_times and (not args.quick or name == TUTORIAL):
+        if args.compile_times == "all" or (args.compile_times == "tutorial" and name == TUTORIAL):
             row["compile"] = {v: compile_times(name, v) for v in ("inductor", "kwker_eager",
                                                                   "kwker")}
         rows.append(row)
