@@ -11,6 +11,8 @@ PyTorch's ``common_utils`` parses ``sys.argv`` itself at import time:
   use (``np.msort``, ``np.quantile(interpolation=...)``), identically in both modes.
 - ``KWKER_UPSTREAM_MIN_NUMEL``: lower Kwker's size cut-off so that the tests' small inputs
   reach the JIT kernels instead of ATen (a stress mode; kwker mode only).
+- ``KWKER_UPSTREAM_SHADOW=1``: re-run every replaced op call on ATen and compare bit for bit
+  (``shadow.py``; kwker mode only).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import os
 import pytest
 
 _outcomes: dict[str, str] = {}
-_state: dict = {"mode": None, "active": False, "min_numel": None}
+_state: dict = {"mode": None, "active": False, "min_numel": None, "shadow": None}
 
 
 def _numpy_compat() -> list[str]:
@@ -72,10 +74,37 @@ def pytest_configure(config):
         _state["active"] = True
         min_numel = os.environ.get("KWKER_UPSTREAM_MIN_NUMEL")
         if min_numel:
-            from kwker.ops import sorting
-
-            sorting.MIN_NUMEL = int(min_numel)
+            _lower_cutoff(int(min_numel))
             _state["min_numel"] = int(min_numel)
+        if os.environ.get("KWKER_UPSTREAM_SHADOW") == "1":
+            from shadow import Shadow
+
+            _state["shadow"] = Shadow()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    shadow = _state["shadow"]
+    if shadow is None:
+        yield
+        return
+    shadow.test = item.nodeid
+    with shadow:
+        yield
+
+
+def _lower_cutoff(n: int) -> None:
+    """Set Kwker's size cut-off (one int, or one per op family) to ``n`` elements."""
+    from kwker.ops import sorting
+
+    cur = getattr(sorting, "MIN_NUMEL", None)
+    if isinstance(cur, dict):
+        sorting.MIN_NUMEL = dict.fromkeys(cur, n)
+    elif isinstance(cur, int):
+        sorting.MIN_NUMEL = n
+    else:
+        raise pytest.UsageError("kwker.ops.sorting.MIN_NUMEL not found: cannot lower the "
+                                "size cut-off for KWKER_UPSTREAM_MIN_NUMEL")
 
 
 def pytest_report_header(config):
@@ -117,9 +146,14 @@ def pytest_sessionfinish(session, exitstatus):
         calls = dict(rows.calls)
     import torch
 
+    shadow = _state["shadow"]
+    if shadow is not None and shadow.samples:
+        torch.save(shadow.samples, path + ".samples.pt")
     with open(path, "w") as f:
         json.dump({"mode": _state["mode"], "kwker_active": _state["active"],
                    "min_numel": _state["min_numel"],
                    "numpy_compat": _state.get("numpy_compat"),
                    "torch": torch.__version__, "kernel_calls": calls,
+                   "shadow_checked": shadow.checked if shadow else None,
+                   "shadow_mismatches": shadow.mismatches if shadow else None,
                    "outcomes": _outcomes}, f, indent=1, sort_keys=True)

@@ -98,6 +98,7 @@ def run_mode(mode: str, cache: Path, args, min_numel: int | None = None) -> dict
                PYTORCH_TEST_WITH_SLOW="1" if args.with_slow else "0",
                PYTORCH_PRINT_REPRO_ON_FAILURE="0", CUDA_VISIBLE_DEVICES="")
     env.pop("KWKER_UPSTREAM_MIN_NUMEL", None)
+    env["KWKER_UPSTREAM_SHADOW"] = "1" if args.shadow and mode == "kwker" else "0"
     if min_numel is not None:
         env["KWKER_UPSTREAM_MIN_NUMEL"] = str(min_numel)
     paths = [str(HERE)] + ([str(args.kwker_path)] if args.kwker_path else [])
@@ -150,6 +151,8 @@ def main(argv=None) -> int:
                     help="also run the tests PyTorch marks @slowTest (PYTORCH_TEST_WITH_SLOW=1)")
     ap.add_argument("--stress-min-numel", type=int, metavar="N",
                     help="extra Kwker run with its size cut-off lowered to N elements")
+    ap.add_argument("--shadow", action="store_true",
+                    help="in Kwker runs, re-run each replaced op on ATen and compare bit for bit")
     ap.add_argument("--json", type=Path, help="write the comparison here")
     args = ap.parse_args(argv)
 
@@ -174,6 +177,14 @@ def main(argv=None) -> int:
         diffs[r["label"]] = compare(base, r)
         for t, x, y in diffs[r["label"]]:
             print(f"  DIFFERENT  {t}: {base['label']}={x} {r['label']}={y}")
+        if r.get("shadow_checked") is not None:
+            bad = r["shadow_mismatches"]
+            print(f"  shadow: {sum(r['shadow_checked'].values())} op calls compared with ATen "
+                  f"{r['shadow_checked']}; {len(bad)} not bit-identical")
+            for m in bad[:40]:
+                print(f"  MISMATCH  {m['op']} {m['why']}\n     args={m['args']} "
+                      f"kwargs={m['kwargs']}\n     in {m['test']}")
+            diffs[r["label"] + " shadow"] = bad
     both_bad = sorted(t for t, o in base["outcomes"].items()
                       if o in ("failed", "error") and
                       all(r["outcomes"].get(t) == o for r in others))
