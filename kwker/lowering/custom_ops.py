@@ -54,20 +54,26 @@ def _version(t):
         return None
 
 
-def kernel_for(key: tuple, consts: dict, make) -> tuple:
-    """(kernel, why not) cached under ``key``; ``consts`` are the tensors the kernel packed."""
+def kernel_for(key: tuple, consts: tuple, make) -> tuple:
+    """(kernel, why not) cached under ``key``; ``consts`` are the tensors the kernel packed.
+
+    A hit costs the dict lookup and, per constant, one weakref call and a version read; the
+    kernel is built (``make()``) only on a miss or when a constant changed.
+    """
     entry = _cache.get(key)
     if entry is not None:
         refs, fn, why = entry
-        if all(r() is t and (v is None or t._version == v)
-               for (r, v), t in zip(refs, consts.values())):
+        for (r, v), t in zip(refs, consts):
+            if r() is not t or (v is not None and t._version != v):
+                break
+        else:
             return fn, why
     try:
         fn, why = make()
     except Exception as e:  # noqa: BLE001 - the op then runs its ATen composition
         log.warning("kwker: building kernel %s failed: %s", key[0], e)
         fn, why = None, f"{type(e).__name__}: {e}"
-    refs = [(weakref.ref(t), _version(t)) for t in consts.values()]
+    refs = [(weakref.ref(t), _version(t)) for t in consts]
     with _cache_lock:
         if len(_cache) >= MAX_CACHED:
             _cache.pop(next(iter(_cache)))
@@ -86,48 +92,45 @@ def _shape_meta(shape, dtype=torch.float32):
     return TensorMeta(shape, contiguous_strides(shape), dtype, "cpu", False)
 
 
-def _build(kind, key, inputs: dict, metas: dict, params: dict, consts: dict | None = None):
-    m = Match(kind, "out", [], inputs, params)
-    consts = consts or {}
-    return kernel_for((kind, *key), consts, lambda: B.build(m, metas, consts))
+def _make(kind, inputs: dict, shapes: dict, params: dict, consts: dict | None = None):
+    """Build a kernel for ``kind`` at these shapes (called by kernel_for on a miss only)."""
+    metas = {k: _shape_meta(v) for k, v in shapes.items()}
+    return B.build(Match(kind, "out", [], inputs, params), metas, consts or {})
 
 
 # --------------------------------------------------------- kernels by concrete shapes
 def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed):
-    consts = {"w": weight} if bias is None else {"w": weight, "b": bias}
-    key = (tuple(x_shape), _ptr(weight), _ptr(bias),
-           None if res_shape is None else tuple(res_shape), epilogue, transposed)
-    inputs = {"x": "x", "weight": "w", "transposed": transposed,
-              "bias": "b" if bias is not None else None,
-              "residual": "r" if res_shape is not None else None}
-    metas = {"x": _shape_meta(x_shape), "r": _shape_meta(res_shape)}
-    return _build("linear", key, inputs, metas, {"epilogue": epilogue}, consts)
+    key = ("linear", x_shape, weight.data_ptr(), _ptr(bias), res_shape, epilogue, transposed)
+    return kernel_for(key, (weight,) if bias is None else (weight, bias), lambda: _make(
+        "linear", {"x": "x", "weight": "w", "transposed": transposed,
+                   "bias": "b" if bias is not None else None,
+                   "residual": "r" if res_shape is not None else None},
+        {"x": x_shape, "r": res_shape}, {"epilogue": epilogue}, {"w": weight, "b": bias}))
 
 
 def linear_topk_kernel(x_shape, weight, transposed, k, largest):
-    return _build("linear_topk", (tuple(x_shape), _ptr(weight), transposed, k, largest),
-                  {"x": "x", "weight": "w", "transposed": transposed},
-                  {"x": _shape_meta(x_shape)}, {"k": k, "largest": largest}, {"w": weight})
+    key = ("linear_topk", x_shape, weight.data_ptr(), transposed, k, largest)
+    return kernel_for(key, (weight,), lambda: _make(
+        "linear_topk", {"x": "x", "weight": "w", "transposed": transposed}, {"x": x_shape},
+        {"k": k, "largest": largest}, {"w": weight}))
 
 
 def matmul_kernel(a_shape, b_shape):
-    return _build("matmul", (tuple(a_shape), tuple(b_shape)), {"a": "a", "b": "b"},
-                  {"a": _shape_meta(a_shape), "b": _shape_meta(b_shape)}, {})
+    return kernel_for(("matmul", a_shape, b_shape), (), lambda: _make(
+        "matmul", {"a": "a", "b": "b"}, {"a": a_shape, "b": b_shape}, {}))
 
 
 def gelu_kernel(numel, approximate):
-    return _build("gelu", (numel, approximate), {"x": "x"}, {"x": _shape_meta((numel,))},
-                  {"approximate": approximate})
+    return kernel_for(("gelu", numel, approximate), (), lambda: _make(
+        "gelu", {"x": "x"}, {"x": (numel,)}, {"approximate": approximate}))
 
 
 def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale):
-    key = (tuple(q_shape), tuple(k_shape), tuple(v_shape),
-           None if mask_shape is None else tuple(mask_shape), mask_kind, causal, scale)
-    inputs = {"q": "q", "k": "k", "v": "v", "mask": None if mask_shape is None else "m"}
-    metas = {"q": _shape_meta(q_shape), "k": _shape_meta(k_shape), "v": _shape_meta(v_shape),
-             "m": _shape_meta(mask_shape)}
-    return _build("sdpa", key, inputs, metas,
-                  {"causal": causal, "scale": scale, "mask": mask_kind})
+    key = ("sdpa", q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale)
+    return kernel_for(key, (), lambda: _make(
+        "sdpa", {"q": "q", "k": "k", "v": "v", "mask": None if mask_shape is None else "m"},
+        {"q": q_shape, "k": k_shape, "v": v_shape, "m": mask_shape},
+        {"causal": causal, "scale": scale, "mask": mask_kind}))
 
 
 # ------------------------------------------------------------- real and fake impls
