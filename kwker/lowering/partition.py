@@ -177,8 +177,13 @@ class EagerCompiled:
 
     def __call__(self, *args):
         plan = self.plan
-        if plan is not None and plan.valid(args):
-            return plan.program(args)
+        if plan is not None:
+            for i, t, v in plan.guards:  # Plan.valid, inlined: this is the per-call path
+                a = args[i]
+                if a is not t or (v is not None and a._version != v):
+                    break
+            else:
+                return plan.program(args)
         return self._slow(args)
 
     def _key(self, args) -> tuple:

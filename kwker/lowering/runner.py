@@ -70,6 +70,18 @@ def _getter(a, slot_of: dict) -> tuple[bool, Any]:
     return False, a
 
 
+def _output(value, slot_of: dict) -> Callable:
+    """The graph's result from the slots; a flat tuple of nodes is one ``itemgetter`` call."""
+    if isinstance(value, tuple) and value and all(isinstance(v, Node) for v in value):
+        idx = [slot_of[v] for v in value]
+        if len(idx) == 1:
+            i = idx[0]
+            return lambda env: (env[i],)
+        return operator.itemgetter(*idx)
+    dyn, get = _getter(value, slot_of)
+    return get if dyn else (lambda env, v=get: v)
+
+
 def make_step(fn: Callable, args: tuple, kwargs: dict, out: int, slot_of: dict) -> Callable:
     """A closure ``step(env)`` computing ``env[out] = fn(*args, **kwargs)`` from slots."""
     nodes_only = all(isinstance(a, Node) for a in args) and not kwargs
@@ -157,8 +169,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             template.append(fetch_attr(gm, n.target))
             continue
         if n.op == "output":
-            dyn, get = _getter(n.args[0], slot_of)
-            output_fn = get if dyn else (lambda env, v=get: v)
+            output_fn = _output(n.args[0], slot_of)
             reads = n.all_input_nodes
             planned.append((None, reads))
             continue
