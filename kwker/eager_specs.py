@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .spec import SortingSpec
 
-SORT_DTYPES = ("float32", "float64", "int64", "int32", "int16", "int8", "uint8")
+SORT_DTYPES = ("float32", "float64", "int64", "int32", "int16", "int8", "uint8", "float16",
+               "bfloat16")
 QUANTILE_DTYPES = ("float32", "float64")
 
 

@@ -19,7 +19,10 @@ DTYPES = {  # torch dtype name -> (LLVM type, is_float, is_signed)
     "float32": (f32, True, True), "float64": (f64, True, True),
     "int64": (i64, False, True), "int32": (i32, False, True), "int16": (i16, False, True),
     "int8": (i8, False, True), "uint8": (i8, False, False),
+    # 16-bit floats are stored and moved as i16 bit patterns, compared after widening to float
+    "float16": (i16, True, True), "bfloat16": (i16, True, True),
 }
+HALF_FLOATS = ("float16", "bfloat16")
 
 
 def const(ty: ir.Type, value) -> ir.Constant:
@@ -192,10 +195,10 @@ class Fn:
         self.b.store(value, self.gep(base, index, value.type), align=align)
 
     def load_vec(self, ty: ir.Type, lanes: int, base: ir.Value, index: ir.Value) -> ir.Value:
-        """Unaligned load of ``lanes`` elements starting at ``base[index]``."""
+        """Load of ``lanes`` elements starting at ``base[index]``, element-aligned only."""
         vt = vec(ty, lanes)
-        return self.b.load(self.gep(base, index, ty), typ=vt, align=ty.width // 8 if hasattr(
-            ty, "width") else 4)
+        size = {f32: 4, f64: 8}.get(ty) or ty.width // 8
+        return self.b.load(self.gep(base, index, ty), typ=vt, align=size)
 
     def arg_ptr(self, args: ir.Value, slot: int) -> ir.Value:
         """The ``slot``-th entry of an i64 argument block, read as a pointer."""

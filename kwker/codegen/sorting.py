@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .irutil import DTYPES, Fn, const, f32, f64, i1, i32, i64, ptr, vec, void
+from .irutil import DTYPES, HALF_FLOATS, Fn, const, f32, f64, i1, i16, i32, i64, ptr, vec, void
 from .rows import FIRST_OP_SLOT, emit_row_driver
 from .sortalgo import SortAlgos, emit_radix_sort
 
@@ -120,10 +120,26 @@ class RowKernel:
         return [out[nm] for nm in names]
 
     # ------------------------------------------------------------------ keys
+    def as_float(self, v):
+        """A stored value as a float: float16/bfloat16 bits widen exactly to float32, which is
+        how ATen compares them."""
+        if self.spec.dtype not in HALF_FLOATS:
+            return v
+        b = self.f.b
+        lanes = v.type.count if isinstance(v.type, ir.VectorType) else None
+        if self.spec.dtype == "float16":
+            return b.fpext(b.bitcast(v, vec(ir.HalfType(), lanes) if lanes else ir.HalfType()),
+                           vec(f32, lanes) if lanes else f32)
+        wide = b.zext(v, vec(i32, lanes) if lanes else i32)
+        wide = b.shl(wide, ir.Constant(vec(i32, lanes), [16] * lanes) if lanes else const(i32, 16))
+        return b.bitcast(wide, vec(f32, lanes) if lanes else f32)
+
     def key(self, v, descending=None):
         """Order-preserving signed integer key of a value (scalar or vector)."""
         b = self.f.b
         desc = self.spec.descending if descending is None else descending
+        if self.is_float:
+            v = self.as_float(v)
         vty = v.type
         lanes = vty.count if isinstance(vty, ir.VectorType) else None
 
@@ -168,7 +184,12 @@ class RowKernel:
         """Output slot ``j`` of this row gets src[idx] and idx."""
         f, b, a = self.f, self.f.b, self.a
         vpos = b.add(b.mul(self.row, a["out_v_rs"]), b.mul(j, a["out_v_es"]))
-        f.store(f.load(self.vt, self.src, idx), a["out_v"], vpos)
+        v = f.load(self.vt, self.src, idx)
+        if self.spec.op == "topk" and self.spec.dtype == "bfloat16":
+            # ATen's bfloat16 topk round-trips values through float32, which makes NaNs canonical
+            v = b.select(b.fcmp_unordered("uno", self.as_float(v), self.as_float(v)),
+                         const(i16, 0x7FC0), v)
+        f.store(v, a["out_v"], vpos)
         ipos = b.add(b.mul(self.row, a["out_i_rs"]), b.mul(j, a["out_i_es"]))
         f.store(idx, a["out_i"], ipos)
 
@@ -410,7 +431,9 @@ def _emit_median_all(rk: RowKernel, nan_ignoring: bool):
     zero, one, two = const(i64, 0), const(i64, 1), const(i64, 2)
     if not nan_ignoring and rk.is_float:
         with f.if_(b.icmp_signed(">", nnan, zero)):
-            nan = ir.Constant(rk.vt, float("nan"))
+            canonical = {"float16": 0x7E00, "bfloat16": 0x7FC0}  # float NaN narrowed
+            nan = (const(i16, canonical[rk.spec.dtype]) if rk.spec.dtype in HALF_FLOATS
+                   else ir.Constant(rk.vt, float("nan")))
             f.store(nan, rk.a["out_v"], zero)
             f.store(const(i64, -1), rk.a["out_i"], zero)
             f.ret()
@@ -433,14 +456,15 @@ def _emit_mode(rk: RowKernel):
     if not rk.is_float:
         b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
     if rk.is_float:
-        raw = SortAlgos(rk.m, rk.vt, lambda bb, x, y: bb.fcmp_ordered("<", x, y),
+        ft = f32 if rk.spec.dtype in HALF_FLOATS else rk.vt  # raw values, as floats
+        raw = SortAlgos(rk.m, ft, lambda bb, x, y: bb.fcmp_ordered("<", x, y),
                         f"{rk.spec.symbol}.raw")
         with f.if_else(b.icmp_signed("==", nnan, zero)) as (keys, raws):
             with keys:
                 b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
             with raws:
                 with f.for_range(zero, rk.n, name="fill_raw") as j:
-                    f.store(f.load(rk.vt, rk.src, j), K, j)
+                    f.store(rk.as_float(f.load(rk.vt, rk.src, j)), K, j)
                     f.store(b.trunc(j, i32), I, j)
                 b.call(raw.std_sort(), [K, I, zero, rk.n])
                 sorted_as.set(const(i1, 0))
@@ -449,7 +473,7 @@ def _emit_mode(rk: RowKernel):
         d = b.icmp_signed("!=", f.load(rk.kt, K, i), f.load(rk.kt, K, j))
         if rk.is_float:  # raw values: every NaN ends a run
             d = b.select(sorted_as.get(), d,
-                         b.fcmp_unordered("!=", f.load(rk.vt, K, i), f.load(rk.vt, K, j)))
+                         b.fcmp_unordered("!=", f.load(ft, K, i), f.load(ft, K, j)))
         return d
     freq, maxf, mode_i = (f.var(i64, zero, nm) for nm in ("freq", "maxf", "mode_i"))
     last = b.sub(rk.n, one)

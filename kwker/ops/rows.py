@@ -22,7 +22,8 @@ MAX_ROW = 2**31 - 1  # indices are i32 inside the kernels
 calls: Counter = Counter()  # kernel calls per op: lets tests prove a fast path really ran
 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64",
-          torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8"}
+          torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+          torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def row_stride(shape, strides, dim: int) -> int | None:

@@ -16,8 +16,8 @@ from .rows import DTYPES, MAX_ROW, DenseOut, OutRows, resize_out, rows_of, run
 FLOAT_DTYPES = (torch.float32, torch.float64)
 # Below these many elements a Kwker call (Python dispatch, output allocation, ctypes: ~10 us)
 # costs more than ATen's whole kernel, so ATen runs; measured crossovers on a 2-core Zen 4.
-MIN_NUMEL = {"topk": 8192, "sort": 8192, "stable": 1024, "kthvalue": 8192, "median": 8192,
-             "median_all": 8192, "mode": 1024, "quantile": 64}
+MIN_NUMEL = {"topk": 8192, "sort": 8192, "stable": 1024, "kthvalue": 32768, "median": 32768,
+             "median_all": 8192, "mode": 1024, "quantile": 1024}
 SPLIT_ROW = 100_000  # a single row at least this long sorts on several threads
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 FLOATS = (torch.float32, torch.float64)
+HALFS = (torch.float16, torch.bfloat16)
 INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-DTYPES = FLOATS + INTS
+DTYPES = FLOATS + HALFS + INTS
 
 FLOAT_PATTERNS = ("normal", "ties4", "ties2", "ties_nan", "signed_zero", "specials", "ascending",
                   "descending", "equal", "subnormal", "asc_ties")
@@ -64,6 +65,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.int32)
     if t.dtype == torch.float64:
         return t.view(torch.int64)
+    if t.dtype in HALFS:
+        return t.view(torch.int16)
     return t
 
 

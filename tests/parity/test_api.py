@@ -108,11 +108,11 @@ def test_edge_shapes_match_aten():
 
 
 def test_unsupported_dtypes_route_to_aten():
-    x = torch.randn(4, 300).to(torch.bfloat16)
+    x = torch.randint(0, 2, (4, 3000), dtype=torch.bool)
     before = sum(rows.calls.values())
-    want = torch.sort(x), torch.topk(x, 3), torch.median(x, 1)
+    want = torch.sort(x), torch.mode(x, 1)
     with kto.accelerated():
-        got = torch.sort(x), torch.topk(x, 3), torch.median(x, 1)
+        got = torch.sort(x), torch.mode(x, 1)
     assert sum(rows.calls.values()) == before
     for g, w in zip(got, want):
         assert_identical(tuple(g), tuple(w))
