@@ -151,21 +151,21 @@ class SortAlgos:
 
     def _stopper_mask(self, f: Fn, K, base, pv, pred: str, width: int) -> ir.Value:
         """i64 bitmask over K[base:base+width]: bit t set iff ``K[base+t] pred pv``."""
-        b, L = f.b, min(self.lanes, width)
+        b = f.b
         lane_t = self.kt
         if self.packed:  # compare whole words: key >= p <=> w >= p<<32; key <= p <=> w <= p<<32|~0
             lane_t = i64
             pv = b.shl(b.sext(pv, i64), const(i64, 32))
             if pred == "<=":
                 pv = b.or_(pv, const(i64, 0xFFFFFFFF))
-        splat = b.insert_element(ir.Constant(vec(lane_t, L), None), pv, const(i32, 0))
-        splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, L), [0] * L))
-        mask = const(i64, 0)
-        for j in range(width // L):
-            v = f.load_vec(lane_t, L, K, b.add(base, const(i64, j * L)))
-            bits = b.bitcast(b.icmp_signed(pred, v, splat), ir.IntType(L))
-            mask = b.or_(mask, b.shl(b.zext(bits, i64), const(i64, j * L)))
-        return mask
+        # One wide compare: LLVM splits it into register-sized compares and joins their mask
+        # registers directly (kunpck), cheaper than shifting and or-ing partial masks.
+        W = width
+        splat = b.insert_element(ir.Constant(vec(lane_t, W), None), pv, const(i32, 0))
+        splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, W), [0] * W))
+        v = f.load_vec(lane_t, W, K, base)
+        bits = b.bitcast(b.icmp_signed(pred, v, splat), ir.IntType(W))
+        return bits if W == 64 else b.zext(bits, i64)
 
     def partition(self) -> ir.Function:
         """partition_with_pivot(K, I, first, last) -> cut: median of three, then Hoare."""
