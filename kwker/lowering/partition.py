@@ -25,6 +25,7 @@ from .shapes import TensorMeta, propagate
 
 log = logging.getLogger("kwker")
 MAX_VARIANTS = 16
+MAX_SPARE = 3
 
 
 def const_nodes(gm: GraphModule, args: list) -> dict:
@@ -75,6 +76,10 @@ class Plan:
             if a is not t or (v is not None and a._version != v):
                 return False
         return True
+
+    def stale(self, args) -> bool:
+        """Its own parameters were updated in place: this plan can never be valid again."""
+        return any(args[i] is t and v is not None and t._version != v for i, t, v in self.guards)
 
 
 def specialise(gm: GraphModule, args: list, graph_id: int, inner: str, note: str = "",
@@ -166,6 +171,7 @@ class EagerCompiled:
             for a in example_inputs)
         self.variants: dict = {}
         self.plan = None
+        self.spare: list[Plan] = []  # plans for other modules' parameters on the same graph
         self.generic = None
         if not self.dynamic:
             self.plan = specialise(gm, list(example_inputs), graph_id, inner, **self.options)
@@ -195,11 +201,15 @@ class EagerCompiled:
 
     def _slow(self, args):
         if not self.dynamic:
-            self.plan = specialise(self.gm, list(args), self.graph_id, self.inner,
-                                   note="parameters changed since compile: re-specialised",
-                                   **self.options)
-            self.report = self.plan.report
-            return self.plan.program(args)
+            live = [p for p in (self.plan, *self.spare) if p is not None and not p.stale(args)]
+            plan = next((p for p in live if p.valid(args)), None)
+            if plan is None:
+                plan = specialise(self.gm, list(args), self.graph_id, self.inner,
+                                  note="parameters changed since compile: re-specialised",
+                                  **self.options)
+                self.report = plan.report
+            self.plan, self.spare = plan, [p for p in live if p is not plan][:MAX_SPARE]
+            return plan.program(args)
         key = self._key(args)
         plan = self.variants.get(key)
         if plan is None or not plan.valid(args):

@@ -239,3 +239,21 @@ def test_a_lowering_bug_costs_speed_not_the_answer(inner, monkeypatch):
     ref, out, reports = compile_run(Small().eval(), (torch.randn(4, 16),), inner)
     assert_close(out, ref)
     assert reports[-1].status == "fallback" and "simulated" in reports[-1].reason
+
+
+def test_two_modules_sharing_a_graph_keep_their_own_weights():
+    """Dynamo reuses one graph for two instances of a class; each keeps its packed weights."""
+    torch.manual_seed(11)
+    a, b = Small().eval(), Small().eval()
+    torch._dynamo.reset()
+    kd.clear_reports()
+    ca = torch.compile(a, backend="kwker", options={"inner": "eager"})
+    cb = torch.compile(b, backend="kwker", options={"inner": "eager"})
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close(ca(x), a(x))
+            assert_close(cb(x), b(x))
+    reports = kd.all_reports()
+    assert len({r.graph for r in reports}) == 1  # one graph ...
+    assert len(reports) == 2                     # ... specialised once per module, not per call
