@@ -224,7 +224,7 @@ def _emit_sort(rk: RowKernel):
         rk.write_sorted(I, rk.n)
 
 
-SPLIT_LEVELS = 2  # partition levels done before a long row's ranges go to threads (4 ranges)
+SPLIT_LEVELS = 3  # at most this many partition levels before a long row's ranges go to threads
 
 
 def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
@@ -237,7 +237,7 @@ def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
     """
     f, b = rk.f, rk.f.b
     zero, one = const(i64, 0), const(i64, 1)
-    threads = rk.a["p0"]
+    threads, levels = rk.a["p0"], rk.a["p1"]  # levels: ceil(log2(threads)), from the caller
     with f.if_else(b.icmp_signed("<=", threads, one)) as (serial, parallel):
         with serial:
             b.call(algos.std_sort(), [K, I, zero, rk.n])
@@ -249,11 +249,12 @@ def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
             lg = b.sub(const(i64, 63), f.call_intrinsic("llvm.ctlz.i64", i64, [rk.n,
                                                                                 const(i1, 0)]))
             tasks = [(zero, rk.n, b.mul(lg, const(i64, 2)))]
-            for _ in range(SPLIT_LEVELS):
+            for level in range(SPLIT_LEVELS):
                 split = []
                 for first, last, depth in tasks:
                     can = b.and_(b.icmp_signed(">", b.sub(last, first), const(i64, 16)),
                                  b.icmp_signed(">", depth, zero))
+                    can = b.and_(can, b.icmp_signed(">", levels, const(i64, level)))
                     cut = f.var(i64, last, "cut")
                     with f.if_(can):
                         cut.set(b.call(algos.partition(), [K, I, first, last]))

@@ -71,8 +71,9 @@ def fast_sort(x, stable=False, dim=-1, descending=False):
     indices = torch.empty_like(x, dtype=torch.int64)
     # one long row: its unstable sort splits over threads after the first partitions
     inner = torch.get_num_threads() if rows == 1 and n >= SPLIT_ROW and not spec.stable else 1
+    levels = min(3, (inner - 1).bit_length())  # enough partition levels for one range a thread
     run(spec, x2, rs, rows, n, OutRows(values, d, rows, n), OutRows(indices, d, rows, n),
-        (inner, 0, 0, 0))
+        (inner, levels, 0, 0))
     return values, indices
 
 
