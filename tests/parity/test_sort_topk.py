@@ -118,10 +118,12 @@ class _nothing:
         return False
 
 
+@pytest.mark.parametrize("threads", (2, 5))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.int32), ids=str)
-def test_long_row_split_over_threads(dtype, kernels_everywhere):
-    """One row of >= 100000 elements is partitioned, then its ranges sort on two threads."""
-    torch.set_num_threads(2)
+def test_long_row_split_over_threads(dtype, threads, kernels_everywhere):
+    """One row of >= 100000 elements is partitioned, then its ranges sort on several threads
+    (5 threads: three partition levels, eight ranges)."""
+    torch.set_num_threads(threads)
     for pattern in ("normal", "ties4", "ties_nan", "descending", "equal"):
         if pattern == "ties_nan" and not dtype.is_floating_point:
             continue
