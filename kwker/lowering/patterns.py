@@ -242,8 +242,8 @@ class Matcher:
             return None
         if b["dropout_p"] != 0 or b["enable_gqa"] or not isinstance(b["is_causal"], bool):
             return None
-        scale = b["scale"]
-        if scale is not None and not isinstance(scale, (int, float)):
+        scale = b["scale"]  # 0.0 would read as "default" to the kernel: leave it to ATen
+        if scale is not None and (not isinstance(scale, (int, float)) or scale == 0):
             return None
         mask_kind = None
         if mask is not None:
