@@ -398,22 +398,25 @@ class SortAlgos:
             b = f.b
             m = b.sub(last, first)
             et = self.elem_types[0]  # the key, or the packed word
-            vt = vec(et, W)
-            tk, ti = f.array(et, W, "tk"), f.array(i32, W, "ti")
-            top = const(et, (1 << (et.width - 1)) - 1)
-            with f.for_range(0, W, name="pad") as j:  # padding sorts after every real key
-                f.store(top, tk, j)
-            with f.for_range(const(i64, 0), m, name="copy") as j:
-                f.store(f.load(et, K, b.add(first, j)), tk, j)
-                if not self.packed:
-                    f.store(f.load(i32, I, b.add(first, j)), ti, j)
-            words = b.load(tk, typ=vt, align=et.width // 8)
-            shift = ir.Constant(vt, [32] * W)
-            keys = b.ashr(words, shift) if self.packed else words
+            kt = self.kt
+            # Load the segment straight into registers (the arrays are padded past the end);
+            # lanes past the segment get the largest key, so they never rank before a real one.
+            words = f.load_vec(et, W, K, first)
+            if self.packed:
+                keys = b.trunc(b.ashr(words, ir.Constant(vec(i64, W), [32] * W)), vec(i32, W))
+            else:
+                keys = words
+                idxs = f.load_vec(i32, W, I, first)
+            lane = ir.Constant(vec(i64, W), list(range(W)))
+            mvec = b.shuffle_vector(b.insert_element(ir.Constant(vec(i64, W), None), m,
+                                                     const(i32, 0)),
+                                    ir.Constant(vec(i64, W), None),
+                                    ir.Constant(vec(i32, W), [0] * W))
+            top = ir.Constant(vec(kt, W), [(1 << (kt.width - 1)) - 1] * W)
+            keys = b.select(b.icmp_signed("<", lane, mvec), keys, top)
             with f.for_range(const(i64, 0), m, name="rank") as j:
-                word = f.load(et, tk, j)
-                kj = b.ashr(word, const(i64, 32)) if self.packed else word
-                splat = b.insert_element(ir.Constant(vt, None), kj, const(i32, 0))
+                kj = b.extract_element(keys, j)
+                splat = b.insert_element(ir.Constant(vec(kt, W), None), kj, const(i32, 0))
                 splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, W), [0] * W))
                 less = b.bitcast(b.icmp_signed("<", keys, splat), ir.IntType(W))
                 same = b.bitcast(b.icmp_signed("==", keys, splat), ir.IntType(W))
@@ -423,9 +426,9 @@ class SortAlgos:
                           f.call_intrinsic(f"llvm.ctpop.i{W}", ir.IntType(W),
                                            [b.and_(same, before)]))
                 dst = b.add(first, b.zext(r, i64))
-                f.store(word, K, dst)
+                f.store(b.extract_element(words, j), K, dst)
                 if not self.packed:
-                    f.store(f.load(i32, ti, j), I, dst)
+                    f.store(b.extract_element(idxs, j), I, dst)
         return self._fn("small_sort", void, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
                         body)
 
