@@ -137,3 +137,21 @@ def test_avx512_and_avx2_code_for_the_graphs_kernels():
         _, asm256 = compile_assembly(str(kernel.emit(spec, avx2)), avx2)
         assert "zmm" in asm512, spec.symbol
         assert "ymm" in asm256 and "zmm" not in asm256, spec.symbol
+
+
+def test_eager_runner_walks_no_graph_per_call(monkeypatch):
+    """After compile, calls run the flat step list: no FX interpreter, no GraphModule code."""
+    torch.manual_seed(5)
+    model = Two().eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        compiled(x)
+
+        def forbidden(*args, **kwargs):
+            raise AssertionError("the graph was walked during a call")
+
+        monkeypatch.setattr(torch.fx.Interpreter, "run_node", forbidden)
+        monkeypatch.setattr(torch.fx.GraphModule, "__call__", forbidden)
+        assert_close(compiled(x), model(x))
