@@ -493,8 +493,10 @@ def _emit_mode(rk: RowKernel):
 def _emit_quantile(rk: RowKernel, nan_ignoring: bool):
     """§8.2: sort the row, then ATen's rank and FMA interpolation arithmetic in the dtype.
 
-    Tie order changes only the sign of a zero (and NaN payloads), so rows holding no NaN and not
-    both zeros use the stable radix sort; the others use the exact std::sort emulation.
+    Tie order changes only the sign of a zero and which NaN (payload) is picked, so the stable
+    radix sort serves every row except those holding both zeros, or NaNs of different bit
+    patterns where a NaN is picked (quantile with any NaN; nanquantile of an all-NaN row): those
+    take the exact std::sort emulation.
     """
     f, b = rk.f, rk.f.b
     T = rk.vt
@@ -505,18 +507,28 @@ def _emit_quantile(rk: RowKernel, nan_ignoring: bool):
     nnan = f.var(i64, zero, "nnan")
     pz, nz = f.var(i1, const(i1, 0), "pz"), f.var(i1, const(i1, 0), "nz")
     ity = rk.kt
+    top, bottom = (1 << (ity.width - 1)) - 1, -(1 << (ity.width - 1))
+    nan_lo, nan_hi = f.var(ity, const(ity, top), "nan_lo"), f.var(ity, const(ity, bottom), "nan_hi")
     with f.for_range(zero, rk.n, name="fill") as j:
         v = f.load(T, rk.src, j)
         k = rk.key(v)
         f.store(k, K, j)
         f.store(b.trunc(j, i32), I, j)
-        nnan.set(b.add(nnan.get(), b.zext(b.icmp_signed("==", k, rk.nan_key()), i64)))
+        is_nan = b.icmp_signed("==", k, rk.nan_key())
+        nnan.set(b.add(nnan.get(), b.zext(is_nan, i64)))
+        bits = b.bitcast(v, ity)
+        lo_b, hi_b = nan_lo.get(), nan_hi.get()
+        nan_lo.set(b.select(b.and_(is_nan, b.icmp_signed("<", bits, lo_b)), bits, lo_b))
+        nan_hi.set(b.select(b.and_(is_nan, b.icmp_signed(">", bits, hi_b)), bits, hi_b))
         is_zero = b.fcmp_ordered("==", v, ir.Constant(T, 0.0))
-        neg = b.icmp_signed("<", b.bitcast(v, ity), const(ity, 0))
+        neg = b.icmp_signed("<", bits, const(ity, 0))
         pz.set(b.or_(pz.get(), b.and_(is_zero, b.not_(neg))))
         nz.set(b.or_(nz.get(), b.and_(is_zero, neg)))
     sorted_idx = f.var(ptr, I, "sorted_idx")
-    exact = b.or_(b.icmp_signed(">", nnan.get(), zero), b.and_(pz.get(), nz.get()))
+    nan_picked = (b.icmp_signed("==", nnan.get(), rk.n) if nan_ignoring
+                  else b.icmp_signed(">", nnan.get(), zero))
+    mixed_nans = b.icmp_signed("<", nan_lo.get(), nan_hi.get())
+    exact = b.or_(b.and_(nan_picked, mixed_nans), b.and_(pz.get(), nz.get()))
     with f.if_else(exact) as (slow, fast):
         with slow:
             b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
