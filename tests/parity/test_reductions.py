@@ -90,3 +90,19 @@ def test_expanded_median_is_correct():
         got = torch.median(x, dim=1)
     want = torch.median(x.contiguous(), dim=1)
     assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
+
+
+def test_quantile_nan_payloads_and_signed_zeros(kernels_everywhere):
+    """Which NaN (payload) or which zero a quantile picks depends on std::sort's tie order."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.tensor([0.0, 0.3, 0.5, 1.0])
+    for n in (1, 2, 5, 17, 40, 300):
+        x = torch.randint(-2, 3, (3, n), generator=g).float()
+        r = torch.rand(3, n, generator=g)
+        x[r < 0.2] = float("nan")
+        x.view(torch.int32)[r < 0.1] = -4194304  # 0xffc00000: a NaN with the sign bit set
+        x[(x == 0) & (r > 0.6)] = -0.0
+        for interp in INTERPOLATIONS:
+            check(lambda: torch.quantile(x, q, dim=1, interpolation=interp), f"q {n} {interp}")
+            check(lambda: torch.nanquantile(x, q, dim=1, interpolation=interp),
+                  f"nanq {n} {interp}")
