@@ -9,7 +9,7 @@ import kwker.ops.sorting as sorting
 import kwker.torch_ops as kto
 from kwker.ops import rows
 
-from .inputs import assert_identical
+from .test_sort_topk import check
 
 POOL = [0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan"), 1e-45, 3.0]
 
@@ -33,14 +33,6 @@ def tensors(draw):
     return x, draw(st.integers(-x.dim(), x.dim() - 1))
 
 
-def _same(fn):
-    want = fn()
-    with kto.accelerated():
-        got = fn()
-    want = tuple(want) if isinstance(want, tuple) else (want,)
-    got = tuple(got) if isinstance(got, tuple) else (got,)
-    assert_identical(got, want)
-
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tensors(), st.booleans(), st.booleans(), st.data())
@@ -50,21 +42,21 @@ def test_ops_match_aten(xd, flag_a, flag_b, data):
     try:
         n = x.shape[dim]
         k = data.draw(st.integers(1, n))
-        _same(lambda: torch.sort(x, dim=dim, descending=flag_a, stable=flag_b))
-        _same(lambda: torch.topk(x, k, dim=dim, largest=flag_a, sorted=flag_b))
-        _same(lambda: torch.kthvalue(x, k, dim=dim, keepdim=flag_a))
-        _same(lambda: torch.median(x, dim=dim, keepdim=flag_b))
-        _same(lambda: torch.nanmedian(x, dim=dim))
-        _same(lambda: torch.median(x))
-        _same(lambda: torch.nanmedian(x))
-        _same(lambda: torch.mode(x, dim=dim))
+        check(lambda: torch.sort(x, dim=dim, descending=flag_a, stable=flag_b))
+        check(lambda: torch.topk(x, k, dim=dim, largest=flag_a, sorted=flag_b))
+        check(lambda: torch.kthvalue(x, k, dim=dim, keepdim=flag_a))
+        check(lambda: torch.median(x, dim=dim, keepdim=flag_b))
+        check(lambda: torch.nanmedian(x, dim=dim))
+        check(lambda: torch.median(x))
+        check(lambda: torch.nanmedian(x))
+        check(lambda: torch.mode(x, dim=dim))
         if x.dtype.is_floating_point:
             q = torch.tensor(data.draw(st.lists(st.floats(0, 1), min_size=1, max_size=4)),
                              dtype=x.dtype)
             interp = data.draw(st.sampled_from(["linear", "lower", "higher", "midpoint",
                                                 "nearest"]))
-            _same(lambda: torch.quantile(x, q, dim=dim, keepdim=flag_a, interpolation=interp))
-            _same(lambda: torch.nanquantile(x, q, dim=None, interpolation=interp))
+            check(lambda: torch.quantile(x, q, dim=dim, keepdim=flag_a, interpolation=interp))
+            check(lambda: torch.nanquantile(x, q, dim=None, interpolation=interp))
     finally:
         sorting.MIN_NUMEL = saved
 

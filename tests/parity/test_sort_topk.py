@@ -16,7 +16,7 @@ def both(fn):
     return got, want
 
 
-def check(fn, what):
+def check(fn, what=""):
     got, want = both(fn)
     assert_identical(got, want, what)
 
