@@ -139,11 +139,12 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("KWKER_UPSTREAM_REPORT")
     if not path:
         return
-    calls = {}
+    calls, where = {}, None
     if _state["active"]:
+        import kwker
         from kwker.ops import rows
 
-        calls = dict(rows.calls)
+        calls, where = dict(rows.calls), kwker.__file__
     import torch
 
     shadow = _state["shadow"]
@@ -153,7 +154,7 @@ def pytest_sessionfinish(session, exitstatus):
         json.dump({"mode": _state["mode"], "kwker_active": _state["active"],
                    "min_numel": _state["min_numel"],
                    "numpy_compat": _state.get("numpy_compat"),
-                   "torch": torch.__version__, "kernel_calls": calls,
+                   "torch": torch.__version__, "kwker": where, "kernel_calls": calls,
                    "shadow_checked": shadow.checked if shadow else None,
                    "shadow_mismatches": shadow.mismatches if shadow else None,
                    "outcomes": _outcomes}, f, indent=1, sort_keys=True)

@@ -78,7 +78,7 @@ class Shadow(TorchFunctionMode):
         try:
             with torch.no_grad():
                 want = func(*args, **kwargs)
-        except Exception as e:  # Kwker returned where ATen raises: a difference too
+        except Exception as e:  # noqa: BLE001 -- Kwker returned where ATen raises: a difference
             want = e
         finally:
             kto.install()
