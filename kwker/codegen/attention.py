@@ -38,7 +38,7 @@ def _cdiv(a: int, b: int) -> int:
 def emit(spec, target) -> ir.Module:
     L = simd.float_lanes(target)
     module = new_module(spec.symbol)
-    body = _Emitter(module, spec, L).body()
+    body = _Emitter(module, spec, L, target.has("avx512f")).body()
     flops = 4 * spec.batch * spec.heads * spec.lq * spec.lk * max(spec.e, spec.ev)
     items = spec.batch * spec.heads * _cdiv(spec.lq, spec.bq)
     max_threads = max(1, min(items, flops // (1 << 20)))
@@ -47,8 +47,8 @@ def emit(spec, target) -> ir.Module:
 
 
 class _Emitter:
-    def __init__(self, module, spec, lanes):
-        self.m, self.s, self.L = module, spec, lanes
+    def __init__(self, module, spec, lanes, avx512: bool):
+        self.m, self.s, self.L, self.avx512 = module, spec, lanes, avx512
         s = spec
         self.bk = min(s.bk, _cdiv(s.lk, s.nr) * s.nr)
         self.nqb = _cdiv(s.lq, s.bq)
@@ -115,8 +115,6 @@ class _Emitter:
         with f.for_range(0, s.bq, name="init") as r:
             simd.store_scalar(b, ir.Constant(f32, NEG_INF), mrow, r)
             simd.store_scalar(b, ir.Constant(f32, 0.0), lrow, r)
-        with f.for_range(0, s.bq * self.ev_pad, step=L, name="zero") as x:
-            simd.store_vec(b, vmath.splat(simd.vty(L), 0.0), obuf, x)
         kv_end = const(i64, s.lk)
         if s.causal:  # keys up to the block's last row, whole panels (masked per element)
             need = b.mul(b.sdiv(b.add(i1, const(i64, s.nr - 1)), const(i64, s.nr)),
@@ -182,54 +180,93 @@ class _Emitter:
         def tile(r0, nrows):
             a = simd.gep(b, sbuf, b.mul(r0, const(i64, self.bk)))
             c = simd.gep(b, obuf, b.mul(r0, const(i64, self.ev_pad)))
-            b.call(self.o_kernel(nrows), [a, vb, c, kv, const(i64, 0), nullp, nullp])
+            mode = b.select(b.icmp_signed("==", j0, const(i64, 0)), const(i64, FIRST),
+                            const(i64, 0))
+            b.call(self.o_kernel(nrows), [a, vb, c, kv, mode, nullp, nullp])
 
         self._row_tiles(rows, s.mro, tile)
 
     # -- online softmax over one block of scores --------------------------------------------
     def softmax(self, head, i0, rows, j0, kv, sbuf, obuf, mrow, lrow):
+        """Running max ``m`` and sum ``l`` are kept in log2 units: ``p = 2**(x*c - m)`` with
+        ``c = scale * log2(e)`` is one FMA and a short exp2. Without a mask the first pass only
+        reads (max of raw scores); with one it stores the masked, scaled scores."""
         s, L, f = self.s, self.L, self.f
         b = f.b
         vt = simd.vty(L)
+        c = self.scale * 1.4426950408889634
+        raw = s.mask == "none" and c > 0  # max(x) * c == max(x * c)
         ninf = vmath.splat(vt, NEG_INF)
         with f.for_range(0, rows, name="sr") as r:
             i = b.add(i0, r)
             row = simd.gep(b, sbuf, b.mul(r, const(i64, self.bk)))
-            limit = kv
-            if s.causal:  # keys j0 + c <= i are visible
-                vis = b.add(b.sub(i, j0), const(i64, 1))
-                vis = b.select(b.icmp_signed("<", vis, const(i64, 0)), const(i64, 0), vis)
-                limit = b.select(b.icmp_signed("<", vis, kv), vis, kv)
+            vis = kv
+            if s.causal:  # keys j0 + col <= i are visible
+                v0 = b.add(b.sub(i, j0), const(i64, 1))
+                v0 = b.select(b.icmp_signed("<", v0, const(i64, 0)), const(i64, 0), v0)
+                vis = b.select(b.icmp_signed("<", v0, kv), v0, kv)
+            full = b.mul(b.sdiv(vis, const(i64, L)), const(i64, L))
+            tail = b.sub(vis, full)
             mx = f.var(vt, ninf, "mx")
-            with f.for_range(0, kv, step=L, name="c1") as c:
-                live = simd.lane_mask(b, L, b.sub(limit, c))
-                x = simd.masked_load(b, row, c, live, L)
-                x = b.fmul(x, vmath.splat(vt, self.scale))
-                x = self.apply_mask(head, i, b.add(j0, c), x, live, L)
-                x = b.select(live, x, ninf)
-                simd.store_vec(b, x, row, c)
+
+            def pass1(col, x, live):
+                if not raw:
+                    x = b.fmul(x, vmath.splat(vt, self.scale))
+                    x = self.apply_mask(head, i, b.add(j0, col), x, live, L)
+                    x = b.fmul(x, vmath.splat(vt, 1.4426950408889634))
+                    simd.store_vec(b, x, row, col)
                 mx.set(_vmax(b, mx.get(), x))
+
+            with f.for_range(0, full, step=L, name="c1") as col:
+                pass1(col, simd.load_vec(b, row, col, L), simd.const_mask(L, L))
+            with f.if_(b.icmp_signed(">", tail, const(i64, 0))):
+                live = simd.lane_mask(b, L, tail)
+                x = simd.masked_load(b, row, full, live, L, passthru=NEG_INF)
+                pass1(full, x, live)
+                # masked-out lanes of the tail vector stay -inf
+            blk = simd.hmax(b, mx.get())
+            if raw:
+                blk = b.fmul(blk, ir.Constant(f32, c))
             m_old = simd.load_scalar(b, mrow, r)
-            m_new = _smax(b, m_old, simd.hmax(b, mx.get()))
-            is_ninf = b.fcmp_ordered("==", m_new, ir.Constant(f32, NEG_INF))
-            ref = b.select(is_ninf, ir.Constant(f32, 0.0), m_new)
-            alpha = vmath.exp(b, b.fsub(m_old, ref))
+            m_new = _smax(b, m_old, blk)
+            ref = b.select(b.fcmp_ordered("==", m_new, ir.Constant(f32, NEG_INF)),
+                           ir.Constant(f32, 0.0), m_new)
             refv = simd.broadcast(b, ref, L)
             acc = f.var(vt, vmath.splat(vt, 0.0), "sum")
-            with f.for_range(0, kv, step=L, name="c2") as c:
-                live = simd.lane_mask(b, L, b.sub(kv, c))
-                x = simd.masked_load(b, row, c, live, L, passthru=NEG_INF)
-                p = vmath.exp(b, b.fsub(x, refv))
-                simd.store_vec(b, p, row, c)
-                acc.set(b.fadd(acc.get(), b.select(live, p, vmath.splat(vt, 0.0))))
+
+            def pass2(col, x):
+                t = vmath.fma(b, x, vmath.splat(vt, c), b.fsub(vmath.splat(vt, 0.0), refv)) \
+                    if raw else b.fsub(x, refv)
+                p = vmath.exp2_softmax(b, t, self.avx512)
+                simd.store_vec(b, p, row, col)
+                acc.set(b.fadd(acc.get(), p))
+
+            with f.for_range(0, full, step=L, name="c2") as col:
+                pass2(col, simd.load_vec(b, row, col, L))
+            with f.if_(b.icmp_signed(">", tail, const(i64, 0))):
+                x = simd.masked_load(b, row, full, simd.lane_mask(b, L, tail), L,
+                                     passthru=NEG_INF)
+                if not raw:  # the tail's invisible lanes were never stored as -inf
+                    x = b.select(simd.lane_mask(b, L, tail), x, ninf)
+                pass2(full, x)
+            if s.causal:  # invisible keys of this block get probability 0
+                start = b.mul(b.sdiv(b.add(vis, const(i64, L - 1)), const(i64, L)),
+                              const(i64, L))
+                with f.for_range(start, kv, step=L, name="cz") as col:
+                    simd.store_vec(b, vmath.splat(vt, 0.0), row, col)
             l_old = simd.load_scalar(b, lrow, r)
+            alpha = vmath.exp2_softmax(b, b.fsub(m_old, ref), False)
             simd.store_scalar(b, vmath.fma(b, l_old, alpha, simd.hsum(b, acc.get())), lrow, r)
             simd.store_scalar(b, m_new, mrow, r)
-            av = simd.broadcast(b, alpha, L)
-            orow = b.mul(r, const(i64, self.ev_pad))
-            with f.for_range(0, self.ev_pad, step=L, name="oc") as c:
-                idx = b.add(orow, c)
-                simd.store_vec(b, b.fmul(simd.load_vec(b, obuf, idx, L), av), obuf, idx)
+            # the first block writes O (FIRST mode), later ones rescale it when the max moved
+            moved = b.and_(b.icmp_signed("!=", j0, const(i64, 0)),
+                           b.fcmp_ordered("!=", alpha, ir.Constant(f32, 1.0)))
+            with f.if_(moved):
+                av = simd.broadcast(b, alpha, L)
+                orow = b.mul(r, const(i64, self.ev_pad))
+                with f.for_range(0, self.ev_pad, step=L, name="oc") as col:
+                    idx = b.add(orow, col)
+                    simd.store_vec(b, b.fmul(simd.load_vec(b, obuf, idx, L), av), obuf, idx)
 
     def apply_mask(self, head, i, j, x, live, L):
         """Add the float mask / apply the bool mask at (head, row i, keys j..j+L)."""

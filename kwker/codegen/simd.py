@@ -88,14 +88,25 @@ def store_any(b, value, base, index, active: int) -> None:
         masked_store(b, value, base, index, const_mask(value.type.count, active))
 
 
+def _tree(b: ir.IRBuilder, v: ir.Value, combine) -> ir.Value:
+    """Reduce a vector by halving (log2 steps of vector ops), lane 0 of the last step."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, n), list(range(n))))
+        hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, n), list(range(n, 2 * n))))
+        v = combine(lo, hi)
+    return b.extract_element(v, ir.Constant(i32, 0))
+
+
 def hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    fn = intrinsic(b.module, f"llvm.vector.reduce.fadd.v{v.type.count}f32", f32, [f32, v.type])
-    return b.call(fn, [ir.Constant(f32, -0.0), v])
+    """Sum of the lanes as a tree (not LLVM's ordered reduction, 16 dependent adds)."""
+    return _tree(b, v, b.fadd)
 
 
 def hmax(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    fn = intrinsic(b.module, f"llvm.vector.reduce.fmax.v{v.type.count}f32", f32, [v.type])
-    return b.call(fn, [v])
+    """Max of the lanes as a tree of ordered compares (NaN lanes lose, like ``maxps``)."""
+    return _tree(b, v, lambda x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
 
 
 def store_scalar(b: ir.IRBuilder, value: ir.Value, base: ir.Value, index) -> None:

@@ -234,3 +234,26 @@ def exp_softmax(b: ir.IRBuilder, x, avx512: bool):
     y = b.fmul(p, _pow2(b, b.select(b.icmp_signed("<", ni, splat(ni.type, -126)),
                                     splat(ni.type, -126), ni)))
     return b.select(b.fcmp_ordered("<", x, splat(ty, -87.33654022216797)), splat(ty, 0.0), y)
+
+
+EXP2_P = (0.00015461447765119374, 0.0013390866806730628, 0.009618056938052177,
+          0.055503569543361664, 0.24022650718688965, 0.6931471824645996)
+
+
+def exp2_softmax(b: ir.IRBuilder, t, avx512: bool):
+    """2**t for softmax arguments already in log2 units (t <= 0 or -inf), <= 1 ulp before the
+    scaling; results below FLT_MIN flush to 0 without AVX-512. ~10 vector ops: the attention
+    kernel folds scale * log2(e) into one FMA, so no separate exp range reduction is needed."""
+    ty = t.type
+    tc = b.select(b.fcmp_ordered("<", t, splat(ty, -150.0)), splat(ty, -150.0), t)
+    n = unary(b, "rint", tc)
+    f = b.fsub(tc, n)
+    p = fma(b, horner(b, EXP2_P, f), f, splat(ty, 1.0))
+    if avx512 and isinstance(ty, ir.VectorType) and ty.count == 16:
+        fn = intrinsic(b.module, "llvm.x86.avx512.mask.scalef.ps.512", ty,
+                       [ty, ty, ty, ir.IntType(16), i32])
+        return b.call(fn, [p, n, p, ir.Constant(ir.IntType(16), -1), ir.Constant(i32, 4)])
+    ni = b.fptosi(n, _int_type(ty))
+    y = b.fmul(p, _pow2(b, b.select(b.icmp_signed("<", ni, splat(ni.type, -126)),
+                                    splat(ni.type, -126), ni)))
+    return b.select(b.fcmp_ordered("<", tc, splat(ty, -126.0)), splat(ty, 0.0), y)
