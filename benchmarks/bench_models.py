@@ -208,7 +208,8 @@ def markdown(rows, info, reps) -> str:
            if r["compile"][v].get("dynamo_import_s")]
     lines = [
         "# Models: PyTorch eager, Inductor and Kwker", "",
-        f"`python benchmarks/bench_models.py` — {common.machine_line(info)}.", "",
+        f"`python benchmarks/bench_models.py` — {common.machine_line(info)}, "
+        + f"{common.load()} at end.", "",
         f"Best of 3 rounds of {reps} interleaved samples after warm-up, `torch.no_grad()`, "
         "float32. Ratios "
         "are eager time / Kwker time from the same run (> 1 means Kwker is faster). Compile "
