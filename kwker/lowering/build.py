@@ -15,13 +15,13 @@ import threading
 from pathlib import Path
 
 import torch
+from torch.fx import Node
 
+from . import sorting as S
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides, same_layout
 
 _factories: dict[str, object] = {}
-_RETURN_TYPES = {"topk": torch.return_types.topk, "sort": torch.return_types.sort,
-                 "kthvalue": torch.return_types.kthvalue, "mode": torch.return_types.mode}
 
 
 def factory(name: str):
@@ -42,14 +42,6 @@ def factory(name: str):
         fn = None
     _factories[name] = fn
     return fn
-
-
-def sorting_module():
-    """The ATen-identical sorting ops, or None before they exist."""
-    try:
-        return importlib.import_module("kwker.ops.sorting")
-    except ImportError:
-        return None
 
 
 def _prod(xs) -> int:
@@ -117,7 +109,10 @@ def runtime_inputs(m: Match) -> list:
     """Nodes the kernel reads at run time, in the order its callable takes them."""
     keys = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("a", "b"),
             "gelu": ("x",), "sdpa": ("q", "k", "v", "mask"), "sorting": ("x",)}[m.kind]
-    return [m.inputs[k] for k in keys if m.inputs.get(k) is not None]
+    nodes = [m.inputs[k] for k in keys if m.inputs.get(k) is not None]
+    if m.kind == "sorting":
+        nodes += [a for a in m.params["args"] if isinstance(a, Node)]
+    return nodes
 
 
 def _weight(m: Match, consts: dict) -> torch.Tensor:
@@ -257,24 +252,19 @@ def _sdpa(m: Match, metas, consts):
 
 
 def _sorting(m: Match, metas, consts):
-    mod = sorting_module()
-    op = m.params["op"]
-    fn = getattr(mod, op, None) if mod is not None else None
-    if fn is None:
-        return None, f"kwker.ops.sorting.{op} does not exist yet"
-    b = m.params["args"]
-    wrap = _RETURN_TYPES[op]
-    if op == "topk":
-        k, dim, largest, srt = b["k"], b["dim"], b["largest"], b["sorted"]
-        return (lambda x: wrap(fn(x, k, dim, largest, srt))), None
-    if op == "sort":
-        dim, desc, stable = b["dim"], b["descending"], bool(b["stable"])
-        return (lambda x: wrap(fn(x, dim, desc, stable))), None
-    if op == "kthvalue":
-        k, dim, keep = b["k"], b["dim"], b["keepdim"]
-        return (lambda x: wrap(fn(x, k, dim, keep))), None
-    dim, keep = b["dim"], b["keepdim"]
-    return (lambda x: wrap(fn(x, dim, keep))), None
+    mod = S.module()
+    if mod is None:
+        return None, "kwker.ops.sorting is not available on this torch"
+    v, args = m.params["variant"], m.params["args"]
+    wrap = S.RETURN_TYPES.get(v)
+    run = S.run
+    if any(isinstance(a, Node) for a in args):  # quantile's q tensor: read at run time
+        q_at = next(i for i, a in enumerate(args) if isinstance(a, Node))
+        head, tail = args[:q_at], args[q_at + 1:]
+        return (lambda x, q: run(mod, v, x, *head, q, *tail)), None
+    if wrap is None:
+        return (lambda x: run(mod, v, x, *args)), None
+    return (lambda x: wrap(run(mod, v, x, *args))), None
 
 
 _BUILDERS = {"linear": _linear, "linear_topk": _linear_topk, "matmul": _matmul, "gelu": _gelu,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import build as B
+from . import sorting as S
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides
 
@@ -34,11 +35,25 @@ _SCHEMAS = {
     "gelu": "gelu(Tensor x, str approximate) -> Tensor",
     "sdpa": "sdpa(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale) "
             "-> Tensor",
-    "topk": "topk(Tensor x, int k, int dim, bool largest, bool sorted) -> (Tensor, Tensor)",
-    "sort": "sort(Tensor x, int dim, bool descending, bool stable) -> (Tensor, Tensor)",
-    "kthvalue": "kthvalue(Tensor x, int k, int dim, bool keepdim) -> (Tensor, Tensor)",
-    "mode": "mode(Tensor x, int dim, bool keepdim) -> (Tensor, Tensor)",
 }
+_PAIR, _QUANTILE = "-> (Tensor, Tensor)", "int? dim, bool keepdim, str interpolation) -> Tensor"
+_SORTING = {  # variant (see sorting.py) -> schema
+    "topk": f"(Tensor x, int k, int dim, bool largest, bool sorted) {_PAIR}",
+    "sort": f"(Tensor x, int dim, bool descending, bool stable) {_PAIR}",
+    "argsort": "(Tensor x, int dim, bool descending, bool stable) -> Tensor",
+    "msort": "(Tensor x) -> Tensor",
+    "kthvalue": f"(Tensor x, int k, int dim, bool keepdim) {_PAIR}",
+    "mode": f"(Tensor x, int dim, bool keepdim) {_PAIR}",
+    "median_dim": f"(Tensor x, int dim, bool keepdim) {_PAIR}",
+    "nanmedian_dim": f"(Tensor x, int dim, bool keepdim) {_PAIR}",
+    "median_all": "(Tensor x) -> Tensor",
+    "nanmedian_all": "(Tensor x) -> Tensor",
+    "quantile": f"(Tensor x, Tensor q, {_QUANTILE}",
+    "nanquantile": f"(Tensor x, Tensor q, {_QUANTILE}",
+    "quantile_scalar": f"(Tensor x, float q, {_QUANTILE}",
+    "nanquantile_scalar": f"(Tensor x, float q, {_QUANTILE}",
+}
+_SCHEMAS.update({name: name + schema for name, schema in _SORTING.items()})
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
 
@@ -212,29 +227,23 @@ def _sdpa_fake(q, k, v, mask, causal, scale):
     return q.new_empty((*batch, q.shape[-2], v.shape[-1]))
 
 
-def _aten_sorting(op, x, *args):
-    if op == "sort":
-        dim, descending, stable = args
-        return torch.ops.aten.sort.stable(x, stable=stable, dim=dim, descending=descending)
-    return getattr(torch.ops.aten, op).default(x, *args)
-
-
-def _sorting(op):
+def _sorting(v):
     def impl(x, *args):
-        mod = B.sorting_module()
-        fn = getattr(mod, op, None) if mod is not None else None
-        return tuple(fn(x, *args) if fn is not None else _aten_sorting(op, x, *args))
+        mod = S.module()
+        out = S.run(mod, v, x, *args) if mod is not None else S.aten(v, x, *args)
+        return tuple(out) if isinstance(out, tuple) else out
 
     def fake(x, *args):
-        return tuple(_aten_sorting(op, x, *args))
+        out = S.aten(v, x, *args)
+        return tuple(out) if isinstance(out, tuple) else out
     return impl, fake
 
 
 _IMPLS = {"linear": (_linear, _linear_fake), "linear_topk": (_linear_topk, _linear_topk_fake),
           "matmul": (_matmul, _matmul_fake), "gelu": (_gelu, _gelu_fake),
           "sdpa": (_sdpa, _sdpa_fake)}
-for _op in ("topk", "sort", "kthvalue", "mode"):
-    _IMPLS[_op] = _sorting(_op)
+for _v in _SORTING:
+    _IMPLS[_v] = _sorting(_v)
 for _name, (_impl, _fake) in _IMPLS.items():
     _lib.impl(_name, _impl, "CPU")
     torch.library.register_fake(f"kwker::{_name}", _fake, lib=_lib)

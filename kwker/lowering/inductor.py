@@ -16,6 +16,7 @@ from torch.fx.node import map_arg
 
 from . import build as B
 from . import custom_ops as C
+from . import sorting as S
 from .partition import const_nodes
 from .patterns import Match, Matcher, why_not
 from .report import Report, fill, publish
@@ -36,14 +37,7 @@ def _call_args(m: Match) -> tuple:
         return i["x"], p["approximate"]
     if m.kind == "sdpa":
         return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"]
-    b, op = p["args"], p["op"]
-    if op == "topk":
-        return i["x"], b["k"], b["dim"], b["largest"], b["sorted"]
-    if op == "sort":
-        return i["x"], b["dim"], b["descending"], bool(b["stable"])
-    if op == "kthvalue":
-        return i["x"], b["k"], b["dim"], b["keepdim"]
-    return i["x"], b["dim"], b["keepdim"]
+    return (i["x"], *p["args"])
 
 
 def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> str | None:
@@ -109,7 +103,7 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, dec
         publish(report)
         return
     consts = const_nodes(gm, example_inputs)
-    matches = Matcher(nodes, metas, set(consts), B.sorting_module() is not None).run()
+    matches = Matcher(nodes, metas, set(consts), S.module() is not None).run()
     failures, kept = {}, []
 
     def lower(m) -> None:
@@ -134,7 +128,7 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, dec
     graph = gm.graph
     replaced = {}  # outputs of earlier kernels -> their custom-op nodes
     for m in kept:
-        target = C.op(m.params["op"] if m.kind == "sorting" else m.kind)
+        target = C.op(m.params["variant"] if m.kind == "sorting" else m.kind)
         args = map_arg(_call_args(m), lambda n: replaced.get(n, n))
         with graph.inserting_before(m.output):
             new = graph.call_function(target, args)

@@ -33,6 +33,15 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], dict]] = {
     "sort": (("input", "dim", "descending"), {"dim": -1, "descending": False, "stable": False}),
     "kthvalue": (("input", "k", "dim", "keepdim"), {"dim": -1, "keepdim": False}),
     "mode": (("input", "dim", "keepdim"), {"dim": -1, "keepdim": False}),
+    "median": (("input", "dim", "keepdim"), {"dim": None, "keepdim": False}),
+    "nanmedian": (("input", "dim", "keepdim"), {"dim": None, "keepdim": False}),
+    "quantile": (("input", "q", "dim", "keepdim"),
+                 {"dim": None, "keepdim": False, "interpolation": "linear"}),
+    "nanquantile": (("input", "q", "dim", "keepdim"),
+                    {"dim": None, "keepdim": False, "interpolation": "linear"}),
+    "argsort": (("input", "dim", "descending"), {"dim": -1, "descending": False,
+                                                 "stable": False}),
+    "msort": (("input",), {}),
     "t": (("input",), {}),
     "transpose": (("input", "dim0", "dim1"), {}),
     "dropout": (("input", "p", "training", "inplace"),
@@ -48,6 +57,8 @@ _FUNCTIONS = {
     operator.add: "add", torch.add: "add",
     torch._C._nn.scaled_dot_product_attention: "sdpa",
     torch.topk: "topk", torch.sort: "sort", torch.kthvalue: "kthvalue", torch.mode: "mode",
+    torch.median: "median", torch.nanmedian: "nanmedian", torch.quantile: "quantile",
+    torch.nanquantile: "nanquantile", torch.argsort: "argsort", torch.msort: "msort",
     torch.t: "t", torch.transpose: "transpose",
     F.dropout: "dropout", torch.dropout: "dropout",
 }
@@ -56,6 +67,8 @@ _METHODS = {
     "matmul": "matmul", "__matmul__": "matmul", "mm": "mm", "bmm": "bmm", "addmm": "addmm",
     "relu": "relu", "add": "add", "__add__": "add", "__radd__": "add",
     "topk": "topk", "sort": "sort", "kthvalue": "kthvalue", "mode": "mode",
+    "median": "median", "nanmedian": "nanmedian", "quantile": "quantile",
+    "nanquantile": "nanquantile", "argsort": "argsort", "msort": "msort",
     "t": "t", "transpose": "transpose",
 }
 

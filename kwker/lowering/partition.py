@@ -17,6 +17,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import build as B
+from . import sorting as S
 from .ops import is_inplace, is_view
 from .patterns import Matcher, why_not
 from .report import Report, fill, publish
@@ -109,7 +110,7 @@ def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
         fill(report, nodes, [], {})
         return Plan(build_program(gm), (), publish(report))
     consts = const_nodes(gm, args)
-    matches = Matcher(nodes, metas, set(consts), B.sorting_module() is not None).run()
+    matches = Matcher(nodes, metas, set(consts), S.module() is not None).run()
     steps, failures, used = [], {}, set()
 
     def lower(m) -> None:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
+from . import sorting as S
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
-SORTING_OPS = ("topk", "sort", "kthvalue", "mode")
 _F32 = torch.float32
 
 
@@ -124,11 +124,16 @@ class Matcher:
                 return Match("gelu", n, [n], {"x": b["input"]}, {"approximate": b["approximate"]})
         if kind == "sdpa":
             return self.sdpa(n)
-        if kind in SORTING_OPS and self.sorting:
+        if kind in S.OPS and self.sorting:
             b = bind(n)
-            if b is not None and isinstance(b["input"], Node) and _meta(self.metas, b["input"]) \
-                    and not any(isinstance(v, Node) for k, v in b.items() if k != "input"):
-                return Match("sorting", n, [n], {"x": b["input"]}, {"op": kind, "args": b})
+            if b is None or not isinstance(b["input"], Node) or not _meta(self.metas, b["input"]):
+                return None
+            if any(isinstance(v, Node) for k, v in b.items() if k not in ("input", "q")):
+                return None
+            v = S.variant(kind, b)
+            if v is not None:
+                return Match("sorting", n, [n], {"x": b["input"]}, {"op": kind, "variant": v[0],
+                                                                   "args": v[1]})
         return None
 
     # ------------------------------------------------------------------ GEMM with a weight
@@ -209,7 +214,9 @@ class Matcher:
             return None
         fallback = [Match("linear", n, list(covers), dict(inputs), {"epilogue": "none"})]
         if self.sorting:
-            fallback.append(Match("sorting", user, [user], {"x": n}, {"op": "topk", "args": bt}))
+            fallback.append(Match("sorting", user, [user], {"x": n},
+                                  {"op": "topk", "variant": "topk",
+                                   "args": S.variant("topk", bt)[1]}))
         return Match("linear_topk", user, covers + [user], dict(inputs),
                      {"k": bt["k"], "largest": bt["largest"]}, fallback)
 
