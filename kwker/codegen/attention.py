@@ -82,7 +82,7 @@ class _Emitter:
         sizes = [kp_floats, s.bq * self.bk, s.bq * self.ev_pad, s.bq, s.bq]
         raws = [b.call(malloc, [const(i64, 4 * n + 64)]) for n in sizes]
         kp, sbuf, obuf, mrow, lrow = (_align64(b, r) for r in raws)
-        pack_k = emit_pack_rows(self.m, s.nr, s.e)
+        pack_k = emit_pack_rows(self.m, s.nr, s.e, self.L)
 
         items = s.batch * s.heads * self.nqb
         cur_head = f.var(i64, const(i64, -1), "head")

@@ -100,7 +100,7 @@ class _Emitter:
         raw_a = b.call(self.malloc, [const(i64, s.m * s.k_dim * 4 + s.mr * s.k_dim * 4 + 64)])
         raw_t = b.call(self.malloc, [const(i64, s.mr * s.nr * 4 + 64)])
         ap, tile = _align64(b, raw_a), _align64(b, raw_t)
-        pack = emit_pack_rows(self.module, s.mr, s.k_dim)
+        pack = emit_pack_rows(self.module, s.mr, s.k_dim, self.L)
         b.call(pack, [simd.gep(b, x, b.mul(row0, const(i64, s.k_dim))), b.sub(row1, row0),
                       const(i64, s.k_dim), ap])
         nullp = ir.Constant(ptr, None)

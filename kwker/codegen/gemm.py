@@ -129,9 +129,9 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
     for rows in {s.mr, p.mr_edge}:
         for cols in {s.nr, p.nr_edge}:
             variants[rows, cols] = emit_micro(module, p.micro(rows, cols))
-    pack_a = emit_pack_rows(module, s.mr, s.k) if s.a_pack else None
+    pack_a = emit_pack_rows(module, s.mr, s.k, L) if s.a_pack else None
     if s.b_layout == "nk":
-        pack_b = emit_pack_rows(module, s.nr, s.k)
+        pack_b = emit_pack_rows(module, s.nr, s.k, L)
     elif p.pack_b:
         pack_b = emit_pack_cols(module, s.nr, s.n, L)
     else:

@@ -18,11 +18,14 @@ from . import simd
 from .irutil import Fn, const, f32, i64, ptr, void
 
 
-def emit_pack_rows(module: ir.Module, mr: int, ld: int) -> ir.Function:
+def emit_pack_rows(module: ir.Module, mr: int, ld: int, lanes: int = 0) -> ir.Function:
     """``void pack_rows(ptr src, i64 rows, i64 kc, ptr dst)``: tiles of ``mr`` rows, k-major.
 
-    ``src`` points at element (0, k0) of a row-major matrix with row stride ``ld``.
+    ``src`` points at element (0, k0) of a row-major matrix with row stride ``ld``. With
+    ``lanes`` (the vector width), blocks of lanes x lanes are transposed in registers.
     """
+    if lanes >= 4:
+        return _emit_pack_rows_vec(module, mr, ld, lanes)
     name = f"pack_rows.{mr}.{ld}"
     try:
         return module.get_global(name)
@@ -81,3 +84,84 @@ def emit_pack_cols(module: ir.Module, nr: int, ld: int, lanes: int) -> ir.Functi
                 x = simd.masked_load(b, src, b.add(sbase, const(i64, v * lanes)), masks[v], lanes)
                 simd.store_vec(b, x, dst, b.add(dbase, const(i64, v * lanes)))
     return f.finish()
+
+
+def transpose(b: ir.IRBuilder, rows: list) -> list:
+    """Transpose a square block of vectors (row j lane c -> row c lane j): log2(n) butterfly
+    stages of two-source shuffles (``vpermt2ps`` / ``vshufps`` and friends)."""
+    n = len(rows)
+    rows = list(rows)
+    h = n // 2
+    while h >= 1:
+        for i in range(n):
+            if i & h:
+                continue
+            p = i + h
+            lo = [(n + c - h) if c & h else c for c in range(n)]
+            hi = [(n + c) if c & h else c + h for c in range(n)]
+            mask_t = ir.VectorType(ir.IntType(32), n)
+            a, c = rows[i], rows[p]
+            rows[i] = b.shuffle_vector(a, c, ir.Constant(mask_t, lo))
+            rows[p] = b.shuffle_vector(a, c, ir.Constant(mask_t, hi))
+        h //= 2
+    return rows
+
+
+def _emit_pack_rows_vec(module: ir.Module, mr: int, ld: int, L: int) -> ir.Function:
+    """pack_rows with in-register transposes: per group of <= L rows and block of L k's, L
+    (masked) row loads, one L x L transpose, L (masked) stores of the group's lanes."""
+    name = f"pack_rows.v{L}.{mr}.{ld}"
+    try:
+        return module.get_global(name)
+    except KeyError:
+        pass
+    f = Fn(module, name, void, [ptr, i64, i64, ptr], ["src", "rows", "kc", "dst"])
+    f.fn.attributes.add("noinline")
+    src, rows, kc, dst = f.args
+    b = f.b
+    zero = ir.Constant(simd.vty(L), [ir.Constant(f32, 0.0)] * L)
+    tiles = b.sdiv(b.add(rows, const(i64, mr - 1)), const(i64, mr))
+    kfull = b.mul(b.sdiv(kc, const(i64, L)), const(i64, L))
+    with f.for_range(0, tiles, name="t") as t:
+        tile_dst = b.mul(t, b.mul(kc, const(i64, mr)))
+        row0 = b.mul(t, const(i64, mr))
+        for rg in range(0, mr, L):
+            width = min(L, mr - rg)
+            first = b.add(row0, const(i64, rg))
+            valid = b.sub(rows, first)  # rows of this group that exist (may be <= 0 or > L)
+
+            def block(k0, kl, tail: bool):
+                kmask = simd.lane_mask(b, L, kl) if tail else simd.const_mask(L, L)
+                vecs = []
+                for j in range(L):
+                    if j >= width:
+                        vecs.append(zero)
+                        continue
+                    live = b.icmp_signed(">", valid, const(i64, j))
+                    m = b.and_(kmask, _splat_i1(b, live, L))
+                    idx = b.add(b.mul(b.add(first, const(i64, j)), const(i64, ld)), k0)
+                    vecs.append(simd.masked_load(b, src, idx, m, L))
+                cols = transpose(b, vecs)
+                for kk in range(L):
+                    def put(kk=kk):
+                        idx = b.add(tile_dst, b.add(b.mul(b.add(k0, const(i64, kk)),
+                                                          const(i64, mr)), const(i64, rg)))
+                        simd.store_any(b, cols[kk], dst, idx, width)
+                    if tail:
+                        with f.if_(b.icmp_signed("<", const(i64, kk), kl)):
+                            put()
+                    else:
+                        put()
+
+            with f.for_range(0, kfull, step=L, name="kb") as k0:
+                block(k0, const(i64, L), False)
+            with f.if_(b.icmp_signed("<", kfull, kc)):
+                block(kfull, b.sub(kc, kfull), True)
+    return f.finish()
+
+
+def _splat_i1(b: ir.IRBuilder, bit: ir.Value, lanes: int) -> ir.Value:
+    vt = ir.VectorType(ir.IntType(1), lanes)
+    v = b.insert_element(ir.Constant(vt, ir.Undefined), bit, ir.Constant(ir.IntType(32), 0))
+    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
+                            ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))

@@ -60,19 +60,25 @@ def lanes(target: Target | None = None) -> int:
 
 
 def choose(m: int, n: int, k: int, target: Target | None = None,
-           small_ok: bool = True) -> Blocking:
-    """Blocking for an (m, k) x (k, n) product on ``target`` (default: this machine)."""
+           small_ok: bool = True, b_layout: str = "packed") -> Blocking:
+    """Blocking for an (m, k) x (k, n) product on ``target`` (default: this machine).
+
+    ``b_layout`` is the B operand's layout (packed, kn or nk, see GemmSpec): a runtime
+    row-major B read in place by the small-M schedule gets wide panels, so each k step reads
+    a long contiguous run of its row instead of hopping between rows.
+    """
     L = lanes(target)
     regs = 32 if L == 16 else 16
     l1, l2, _ = cache_sizes()
     if small_ok and m <= SMALL_M:
         # accumulators m * nv * ksplit within the register file, leaving room for B and A
         budget = regs - 6 if L == 16 else regs - 4
-        nv = max(1, min(4, budget // m))
-        if L == 8:
-            nv = max(1, min(3, budget // m))
-        ksplit = max(1, min(4, budget // (m * nv)))
-        ksplit = 1 << (ksplit.bit_length() - 1)
+        if b_layout == "kn":
+            nv, ksplit = max(1, min(16, budget // m, _cdiv(n, L))), 1
+        else:
+            nv = max(1, min(4 if L == 16 else 3, budget // m))
+            ksplit = max(1, min(4, budget // (m * nv)))
+            ksplit = 1 << (ksplit.bit_length() - 1)
         nr = nv * L
         nb = max(1, min(_cdiv(n, nr), (l2 // 2) // (nr * k * 4)))
         return Blocking(m, nr, k, m, nb, False, ksplit)
@@ -80,6 +86,10 @@ def choose(m: int, n: int, k: int, target: Target | None = None,
     # the first tile within 3% of the least padded one (measured: all reach ~90% of peak)
     mr, nv = next(t for t, w in zip(TILES[L], waste) if w <= min(waste) + 0.03)
     nr = nv * L
+    if b_layout != "packed" and _cdiv(n, nr) <= 2:
+        # one or two panels: each A row is used once or twice, packing it would cost as much
+        # as the product; broadcast from A in place, K unblocked
+        return Blocking(mr, nr, k, mr, 2, False)
     kc_max = max(16, (l1 // 2) // (mr * 4) // 16 * 16)
     blocks = _cdiv(k, kc_max)
     kc = min(k, _cdiv(_cdiv(k, blocks), 16) * 16)  # equal K blocks, not a short last one

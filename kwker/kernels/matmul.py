@@ -17,8 +17,8 @@ def make_matmul(m: int, k: int, n: int, batch: int = 1, b_transposed: bool = Fal
     m, k, n, batch = int(m), int(k), int(n), int(batch)
     if min(m, k, n, batch) < 1:
         raise ValueError(f"make_matmul: empty shapes m={m}, k={k}, n={n}, batch={batch}")
-    blk = blocking.choose(m, n, k)
     layout = "nk" if b_transposed else "kn"
+    blk = blocking.choose(m, n, k, b_layout=layout)
     spec = GemmSpec(m, n, k, batch, layout, **blk.as_kwargs())
     fn = entry(spec, 5)
     symbol = spec.symbol
