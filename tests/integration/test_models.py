@@ -30,8 +30,6 @@ def ranker():
 @pytest.mark.parametrize("inner", INNER)
 @pytest.mark.parametrize("batch", [1, 32, 256])
 def test_ranker(ranker, inner, batch):
-    if inner == "inductor" and batch != 32:
-        pytest.skip("one Inductor compile of the tutorial model is enough (suite time)")
     x = torch.randn(batch, 64)
     (ref_v, ref_i), (v, i), reports = compile_run(ranker, (x,), inner)
     torch.testing.assert_close(v, ref_v, rtol=1e-4, atol=1e-5)
