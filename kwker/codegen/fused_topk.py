@@ -24,6 +24,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd
+from .gemm_bf16 import emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
 from .heap import Heap, lt
@@ -49,6 +50,9 @@ class _Emitter:
         self.np = _cdiv(s.n, s.nr)
         self.mr_edge = s.m - (self.mt - 1) * s.mr
         self.nr_edge = s.n - (self.np - 1) * s.nr
+        self.bf16 = s.approx == "bf16"
+        if self.bf16 and not (target.has("avx512bf16") and self.L == 16 and s.nr % 16 == 0):
+            raise ValueError("kwker topk: bf16 screening needs AVX512_BF16 and 16-lane panels")
         self.heap = Heap(self.module, s.largest)
         self.malloc = intrinsic(self.module, "malloc", ptr, [i64])
         self.free = intrinsic(self.module, "free", void, [ptr])
@@ -71,6 +75,7 @@ class _Emitter:
         x, w, vals, idx = (f.arg_ptr(ctx, i) for i in range(4))
         split_cols = b.icmp_signed("!=", f.arg_i64(ctx, 4), const(i64, 0))
         hv_all, hi_all, cnt_all, logv, logi, logn = (f.arg_ptr(ctx, i) for i in range(5, 11))
+        w_exact, evec = f.arg_ptr(ctx, 12), f.arg_ptr(ctx, 13)
 
         with f.if_(b.icmp_signed("==", tid, const(i64, 0))):
             simd.store_scalar(b, nt, ctx, const(i64, 11))  # the team size the merge must use
@@ -97,42 +102,68 @@ class _Emitter:
             simd.store_scalar(b, const(i64, 0), cnt, r)
             simd.store_scalar(b, const(i64, 0), nlog, r)
 
-        raw_a = b.call(self.malloc, [const(i64, s.m * s.k_dim * 4 + s.mr * s.k_dim * 4 + 64)])
+        kp = (s.k_dim + 1) // 2
+        a_floats = (s.m + s.mr) * (kp if self.bf16 else s.k_dim)
+        raw_a = b.call(self.malloc, [const(i64, a_floats * 4 + s.m * 4 + 128)])
         raw_t = b.call(self.malloc, [const(i64, s.mr * s.nr * 4 + 64)])
         ap, tile = _align64(b, raw_a), _align64(b, raw_t)
-        pack = emit_pack_rows(self.module, s.mr, s.k_dim, self.L)
-        b.call(pack, [simd.gep(b, x, b.mul(row0, const(i64, s.k_dim))), b.sub(row1, row0),
-                      const(i64, s.k_dim), ap])
+        qnorm = simd.gep(b, ap, const(i64, a_floats + 16))  # |x_row|, bf16 screening only
+        x_rows = simd.gep(b, x, b.mul(row0, const(i64, s.k_dim)))
+        if self.bf16:
+            b.call(emit_pack_bf16(self.module, s.mr, s.k_dim),
+                   [x_rows, b.sub(row1, row0), ap, qnorm])
+        else:
+            b.call(emit_pack_rows(self.module, s.mr, s.k_dim, self.L),
+                   [x_rows, b.sub(row1, row0), const(i64, s.k_dim), ap])
         nullp = ir.Constant(ptr, None)
         log_base = b.mul(q0.get(), const(i64, s.nr))
         state = (hv, hi, cnt, nlog, logv, logi, b.zext(split_cols, i64), log_base)
+        a_tile_size = s.mr * (kp if self.bf16 else s.k_dim)
         with f.for_range(q0.get(), q1.get(), name="q") as q:
-            wq = simd.gep(b, w, b.mul(q, const(i64, s.k_dim * s.nr)))
+            wq = simd.gep(b, w, b.mul(q, const(i64, (kp if self.bf16 else s.k_dim) * s.nr)))
             with f.for_range(t0.get(), t1.get(), name="t") as t:
-                a_tile = simd.gep(b, ap, b.mul(b.sub(t, t0.get()), const(i64, s.mr * s.k_dim)))
-                for rows in sorted({s.mr, self.mr_edge}):
-                    cond = b.icmp_signed("==", t, const(i64, self.mt - 1))
-                    if rows == s.mr and self.mr_edge != s.mr:
-                        cond = b.not_(cond)
-                    elif self.mr_edge == s.mr:
-                        cond = const(i1, 1)
-                    with f.if_(cond):
-                        for cols in sorted({s.nr, self.nr_edge}):
-                            qc = b.icmp_signed("==", q, const(i64, self.np - 1))
-                            if cols == s.nr and self.nr_edge != s.nr:
-                                qc = b.not_(qc)
-                            elif self.nr_edge == s.nr:
-                                qc = const(i1, 1)
-                            with f.if_(qc):
-                                b.call(self.micro(rows, cols),
-                                       [a_tile, wq, tile, const(i64, s.k_dim),
-                                        const(i64, FIRST | LAST), nullp, nullp])
-                                row_t = b.mul(t, const(i64, s.mr))
-                                with f.for_range(0, rows, name="fr") as r:
-                                    b.call(self.filter_row, [
-                                        simd.gep(b, tile, b.mul(r, const(i64, s.nr))),
-                                        b.add(row_t, r), b.mul(q, const(i64, s.nr)),
-                                        const(i64, cols), *state])
+                a_tile = simd.gep(b, ap, b.mul(b.sub(t, t0.get()), const(i64, a_tile_size)))
+                row_t = b.mul(t, const(i64, s.mr))
+
+                def filter_rows(rows, cols):
+                    with f.for_range(0, rows, name="fr") as r:
+                        extra = []
+                        if self.bf16:
+                            i_rel = b.sub(b.add(row_t, r), row0)
+                            extra = [simd.gep(b, x, b.mul(b.add(row_t, r),
+                                                          const(i64, s.k_dim))),
+                                     simd.load_scalar(b, qnorm, i_rel), w_exact, evec]
+                        b.call(self.filter_row, [
+                            simd.gep(b, tile, b.mul(r, const(i64, s.nr))),
+                            b.add(row_t, r), b.mul(q, const(i64, s.nr)), cols, *state, *extra])
+
+                last_q = b.icmp_signed("==", q, const(i64, self.np - 1))
+                cols = b.select(last_q, const(i64, self.nr_edge), const(i64, s.nr))
+                last_t = b.icmp_signed("==", t, const(i64, self.mt - 1))
+                rows_v = b.select(last_t, const(i64, self.mr_edge), const(i64, s.mr))
+                if self.bf16:  # zero-padded operands: one full-tile variant, edges filtered
+                    b.call(emit_micro_bf16(self.module, s.mr, s.nr // 16, s.nr),
+                           [a_tile, wq, tile, const(i64, kp)])
+                    filter_rows(rows_v, cols)
+                else:  # float32 tiles: variants specialised to the edges
+                    for rows in sorted({s.mr, self.mr_edge}):
+                        cond = last_t
+                        if rows == s.mr and self.mr_edge != s.mr:
+                            cond = b.not_(cond)
+                        elif self.mr_edge == s.mr:
+                            cond = const(i1, 1)
+                        with f.if_(cond):
+                            for ncols in sorted({s.nr, self.nr_edge}):
+                                qc = last_q
+                                if ncols == s.nr and self.nr_edge != s.nr:
+                                    qc = b.not_(qc)
+                                elif self.nr_edge == s.nr:
+                                    qc = const(i1, 1)
+                                with f.if_(qc):
+                                    b.call(self.micro(rows, ncols),
+                                           [a_tile, wq, tile, const(i64, s.k_dim),
+                                            const(i64, FIRST | LAST), nullp, nullp])
+                                    filter_rows(const(i64, rows), const(i64, ncols))
         # row mode: this thread's rows are final
         with f.if_(b.not_(split_cols)):
             with f.for_range(row0, row1, name="out") as r:
@@ -144,22 +175,34 @@ class _Emitter:
 
     def emit_filter_row(self) -> ir.Function:
         """``filter_row(tile_row, i, col0, cols, hv, hi, cnt, nlog, logv, logi, logging,
-        log_base)``: feed the row's scores that beat its threshold to its heap, in order."""
+        log_base[, x_row, qnorm, w_exact, evec])``: feed the row's scores that can beat its
+        threshold to its heap, in order. With bf16 screening the tile holds approximations:
+        a lane survives if approx +- e_j |q| can beat the root, and survivors are rescored in
+        float32 before the exact heap step."""
         s, L = self.s, self.L
+        extra_t = [ptr, f32, ptr, ptr] if self.bf16 else []
         f = Fn(self.module, f"{s.symbol}.filter_row", void,
-               [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64],
+               [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64] + extra_t,
                ["row", "i", "col0", "cols", "hv", "hi", "cnt", "nlog", "logv", "logi",
-                "logging", "log_base"])
+                "logging", "log_base"] + (["xrow", "qn", "wx", "ev"] if self.bf16 else []))
         b = f.b
-        row, i, col0, cols, hv, hi, cnt, nlog, logv, logi, logging, log_base = f.args
+        row, i, col0, cols, hv, hi, cnt, nlog, logv, logi, logging, log_base = f.args[:12]
         k = const(i64, s.k)
         rhv = simd.gep(b, hv, b.mul(i, k))
         rhi = simd.gep(b, hi, b.mul(i, k), i32)
         rcnt = simd.gep(b, cnt, i, i64)
         log = (nlog, logv, logi, b.icmp_signed("!=", logging, const(i64, 0)), log_base)
+        if self.bf16:
+            xrow, qn, wx, ev = f.args[12:]
+            dot = emit_dot(self.module, s.k_dim, L)
 
         def push(c):
-            self.push(f, i, rhv, rhi, rcnt, simd.load_scalar(b, row, c), b.add(col0, c), log)
+            j = b.add(col0, c)
+            if self.bf16:
+                v = b.call(dot, [xrow, simd.gep(b, wx, b.mul(j, const(i64, s.k_dim)))])
+            else:
+                v = simd.load_scalar(b, row, c)
+            self.push(f, i, rhv, rhi, rcnt, v, j, log)
 
         full = b.icmp_signed(">=", b.load(rcnt, typ=i64), k)
         with f.if_else(full, likely=True) as (fast, slow):
@@ -168,7 +211,14 @@ class _Emitter:
                     live = simd.lane_mask(b, L, b.sub(cols, const(i64, v * L)))
                     xv = simd.load_vec(b, row, const(i64, v * L), L)
                     thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
-                    hit = b.and_(lt(b, xv, thr, s.largest), live)
+                    if self.bf16:
+                        e = b.fmul(simd.masked_load(b, ev, b.add(col0, const(i64, v * L)), live,
+                                                    L), simd.broadcast(b, qn, L))
+                        hit = b.fcmp_unordered(">", b.fadd(xv, e), thr) if s.largest else \
+                            b.fcmp_unordered("<", b.fsub(xv, e), thr)
+                    else:
+                        hit = lt(b, xv, thr, s.largest)
+                    hit = b.and_(hit, live)
                     word = f.var(i64, b.zext(b.bitcast(hit, ir.IntType(L)), i64), "bits")
                     with f.while_(lambda: b.icmp_unsigned("!=", word.get(), const(i64, 0))):
                         wv = word.get()
@@ -204,7 +254,7 @@ class _Emitter:
             simd.store_scalar(b, b.sext(simd.load_scalar(b, rhi, j, i32), i64), idx, pos)
 
     def emit_main(self, body):
-        """Export ``sym(x, w, vals, idx, nthreads)``: choose the split, fork, merge, free."""
+        """Export ``sym(x, w, vals, idx, wexact, evec, nthreads)``: split, fork, merge, free."""
         s, m = self.s, self.module
         gomp = intrinsic(m, "GOMP_parallel", void, [ptr, ptr, i32, i32])
         tnum = intrinsic(m, "omp_get_thread_num", i32, [])
@@ -215,11 +265,11 @@ class _Emitter:
                        ob.sext(ob.call(tcount, []), i64)])
         outlined.finish()
 
-        f = Fn(m, s.symbol, void, [ptr, ptr, ptr, ptr, i64],
-               ["x", "w", "vals", "idx", "nthreads"], internal=False)
+        f = Fn(m, s.symbol, void, [ptr, ptr, ptr, ptr, ptr, ptr, i64],
+               ["x", "w", "vals", "idx", "wexact", "evec", "nthreads"], internal=False)
         self.f = f
         b = f.b
-        x, w, vals, idx, nreq = f.args
+        x, w, vals, idx, w_exact, evec, nreq = f.args
         cap = const(i64, max(1, min(max(self.mt, self.np), 2 * s.m * s.n * s.k_dim >> 20)))
         nt = b.select(b.icmp_signed("<", nreq, cap), nreq, cap)
         nt = b.select(b.icmp_signed("<", nt, const(i64, 1)), const(i64, 1), nt)
@@ -236,9 +286,9 @@ class _Emitter:
         raws = [b.call(self.malloc, [b.add(n, const(i64, 64))]) for n in bufs]
         hv, hi, cnt, logv, logi, logn = (_align64(b, r) for r in raws)
         with b.goto_block(f.entry):
-            block = b.alloca(i64, size=12, name="ctx")
+            block = b.alloca(i64, size=14, name="ctx")
         for slot, v in enumerate([x, w, vals, idx, b.zext(split_cols, i64), hv, hi, cnt, logv,
-                                  logi, logn, const(i64, 1)]):
+                                  logi, logn, const(i64, 1), w_exact, evec]):
             if isinstance(v.type, ir.PointerType):
                 v = b.ptrtoint(v, i64)
             f.store(v, block, const(i64, slot))

@@ -104,9 +104,10 @@ class TopkGemmSpec(Spec):
     largest: bool = True
     mr: int = 8
     nr: int = 48
+    approx: str = "none"   # "bf16": screen with bf16 dot products, rescore survivors in float32
     family = "topk_gemm"
 
     @property
     def symbol(self) -> str:
         return (f"kw_linear_topk_{self.m}x{self.n}x{self.k_dim}_k{self.k}_l{int(self.largest)}"
-                f"_t{self.mr}x{self.nr}")
+                f"_t{self.mr}x{self.nr}" + ("" if self.approx == "none" else f"_{self.approx}"))

@@ -1,16 +1,24 @@
 """``make_linear_topk``: fused ``torch.topk(x @ W.T, k)`` with W packed once at build time."""
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..codegen.gemm_bf16 import bound_factor
+from ..runtime.target import host_target
 from . import blocking
 from ._call import _profiler_enabled, checked, entry, record_function, require_f32
 from .linear import make_linear, pack_panels
 from .specs import TopkGemmSpec
 
+MIN_BF16_K = 32  # below this the float32 rescoring of survivors costs more than screening saves
 
-def _tile(m: int) -> tuple[int, int]:
+
+def _tile(m: int, bf16: bool) -> tuple[int, int]:
     lanes = blocking.lanes()
+    if bf16:
+        return (8, 48) if m >= 8 else (m, 64 if m <= 4 else 48)
     if lanes == 16:
         if m >= 8:
             return 8, 48
@@ -18,11 +26,32 @@ def _tile(m: int) -> tuple[int, int]:
     return (min(m, 6), 16) if m > 3 else (m, 24)
 
 
-def make_linear_topk(weight_rows: torch.Tensor, m: int, k: int, largest: bool = True):
+def pack_bf16_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
+    """(N, K) -> int32 words (panels, ceil(K/2), nr): two bf16 (k even low, k odd high) per
+    column, zero-padded past N and K (the layout of codegen/gemm_bf16.py)."""
+    n, k = w.shape
+    panels, kp = -(-n // nr), -(-k // 2)
+    wb = torch.zeros(panels * nr, 2 * kp, dtype=torch.bfloat16)
+    wb[:n, :k] = w.detach().to(torch.float32).to(torch.bfloat16)
+    words = wb.view(torch.int16).view(panels * nr, kp, 2).view(torch.int32).squeeze(-1)
+    return words.reshape(panels, nr, kp).permute(0, 2, 1).contiguous()
+
+
+def _bounds(w: torch.Tensor) -> torch.Tensor:
+    """e_j = c |w_j|, rounded up: how far a bf16 score may be from the float32 one per |q|."""
+    norms = torch.linalg.vector_norm(w.detach().double(), dim=1)
+    e = (norms * bound_factor(w.shape[1]) * (1 + 2.0 ** -20)).float()
+    return torch.nextafter(e, torch.full_like(e, math.inf)).contiguous()
+
+
+def make_linear_topk(weight_rows: torch.Tensor, m: int, k: int, largest: bool = True,
+                     screen: bool | None = None):
     """``callable(x (m, K)) -> (values (m, k), indices int64 (m, k))`` of ``x @ weight_rows.T``.
 
     Values are sorted best first; indices are those ``torch.topk`` gives on the same scores (its
     heap path, ``k * 64 <= N``; for larger k the scores go through ``torch.topk`` itself).
+    ``screen`` (default: when the CPU has AVX512_BF16 and K >= 32) computes the scores in bf16
+    at twice the rate and rescores in float32 the few that could enter a heap (exact bound).
     """
     require_f32(weight_rows, what="make_linear_topk")
     if weight_rows.dim() != 2:
@@ -39,11 +68,23 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int, k: int, largest: bool = 
             return torch.topk(scores(x), k, dim=-1, largest=largest)
         via_topk.spec = scores.spec
         return via_topk
-    mr, nr = _tile(m)
-    spec = TopkGemmSpec(m, n, kd, k, bool(largest), mr, nr)
-    fn = entry(spec, 4)
-    packed = pack_panels(weight_rows, nr)
+    target = host_target()
+    can_screen = target.has("avx512bf16") and blocking.lanes(target) == 16
+    if screen is None:
+        screen = can_screen and kd >= MIN_BF16_K
+    elif screen and not can_screen:
+        raise NotImplementedError("make_linear_topk: bf16 screening needs AVX512_BF16")
+    mr, nr = _tile(m, screen)
+    spec = TopkGemmSpec(m, n, kd, k, bool(largest), mr, nr, "bf16" if screen else "none")
+    fn = entry(spec, 6)
+    w32 = weight_rows.detach().to(torch.float32).contiguous()
+    if screen:
+        packed, exact, evec = pack_bf16_panels(w32, nr), w32, _bounds(w32)
+    else:
+        packed, exact, evec = pack_panels(w32, nr), None, None
     w_ptr, symbol = packed.data_ptr(), spec.symbol
+    wx_ptr = exact.data_ptr() if exact is not None else None
+    e_ptr = evec.data_ptr() if evec is not None else None
     x_shape, out_shape = (m, kd), (m, k)
     f32, i64, empty, threads = torch.float32, torch.int64, torch.empty, torch.get_num_threads
 
@@ -54,10 +95,11 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int, k: int, largest: bool = 
         idx = empty(out_shape, dtype=i64)
         if _profiler_enabled():
             with record_function(symbol):
-                fn(x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), threads())
+                fn(x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), wx_ptr, e_ptr,
+                   threads())
         else:
-            fn(x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), threads())
+            fn(x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), wx_ptr, e_ptr, threads())
         return vals, idx
 
-    run.spec, run.packed_weight = spec, packed
+    run.spec, run.buffers = spec, (packed, exact, evec)  # keep the buffers alive
     return run

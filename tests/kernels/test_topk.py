@@ -62,3 +62,31 @@ def test_linear_topk_large_k_uses_topk_on_scores():
     torch.manual_seed(10)
     w, x = torch.randn(300, 16), torch.randn(7, 16)
     check(w, x, 100, True, exact=False)  # k * 64 > n: ATen's selection path
+
+
+needs_bf16 = pytest.mark.skipif(
+    not __import__("kwker.runtime.target", fromlist=["host_target"]).host_target()
+    .has("avx512bf16"), reason="bf16 screening needs AVX512_BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 9, 24])
+@pytest.mark.parametrize("largest", [True, False])
+def test_bf16_screening_is_exact(m, largest, threads):
+    """Scores exact in float32 but not in bf16 (x = integer * 1025/1024), full of ties: the
+    screened kernel must return ATen's indices and values bit for bit."""
+    torch.manual_seed(100 + m)
+    w = torch.randint(-3, 4, (3000, 64)).float()
+    x = torch.randint(-8, 9, (m, 64)).float() * (1025 / 1024)
+    v, i = make_linear_topk(w, m, 40, largest, screen=True)(x)
+    rv, ri = torch.topk(x @ w.t(), 40, largest=largest)
+    assert torch.equal(i, ri) and torch.equal(v, rv)
+
+
+@needs_bf16
+def test_bf16_screening_odd_k_and_edges(threads):
+    torch.manual_seed(11)
+    w, x = torch.randn(5003, 37), torch.randn(13, 37)
+    f = make_linear_topk(w, 13, 25, True, screen=True)
+    assert f.spec.approx == "bf16"
+    check(w, x, 25, True, exact=False)
