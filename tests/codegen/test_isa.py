@@ -70,3 +70,11 @@ def test_sdpa_softmax_uses_vscalef_on_avx512():
     spec = specs(AVX512)["sdpa"]
     _, asm = compile_assembly(str(emit(spec, AVX512)), AVX512)
     assert "vscalefps" in asm
+
+
+def test_topk_bf16_screening_uses_vdpbf16ps():
+    target = make_target("znver4", AVX512.features + ",+avx512bf16")
+    spec = TopkGemmSpec(32, 20000, 128, 10, True, 8, 48, "bf16")
+    _, asm = compile_assembly(str(emit(spec, target)), target)
+    assert re.search(r"vdpbf16ps\s+[^\n]*%zmm", asm)
+    assert re.search(r"vfmadd\d{3}ps\s+[^\n]*%zmm", asm)  # the float32 rescoring
