@@ -28,31 +28,31 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
     ``mask``: None, "bool" (True keeps) or "float" (added); ``mask_shape`` its 4-D shape, each
     dim 1 or full. Dropout is not supported (use dropout_p=0).
     """
-    mask = mask or "none"
-    if mask not in ("none", "bool", "float"):
+    kind = mask or "none"
+    if kind not in ("none", "bool", "float"):
         raise ValueError(f"make_sdpa: mask must be None, 'bool' or 'float', not {mask!r}")
     dims = tuple(int(d) for d in (batch, heads, lq, lk, e, ev))
     if min(dims) < 1:
         raise ValueError(f"make_sdpa: empty shapes {dims}")
     batch, heads, lq, lk, e, ev = dims
     full = (batch, heads, lq, lk)
-    if mask != "none":
+    if kind != "none":
         mask_shape = tuple(int(d) for d in (mask_shape or full))
         mask_shape = (1,) * (4 - len(mask_shape)) + mask_shape
         if any(m not in (1, f) for m, f in zip(mask_shape, full)):
             raise ValueError(f"make_sdpa: mask shape {mask_shape} does not broadcast to {full}")
     else:
         mask_shape = ()
-    spec = AttentionSpec(batch, heads, lq, lk, e, ev, bool(causal), float(scale or 0.0), mask,
+    spec = AttentionSpec(batch, heads, lq, lk, e, ev, bool(causal), float(scale or 0.0), kind,
                          mask_shape, **_blocking(lq, lk, e, ev))
     fn = entry(spec, 5)
     symbol = spec.symbol
     qs, ks, vs = (batch, heads, lq, e), (batch, heads, lk, e), (batch, heads, lk, ev)
     out_shape = (batch, heads, lq, ev)
-    mdtype = torch.bool if mask == "bool" else torch.float32
+    mdtype = torch.bool if kind == "bool" else torch.float32
     f32, empty, threads = torch.float32, torch.empty, torch.get_num_threads
 
-    def run(q, k, v, attn_mask=None):
+    def run(q, k, v, mask=None):
         if not (q.shape == qs and q.dtype == f32 and q.is_contiguous()):
             q = checked(q, qs, "sdpa q")
         if not (k.shape == ks and k.dtype == f32 and k.is_contiguous()):
@@ -60,13 +60,13 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
         if not (v.shape == vs and v.dtype == f32 and v.is_contiguous()):
             v = checked(v, vs, "sdpa v")
         m_ptr = None
-        if mask != "none":
-            if attn_mask is None:
+        if kind != "none":
+            if mask is None:
                 raise ValueError("sdpa: this kernel was built for a mask; none given")
-            if attn_mask.dtype != mdtype:
-                raise NotImplementedError(f"sdpa: mask dtype {attn_mask.dtype}, built for {mdtype}")
-            attn_mask = attn_mask.reshape(mask_shape).contiguous()
-            m_ptr = attn_mask.data_ptr()
+            if mask.dtype != mdtype:
+                raise NotImplementedError(f"sdpa: mask dtype {mask.dtype}, built for {mdtype}")
+            mask = mask.reshape(mask_shape).contiguous()
+            m_ptr = mask.data_ptr()
         out = empty(out_shape, dtype=f32)
         if _profiler_enabled():
             with record_function(symbol):
