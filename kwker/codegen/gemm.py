@@ -12,8 +12,9 @@ micro-panels, L2/L3); ``ic`` blocks of ``nb`` panels of B (the L2 block; runtime
 pre-packed weights are used in place); ``jr`` row tiles (one A micro-panel, L1); ``ir`` panels;
 micro-kernel. Edge tiles use micro-kernel variants specialised to the leftover rows/columns.
 
-Threads split the batch, or else the M tiles or the N panels (whichever has enough work), never
-K: each C tile is owned by one thread, so the K blocks accumulate without synchronisation and
+Threads split the batch, or else the M tiles or the N panels (whichever has enough work; N when
+B is packed at run time, so no two threads pack the same panels), never K: each C tile is owned
+by one thread, so the K blocks accumulate without synchronisation and
 the epilogue runs once, on the last K block. Small M (decode shapes, ``a_pack=False``) skips
 packing: the tile is all of A's rows, broadcast from A itself, K is not blocked, weights stream
 once at memory bandwidth with ``ksplit`` accumulator sets for enough FMA chains.
@@ -103,7 +104,10 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
             bt0.set(lo)
             bt1.set(hi)
         with inside:
+            # a runtime B is packed by every thread that uses it: split N when there is enough
             rows_enough = b.icmp_signed(">=", const(i64, p.mt), b.mul(nt, const(i64, 4)))
+            if p.pack_b:
+                rows_enough = const(ir.IntType(1), 0)
             few_panels = b.icmp_signed("<", const(i64, p.np), nt)
             with f.if_else(b.or_(rows_enough, few_panels)) as (by_rows, by_cols):
                 with by_rows:
