@@ -38,22 +38,27 @@ TARGETS = {(512, 512, 512): 1.0, (1024, 1024, 1024): 1.0, (32, 20000, 128): 1.3,
            "sdpa": 1.3, "ranker32": 3.0}
 
 
-def best_pair(fa, fb, reps: int) -> tuple[float, float]:
-    """Best times (s) of two callables, measured alternately so load hits both alike."""
+def best_pair(fa, fb, reps: int, min_seconds: float = 0.5) -> tuple[float, float]:
+    """Best times (s) of two callables, measured alternately so load hits both alike; at least
+    ``reps`` rounds and ``min_seconds`` (a quiet moment is likelier in a longer window)."""
     fa(), fb()
     ta = tb = float("inf")
-    for _ in range(reps):
+    start, rounds = time.perf_counter(), 0
+    while rounds < reps or time.perf_counter() - start < min_seconds:
         t = time.perf_counter()
         fa()
         ta = min(ta, time.perf_counter() - t)
         t = time.perf_counter()
         fb()
         tb = min(tb, time.perf_counter() - t)
+        rounds += 1
+        if rounds >= 50 * reps:
+            break
     return ta, tb
 
 
-def fma_peak(threads: int, iters: int = 1 << 22) -> float:
-    """GFLOP/s of 12 independent FMA chains per thread on the widest vectors of this CPU."""
+def _probe(iters: int):
+    """A JIT'd kernel: 12 independent FMA chains of ``iters`` steps on every thread."""
     target = host_target()
     lanes = simd.float_lanes(target)
     module = ir.Module("peak")
@@ -72,16 +77,35 @@ def fma_peak(threads: int, iters: int = 1 << 22) -> float:
     b.store(b.extract_element(total, ir.Constant(i32, 0)),
             b.gep(out, [body.args[1]], source_etype=f32))
     body.finish()
-    omp.emit_parallel(module, "kw_fma_peak", [ptr], body.fn)
-    addr = load_symbols(compile_object(str(module), target), ["kw_fma_peak"])["kw_fma_peak"]
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(addr)
+    symbol = f"kw_fma_probe_{iters}"
+    omp.emit_parallel(module, symbol, [ptr], body.fn)
+    addr = load_symbols(compile_object(str(module), target), [symbol])[symbol]
+    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(addr), 12 * lanes * 2 * iters
+
+
+def fma_peak(threads: int, iters: int = 1 << 22) -> float:
+    """GFLOP/s of 12 independent FMA chains per thread on the widest vectors of this CPU."""
+    fn, flops = _probe(iters)
     sink = torch.zeros(64)
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
         fn(sink.data_ptr(), threads)
         best = min(best, time.perf_counter() - t)
-    return 12 * lanes * 2 * iters * threads / best / 1e9
+    return flops * threads / best / 1e9
+
+
+def fork_join_us(threads: int, reps: int = 2000) -> float:
+    """Microseconds of one ctypes call of a parallel kernel with (almost) no work."""
+    fn, _ = _probe(1)
+    sink = torch.zeros(64)
+    ptr_ = sink.data_ptr()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(ptr_, threads)
+        best = min(best, time.perf_counter() - t)
+    return best * 1e6
 
 
 def dispatch_overhead(reps: int) -> tuple[float, float]:
@@ -197,12 +221,14 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     peak = fma_peak(args.threads)
     d_k, d_t = dispatch_overhead(reps)
+    fork = fork_join_us(args.threads)
     rows = gemm_rows(reps, peak) + mlp_rows(reps) + sdpa_rows(reps) + ranker_rows(reps) \
         + gelu_rows(reps)
     target = host_target()
     header = (f"# Kwker kernels vs torch {torch.__version__}\n\n"
               f"{target.describe()}, {args.threads} threads, best of {reps}, "
               f"{platform.node()}; FMA peak probe {peak:.0f} GFLOP/s; "
+              f"parallel kernel call with no work (ctypes + fork/join) {fork:.1f} us; "
               f"GELU 65536 call {d_k:.1f} us (ATen {d_t:.1f} us)")
     text = render(rows, header)
     print(text)

@@ -97,3 +97,13 @@ def test_matmul_2d():
     f = make_matmul(9, 31, 17)
     assert f(a, b).shape == (9, 17)
     assert_close(f(a, b), a @ b, 31)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1000, 1, 3), (2, 1000, 1), (9, 2, 2)])
+def test_degenerate_shapes(m, n, k):
+    torch.manual_seed(m + n + k)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
+    assert_close(make_linear(w, b, m, "gelu")(x), F.gelu(F.linear(x, w, b)), k)
+    a, bb = torch.randn(2, m, k), torch.randn(2, k, n)
+    assert_close(make_matmul(m, k, n, 2)(a, bb), a @ bb, k)
+    assert_close(make_matmul(m, k, n, 2, True)(a, bb.transpose(1, 2).contiguous()), a @ bb, k)
