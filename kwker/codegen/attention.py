@@ -67,7 +67,7 @@ class _Emitter:
                                         s.ev % L != 0, self.ev_pad))
 
     def body(self) -> ir.Function:
-        s, L = self.s, self.L
+        s = self.s
         f = omp.body_fn(self.m, f"{s.symbol}.body")
         self.f = f
         b = f.b
@@ -103,7 +103,7 @@ class _Emitter:
 
     # -- one (head, query block) ------------------------------------------------------------
     def block(self, head, qb, q_all, v_all, o_all, kp, sbuf, obuf, mrow, lrow):
-        s, L, f = self.s, self.L, self.f
+        s, f = self.s, self.f
         b = f.b
         i0 = b.mul(qb, const(i64, s.bq))
         i1 = b.add(i0, const(i64, s.bq))
@@ -337,4 +337,4 @@ def _smax(b, x, y):
     return b.select(b.fcmp_ordered(">", x, y), x, y)
 
 
-__all__ = ["emit", "Fn"]
+__all__ = ["Fn", "emit"]

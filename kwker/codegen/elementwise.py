@@ -10,7 +10,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import omp, simd, vmath
-from .irutil import Fn, const, i64, new_module, ptr
+from .irutil import const, i64, new_module, ptr
 
 GRAIN = 1 << 15  # elements per thread below which forking costs more than it saves
 UNROLL = 1

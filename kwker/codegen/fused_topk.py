@@ -67,7 +67,7 @@ class _Emitter:
 
     # -- parallel body: ctx = x, w, vals, idx, split_cols, hv, hi, cnt, logv, logi, logn --------
     def emit_body(self) -> ir.Function:
-        s, L = self.s, self.L
+        s = self.s
         f = Fn(self.module, f"{s.symbol}.body", void, [ptr, i64, i64], ["ctx", "tid", "nt"])
         self.f = f
         b = f.b

@@ -19,8 +19,8 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd
-from .vmath import fma
 from .irutil import Fn, const, f32, i16, i32, i64, intrinsic, ptr, void
+from .vmath import fma
 
 I16x32 = ir.VectorType(i16, 32)
 I32x16 = ir.VectorType(i32, 16)

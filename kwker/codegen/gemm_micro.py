@@ -162,4 +162,4 @@ def tile_shape(mr: int, nr: int, lanes: int) -> tuple[int, int]:
     return mr, nr // lanes
 
 
-__all__ = ["Micro", "emit_micro", "FIRST", "LAST", "tile_shape", "f32"]
+__all__ = ["FIRST", "LAST", "Micro", "emit_micro", "f32", "tile_shape"]

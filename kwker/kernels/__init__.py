@@ -9,5 +9,5 @@ from .matmul import make_matmul
 from .sdpa import make_sdpa
 from .topk import make_linear_topk
 
-__all__ = ["make_eltwise", "make_gelu", "make_linear", "make_matmul", "make_sdpa",
-           "make_linear_topk"]
+__all__ = ["make_eltwise", "make_gelu", "make_linear", "make_linear_topk", "make_matmul",
+           "make_sdpa"]
