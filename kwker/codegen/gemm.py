@@ -14,10 +14,13 @@ micro-kernel. Edge tiles use micro-kernel variants specialised to the leftover r
 
 Threads split the batch, or else the M tiles or the N panels (whichever has enough work; N when
 B is packed at run time, so no two threads pack the same panels), never K: each C tile is owned
-by one thread, so the K blocks accumulate without synchronisation and
-the epilogue runs once, on the last K block. Small M (decode shapes, ``a_pack=False``) skips
-packing: the tile is all of A's rows, broadcast from A itself, K is not blocked, weights stream
-once at memory bandwidth with ``ksplit`` accumulator sets for enough FMA chains.
+by one thread, so the K blocks accumulate without synchronisation and the epilogue runs once,
+on the last K block.
+
+``a_pack=False`` broadcasts A in place and does not block K. The factory picks it for small M
+(decode shapes: one tile holds all rows, the weights stream once at memory bandwidth, with
+``ksplit`` accumulator sets for enough FMA chains) and for a runtime B only one or two panels
+wide (each A row is used once or twice: packing it would cost as much as the product).
 """
 from __future__ import annotations
 

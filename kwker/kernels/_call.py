@@ -7,7 +7,6 @@ single C call.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 
 import torch
@@ -25,13 +24,6 @@ def entry(spec, n_ptrs: int, n_ints: int = 1):
     return proto(get_kernel(spec))
 
 
-def profiled(symbol: str):
-    """Context for one kernel call: a named profiler range when profiling, else nothing."""
-    if _profiler_enabled():
-        return record_function(symbol)
-    return contextlib.nullcontext()
-
-
 def require_f32(*tensors, what: str = "kwker kernel") -> None:
     for t in tensors:
         if t is not None and t.dtype != F32:
@@ -47,8 +39,3 @@ def checked(x: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     if x.device.type != "cpu":
         raise ValueError(f"{name}: CPU tensors only, got {x.device}")
     return x.contiguous()
-
-
-def ok(x: torch.Tensor, shape) -> bool:
-    """The fast path test: right shape, float32, contiguous."""
-    return x.shape == shape and x.dtype == F32 and x.is_contiguous()
