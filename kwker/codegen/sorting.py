@@ -21,7 +21,7 @@ from llvmlite import ir
 
 from .irutil import DTYPES, HALF_FLOATS, Fn, const, f32, f64, i1, i16, i32, i64, ptr, vec, void
 from .rows import FIRST_OP_SLOT, emit_row_driver
-from .sortalgo import SortAlgos, emit_radix_sort
+from .sortalgo import SortAlgos, emit_radix_sort, radix_hist_bytes
 
 SLOTS = {name: FIRST_OP_SLOT + i for i, name in enumerate(
     ("src", "in_rs", "n", "out_v", "out_v_rs", "out_v_es", "out_i", "out_i_rs", "out_i_es",
@@ -45,7 +45,7 @@ def scratch_layout(op: str, dtype: str, n: int, stable: bool = False) -> dict[st
     kb = key_type(dtype).width // 8
     sizes = [("K", n * kb), ("I", n * 4)]
     if stable or op in ("quantile", "nanquantile"):
-        sizes += [("K2", n * kb), ("I2", n * 4), ("H", 256 * kb * 8)]
+        sizes += [("K2", n * kb), ("I2", n * 4), ("H", radix_hist_bytes(key_type(dtype)))]
     out, pos = {}, 0
     for name, size in sizes:
         out[name] = pos + PAD
@@ -109,7 +109,7 @@ class RowKernel:
         if names == ["P"]:
             return [self.f.gep(self.scratch, pad, ir.IntType(8))]
         sizes["K2"], sizes["I2"] = sizes["K"], sizes["I"]
-        sizes["H"] = const(i64, 256 * kb * 8)
+        sizes["H"] = const(i64, radix_hist_bytes(self.kt))
         out, pos = {}, const(i64, 0)
         for name in ("K", "I", "K2", "I2", "H"):
             out[name] = self.f.gep(self.scratch, b.add(pos, pad), ir.IntType(8))
