@@ -29,6 +29,7 @@ from .gemm_pack import emit_pack_rows
 from .irutil import Fn, const, f32, i1, i8, i32, i64, intrinsic, new_module, ptr
 
 NEG_INF = -math.inf
+DIRECT_MAX_LQ = 4  # packing K costs ~0.4 op per element, more than a few dot products save
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -54,6 +55,8 @@ class _Emitter:
         self.nqb = _cdiv(s.lq, s.bq)
         self.scale = s.scale if s.scale else 1.0 / math.sqrt(s.e)
         self.ev_pad = _cdiv(s.ev, lanes) * lanes
+        # a few queries (decode): scores as dot products with K in place, no K packing
+        self.direct = s.lq <= DIRECT_MAX_LQ
 
     # -- micro-kernel variants --------------------------------------------------------------
     def s_kernel(self, rows: int, cols: int) -> ir.Function:
@@ -78,7 +81,7 @@ class _Emitter:
 
         malloc = intrinsic(self.m, "malloc", ptr, [i64])
         free = intrinsic(self.m, "free", ir.VoidType(), [ptr])
-        kp_floats = _cdiv(s.lk, s.nr) * s.nr * s.e
+        kp_floats = 0 if self.direct else _cdiv(s.lk, s.nr) * s.nr * s.e
         sizes = [kp_floats, s.bq * self.bk, s.bq * self.ev_pad, s.bq, s.bq]
         raws = [b.call(malloc, [const(i64, 4 * n + 64)]) for n in sizes]
         kp, sbuf, obuf, mrow, lrow = (_align64(b, r) for r in raws)
@@ -91,11 +94,13 @@ class _Emitter:
             item = it.get()
             head = b.sdiv(item, const(i64, self.nqb))
             qb = b.srem(item, const(i64, self.nqb))
-            with f.if_(b.icmp_signed("!=", head, cur_head.get())):
-                kh = simd.gep(b, k_all, b.mul(head, const(i64, s.lk * s.e)))
-                b.call(pack_k, [kh, const(i64, s.lk), const(i64, s.e), kp])
-                cur_head.set(head)
-            self.block(head, qb, q_all, v_all, o_all, kp, sbuf, obuf, mrow, lrow)
+            kh = simd.gep(b, k_all, b.mul(head, const(i64, s.lk * s.e)))
+            if not self.direct:
+                with f.if_(b.icmp_signed("!=", head, cur_head.get())):
+                    b.call(pack_k, [kh, const(i64, s.lk), const(i64, s.e), kp])
+                    cur_head.set(head)
+            self.block(head, qb, q_all, v_all, o_all, kh if self.direct else kp, sbuf, obuf,
+                       mrow, lrow)
             it.set(b.add(item, nt))
         for r in raws:
             b.call(free, [r])
@@ -144,6 +149,8 @@ class _Emitter:
                 call(full, extra)
 
     def scores(self, qh, kp, sbuf, j0, kv, rows):
+        if self.direct:
+            return self.scores_direct(qh, kp, sbuf, j0, kv, rows)
         s, f = self.s, self.f
         b = f.b
         mode = const(i64, FIRST | LAST)
@@ -170,6 +177,31 @@ class _Emitter:
                                                         nullp, nullp])
 
         self._row_tiles(rows, s.mrs, tile)
+
+    def scores_direct(self, qh, kh, sbuf, j0, kv, rows):
+        """S[r, j] = q_r . K_j for L keys at a time: L vector accumulators over E, then one
+        transpose-and-add tree puts the L sums into one vector (lane = key)."""
+        s, L, f = self.s, self.L, self.f
+        b = f.b
+        ne = _cdiv(s.e, L)
+        zero = vmath.splat(simd.vty(L), 0.0)
+        with f.for_range(0, rows, name="dr") as r:
+            qrow = simd.gep(b, qh, b.mul(r, const(i64, s.e)))
+            qv = [simd.load_any(b, qrow, e * L, L, min(L, s.e - e * L)) for e in range(ne)]
+            with f.for_range(0, kv, step=L, name="dk") as jb:
+                sums = []
+                for jj in range(L):
+                    key = b.add(b.add(j0, jb), const(i64, jj))
+                    live = b.icmp_signed("<", b.add(jb, const(i64, jj)), kv)
+                    krow = simd.gep(b, kh, b.mul(key, const(i64, s.e)))
+                    acc = zero
+                    for e in range(ne):
+                        m = b.and_(simd.const_mask(L, min(L, s.e - e * L)),
+                                   _splat_bit(b, live, L))
+                        acc = vmath.fma(b, qv[e], simd.masked_load(b, krow, e * L, m, L), acc)
+                    sums.append(acc)
+                out = transpose_add(b, sums)
+                simd.store_vec(b, out, sbuf, b.add(b.mul(r, const(i64, self.bk)), jb))
 
     def accumulate(self, vh, sbuf, obuf, j0, kv, rows):
         s, f = self.s, self.f
@@ -321,6 +353,33 @@ class _Emitter:
                 active = min(L, s.ev - v * L)
                 simd.store_any(b, b.fmul(x, iv), oh, b.add(b.mul(r, const(i64, s.ev)),
                                                            const(i64, v * L)), active)
+
+
+def transpose_add(b: ir.IRBuilder, vecs: list) -> ir.Value:
+    """One vector whose lane j is the sum of the lanes of ``vecs[j]`` (n vectors of n lanes):
+    log2(n) levels, each adding the two halves of pairs interleaved block-wise."""
+    n = len(vecs)
+    cur, blk = list(vecs), n // 2
+    mask_t = ir.VectorType(i32, n)
+    while len(cur) > 1:
+        m = len(cur) // 2
+        lo_idx, hi_idx = [], []
+        for c0 in range(0, n, 2 * blk):
+            lo_idx += list(range(c0, c0 + blk)) + [n + x for x in range(c0, c0 + blk)]
+            hi_idx += list(range(c0 + blk, c0 + 2 * blk)) + [n + x for x in
+                                                              range(c0 + blk, c0 + 2 * blk)]
+        cur = [b.fadd(b.shuffle_vector(cur[i], cur[i + m], ir.Constant(mask_t, lo_idx)),
+                      b.shuffle_vector(cur[i], cur[i + m], ir.Constant(mask_t, hi_idx)))
+               for i in range(m)]
+        blk //= 2
+    return cur[0]
+
+
+def _splat_bit(b: ir.IRBuilder, bit: ir.Value, lanes: int) -> ir.Value:
+    vt = ir.VectorType(i1, lanes)
+    v = b.insert_element(ir.Constant(vt, ir.Undefined), bit, const(i32, 0))
+    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
+                            ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
 
 
 def _align64(b: ir.IRBuilder, raw: ir.Value) -> ir.Value:

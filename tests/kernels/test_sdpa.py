@@ -79,3 +79,10 @@ def test_sdpa_rejects_wrong_inputs():
         f(q, q, q, torch.zeros(1, 1, 4, 4))  # float mask for a bool kernel
     with pytest.raises(ValueError):
         make_sdpa(1, 1, 4, 4, 8, 8, mask="bool", mask_shape=(1, 1, 3, 4))
+
+
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_sdpa_decode_with_mask(mask, threads):
+    """Few queries take the unpacked dot-product path for the scores."""
+    y, (q, k, v, am) = run(2, 3, 3, 70, 40, 24, mask=mask, mask_shape=(2, 1, 3, 70), seed=8)
+    torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v, attn_mask=am), **TOL)
