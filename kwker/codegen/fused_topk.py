@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import simd
-from .gemm_bf16 import emit_dot, emit_micro_bf16, emit_pack_bf16
+from . import simd, vmath
+from .gemm_bf16 import bound_factor, emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
 from .heap import Heap, lt
@@ -195,6 +195,12 @@ class _Emitter:
         if self.bf16:
             xrow, qn, wx, ev = f.args[12:]
             dot = emit_dot(self.module, s.k_dim, L)
+            # denormals (flushed by vdpbf16ps) add at most 2^-126 K (|w| + |q| + 1); with
+            # e_j = c |w_j| that is e_j * C1 + (|q| + 1) * C2
+            c1, c2 = 2.0 ** -126 * s.k_dim / bound_factor(s.k_dim), 2.0 ** -126 * s.k_dim * 1.01
+            qn_v = simd.broadcast(b, b.fadd(qn, ir.Constant(f32, c1)), L)
+            slack_v = simd.broadcast(b, b.fmul(b.fadd(qn, ir.Constant(f32, 1.0)),
+                                               ir.Constant(f32, c2)), L)
 
         def push(c):
             j = b.add(col0, c)
@@ -212,8 +218,8 @@ class _Emitter:
                     xv = simd.load_vec(b, row, const(i64, v * L), L)
                     thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
                     if self.bf16:
-                        e = b.fmul(simd.masked_load(b, ev, b.add(col0, const(i64, v * L)), live,
-                                                    L), simd.broadcast(b, qn, L))
+                        e = vmath.fma(b, simd.masked_load(b, ev, b.add(col0, const(i64, v * L)),
+                                                          live, L), qn_v, slack_v)
                         hit = b.fcmp_unordered(">", b.fadd(xv, e), thr) if s.largest else \
                             b.fcmp_unordered("<", b.fsub(xv, e), thr)
                     else:

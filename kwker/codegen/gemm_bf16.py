@@ -8,8 +8,9 @@ scores that cannot enter a heap; every score that may enter is recomputed exactl
 The bound. With bf16 rounding (unit roundoff u = 2^-8) of both operands,
 ``|q.w - q^.w^| <= (2u + u^2) sum|q_i||w_i| <= (2u + u^2) |q| |w|`` (Cauchy-Schwarz), plus the
 float32 accumulation errors of both dot products (K * 2^-24 |q| |w| each). The factory stores
-``e_j = c |w_j|`` rounded up; the kernel multiplies by ``|q|`` rounded up. An element can only
-beat the heap root if ``approx + e_j |q| > root`` (largest) or ``approx - e_j |q| < root``.
+``e_j = c |w_j|`` rounded up; the kernel multiplies by ``|q|`` rounded up and adds what flushing
+denormals can cost, ``2^-126 K (|w| + |q| + 1)``. An element can only beat the heap root if
+``approx + bound > root`` (largest) or ``approx - bound < root``; NaN always passes.
 
 Layouts: B panels of ``nr`` columns hold, per pair of k, one 32-bit word (two bf16) per column,
 so one zmm is 16 columns x 2 k; A rows are packed the same way, one word per (k pair, row).
