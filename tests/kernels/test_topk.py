@@ -90,3 +90,15 @@ def test_bf16_screening_odd_k_and_edges(threads):
     f = make_linear_topk(w, 13, 25, True, screen=True)
     assert f.spec.approx == "bf16"
     check(w, x, 25, True, exact=False)
+
+
+@needs_bf16
+@pytest.mark.parametrize("sx,sw", [(1e-20, 1e-20), (1e-30, 1e10), (1e15, 1e15)])
+def test_bf16_screening_extreme_magnitudes(sx, sw):
+    """Denormal products (flushed by vdpbf16ps) and huge ones stay inside the bound."""
+    torch.manual_seed(12)
+    w, x = torch.randn(3000, 64) * sw, torch.randn(5, 64) * sx
+    v, i = make_linear_topk(w, 5, 10, screen=True)(x)
+    rv, ri = torch.topk(x @ w.t(), 10)
+    assert (i == ri).float().mean().item() >= 0.99
+    torch.testing.assert_close(v, rv, rtol=1e-4, atol=0)
