@@ -1,0 +1,53 @@
+"""Kernels under unusual thread setups: odd team sizes, and concurrent calls from Python threads
+(each call owns its argument block and scratch; ctypes releases the GIL)."""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kwker.kernels import make_linear, make_linear_topk, make_matmul, make_sdpa
+
+
+@pytest.mark.parametrize("nthreads", [3, 5])
+def test_odd_team_sizes(nthreads):
+    torch.set_num_threads(nthreads)
+    torch.manual_seed(nthreads)
+    for m, n, k in [(1, 4096, 64), (37, 300, 70), (5, 20000, 32)]:
+        w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
+        torch.testing.assert_close(make_linear(w, b, m, "gelu")(x), F.gelu(F.linear(x, w, b)),
+                                   rtol=1e-4, atol=1e-4)
+        a, bt = torch.randn(3, m, k), torch.randn(3, n, k)
+        torch.testing.assert_close(make_matmul(m, k, n, 3, True)(a, bt), a @ bt.transpose(1, 2),
+                                   rtol=1e-4, atol=1e-4)
+    w = torch.randint(-2, 3, (3000, 40)).float()
+    x = torch.randint(-2, 3, (3, 40)).float()
+    for screen in (False, None):
+        _, i = make_linear_topk(w, 3, 30, True, screen=screen)(x)
+        assert torch.equal(i, torch.topk(x @ w.t(), 30).indices)
+
+
+def test_concurrent_calls_from_python_threads():
+    torch.manual_seed(0)
+    w, b = torch.randn(300, 200), torch.randn(300)
+    lin = make_linear(w, b, 64, "gelu")
+    q = torch.randn(2, 2, 50, 32)
+    att = make_sdpa(2, 2, 50, 50, 32, 32, True)
+    ref_att = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    errors = []
+
+    def work(seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(50):
+            x = torch.randn(64, 200, generator=g)
+            if not torch.allclose(lin(x), F.gelu(F.linear(x, w, b)), rtol=1e-4, atol=1e-4):
+                errors.append("linear")
+            if not torch.allclose(att(q, q, q), ref_att, rtol=1e-4, atol=1e-5):
+                errors.append("sdpa")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
