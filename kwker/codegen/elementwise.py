@@ -1,8 +1,9 @@
 """Elementwise float32 kernels: GELU (erf and tanh forms), ReLU, exp, erf, tanh.
 
 Contract: ``out[i] = op(x[i])`` for a contiguous buffer of ``numel`` floats (in place allowed).
-Each thread takes a contiguous, vector-aligned share; the body runs 4 vectors per iteration, then
-single vectors, then one masked vector for the tail (no scalar loop). The maths is
+Each thread takes a contiguous, vector-aligned share; the body runs ``UNROLL[op]`` vectors per
+iteration (cheap ops are unrolled; the polynomial ones are not: their constants would spill),
+then single vectors, then one masked vector for the tail (no scalar loop). The maths is
 ``codegen/vmath.py`` (vectorised, ~1 ulp, no libm calls); no fast-math flags.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from . import omp, simd, vmath
 from .irutil import const, i64, new_module, ptr
 
 GRAIN = 1 << 15  # elements per thread below which forking costs more than it saves
-UNROLL = 1
+UNROLL = {"relu": 4}  # others: 1
 
 OPS = {
     "gelu": lambda b, x: vmath.gelu(b, x, "none"),
@@ -42,11 +43,12 @@ def emit(spec, target) -> ir.Module:
     end = b.mul(vend, const(i64, lanes))
     end = b.select(b.icmp_signed(">", end, const(i64, spec.numel)), const(i64, spec.numel), end)
     i = body.var(i64, begin, "i")
-    step = lanes * UNROLL
+    unroll = UNROLL.get(spec.op, 1)
+    step = lanes * unroll
     with body.while_(lambda: b.icmp_signed("<=", b.add(i.get(), const(i64, step)), end)):
         base = i.get()
         xs = [simd.load_vec(b, src, b.add(base, const(i64, u * lanes)), lanes)
-              for u in range(UNROLL)]
+              for u in range(unroll)]
         for u, x in enumerate(xs):
             simd.store_vec(b, op(b, x), dst, b.add(base, const(i64, u * lanes)))
         i.set(b.add(base, const(i64, step)))
