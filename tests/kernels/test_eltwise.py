@@ -61,3 +61,11 @@ def test_gelu_keeps_shape_and_nan():
 def test_gelu_rejects_other_dtypes():
     with pytest.raises(NotImplementedError):
         make_gelu(8)(torch.randn(8, dtype=torch.float64))
+
+
+def test_relu_matches_aten():
+    x = torch.cat([torch.randn(70_003), torch.tensor([float("nan"), -0.0, 0.0, -float("inf")])])
+    y = make_eltwise("relu", x.numel())(x)
+    assert torch.equal(torch.isnan(y), torch.isnan(torch.relu(x)))
+    ok = ~torch.isnan(x)
+    assert torch.equal(y[ok], torch.relu(x)[ok])
