@@ -36,6 +36,11 @@ def key_type(dtype: str) -> ir.IntType:
     return i64 if dtype in ("float64", "int64") else i32
 
 
+def hist_bytes(kt: ir.IntType) -> int:
+    """Counters for the radix sort, or the quantile selection's bucket starts."""
+    return max(radix_hist_bytes(kt), (SELECT_BUCKETS + 1) * 8)
+
+
 def _align(nbytes: int) -> int:
     return (nbytes + 63) // 64 * 64
 
@@ -45,7 +50,7 @@ def scratch_layout(op: str, dtype: str, n: int, stable: bool = False) -> dict[st
     kb = key_type(dtype).width // 8
     sizes = [("K", n * kb), ("I", n * 4)]
     if stable or op in ("quantile", "nanquantile"):
-        sizes += [("K2", n * kb), ("I2", n * 4), ("H", radix_hist_bytes(key_type(dtype)))]
+        sizes += [("K2", n * kb), ("I2", n * 4), ("H", hist_bytes(key_type(dtype)))]
     out, pos = {}, 0
     for name, size in sizes:
         out[name] = pos + PAD
@@ -109,7 +114,7 @@ class RowKernel:
         if names == ["P"]:
             return [self.f.gep(self.scratch, pad, ir.IntType(8))]
         sizes["K2"], sizes["I2"] = sizes["K"], sizes["I"]
-        sizes["H"] = const(i64, radix_hist_bytes(self.kt))
+        sizes["H"] = const(i64, hist_bytes(self.kt))
         out, pos = {}, const(i64, 0)
         for name in ("K", "I", "K2", "I2", "H"):
             out[name] = self.f.gep(self.scratch, b.add(pos, pad), ir.IntType(8))
@@ -524,21 +529,41 @@ def _emit_quantile(rk: RowKernel, nan_ignoring: bool):
         neg = b.icmp_signed("<", bits, const(ity, 0))
         pz.set(b.or_(pz.get(), b.and_(is_zero, b.not_(neg))))
         nz.set(b.or_(nz.get(), b.and_(is_zero, neg)))
-    sorted_idx = f.var(ptr, I, "sorted_idx")
     nan_picked = (b.icmp_signed("==", nnan.get(), rk.n) if nan_ignoring
                   else b.icmp_signed(">", nnan.get(), zero))
     mixed_nans = b.icmp_signed("<", nan_lo.get(), nan_hi.get())
     exact = b.or_(b.and_(nan_picked, mixed_nans), b.and_(pz.get(), nz.get()))
+    state = f.array(i64, 2, "bucket_cache")  # (bucket gathered into K2, its size)
     with f.if_else(exact) as (slow, fast):
         with slow:
             b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
-        with fast:
-            radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")
-            flipped = b.call(radix, [K, I, K2, I2, H, rk.n])
-            sorted_idx.set(b.select(flipped, I2, I))
+        with fast:  # bucket starts by the top 11 key bits, for selection without a sort
+            with f.for_range(0, SELECT_BUCKETS + 1, name="hz") as z:
+                f.store(zero, H, z)
+            with f.for_range(zero, rk.n, name="hist") as j:
+                slot = b.add(_bucket(rk, f.load(ity, K, j)), one)
+                f.store(b.add(f.load(i64, H, slot), one), H, slot)
+            with f.for_range(1, SELECT_BUCKETS + 1, name="starts") as z:
+                f.store(b.add(f.load(i64, H, z), f.load(i64, H, b.sub(z, one))), H, z)
+            f.store(const(i64, -1), state, zero)
+    select = _emit_bucket_select(rk)
+    zero_bits = b.select(pz.get(), const(ity, 0), const(ity, -(1 << (ity.width - 1))))
 
     def S(pos):
-        return f.load(T, rk.src, b.sext(f.load(i32, sorted_idx.get(), pos), i64))
+        """The value at sorted position ``pos``: read through the exact sort's indices, or
+        selected by key (keys map back to bits exactly; ±0 and NaN as the row holds them)."""
+        out = f.var(T, ir.Constant(T, 0.0), "S")
+        with f.if_else(exact) as (slow, fast):
+            with slow:
+                out.set(f.load(T, rk.src, b.sext(f.load(i32, I, pos), i64)))
+            with fast:
+                k = b.call(select, [K, K2, I2, H, rk.n, pos, state])
+                maxpos = const(ity, (1 << (ity.width - 1)) - 1)
+                bits = b.xor(k, b.and_(b.ashr(k, const(ity, ity.width - 1)), maxpos))
+                bits = b.select(b.icmp_signed("==", k, const(ity, 0)), zero_bits, bits)
+                bits = b.select(b.icmp_signed("==", k, rk.nan_key()), nan_lo.get(), bits)
+                out.set(b.bitcast(bits, T))
+        return out.get()
     n_t = b.sitofp(b.sub(rk.n, one), T)
     c_t = b.sitofp(b.sub(b.sub(rk.n, nnan.get()), one), T)
     has_nan = b.icmp_signed(">", nnan.get(), zero)
@@ -575,6 +600,53 @@ def _emit_quantile(rk: RowKernel, nan_ignoring: bool):
             out.set(b.select(small, near_s, near_e))
         pos = b.add(b.mul(qi, q_stride), b.mul(rk.row, rk.a["out_v_rs"]))
         f.store(out.get(), rk.a["out_v"], pos)
+
+
+SELECT_BUCKETS = 2048  # quantile selection buckets: the top 11 bits of the unsigned key
+
+
+def _bucket(rk: RowKernel, key):
+    kt, b = rk.kt, rk.f.b
+    d = b.lshr(b.xor(key, const(kt, 1 << (kt.width - 1))), const(kt, kt.width - 11))
+    return b.zext(d, i64) if kt.width < 64 else d
+
+
+def _emit_bucket_select(rk: RowKernel) -> ir.Function:
+    """select(K, C, D, starts, n, pos, cache) -> the key at sorted position ``pos``.
+
+    The bucket holding ``pos`` is gathered into C (once: consecutive positions of one bucket
+    reuse it) and introselected there; any selection gives the same key.
+    """
+    outer = rk.f
+    f = Fn(rk.m, f"{rk.spec.symbol}.select", rk.kt, [ptr, ptr, ptr, ptr, i64, i64, ptr],
+           ["K", "C", "D", "starts", "n", "pos", "cache"])
+    K, C, D, H, n, pos, cache = f.args
+    b = f.b
+    zero, one = const(i64, 0), const(i64, 1)
+    lo, hi = f.var(i64, zero, "lo"), f.var(i64, const(i64, SELECT_BUCKETS), "hi")
+    with f.while_(lambda: b.icmp_signed(">", b.sub(hi.get(), lo.get()), one)):
+        mid = b.sdiv(b.add(lo.get(), hi.get()), const(i64, 2))
+        with f.if_else(b.icmp_signed("<=", f.load(i64, H, mid), pos)) as (up, down):
+            with up:
+                lo.set(mid)
+            with down:
+                hi.set(mid)
+    bucket = lo.get()
+    with f.if_(b.icmp_signed("!=", f.load(i64, cache, zero), bucket)):
+        m = f.var(i64, zero, "m")
+        rk.f = f  # _bucket emits into this function
+        with f.for_range(zero, n, name="gather") as j:
+            k = f.load(rk.kt, K, j)
+            with f.if_(b.icmp_signed("==", _bucket(rk, k), bucket)):
+                f.store(k, C, m.get())
+                m.set(b.add(m.get(), one))
+        rk.f = outer
+        f.store(bucket, cache, zero)
+        f.store(m.get(), cache, one)
+    off = b.sub(pos, f.load(i64, H, bucket))
+    b.call(rk.algos().nth_element(), [C, D, zero, off, f.load(i64, cache, one)])
+    f.ret(f.load(rk.kt, C, off))
+    return f.finish()
 
 
 def emit(spec, target) -> ir.Module:
