@@ -13,7 +13,10 @@ from llvmlite import ir
 from . import omp, simd, vmath
 from .irutil import const, i64, new_module, ptr
 
-GRAIN = 1 << 15  # elements per thread below which forking costs more than it saves
+# elements per thread below which a fork (~1 us) costs more than it saves: the polynomial ops
+# spend ~1 ns per element, a ReLU mostly moves memory
+GRAIN = {"relu": 1 << 15}  # others: DEFAULT_GRAIN
+DEFAULT_GRAIN = 1 << 12
 UNROLL = {"relu": 4}  # others: 1
 
 OPS = {
@@ -62,6 +65,6 @@ def emit(spec, target) -> ir.Module:
         x = simd.masked_load(b, src, i.get(), mask, lanes)
         simd.masked_store(b, op(b, x), dst, i.get(), mask)
     body.finish()
-    max_threads = max(1, spec.numel // GRAIN)
+    max_threads = max(1, spec.numel // GRAIN.get(spec.op, DEFAULT_GRAIN))
     omp.emit_parallel(module, spec.symbol, [ptr, ptr], body.fn, max_threads=max_threads)
     return module

@@ -276,7 +276,7 @@ class _Emitter:
         self.f = f
         b = f.b
         x, w, vals, idx, w_exact, evec, nreq = f.args
-        cap = const(i64, max(1, min(max(self.mt, self.np), 2 * s.m * s.n * s.k_dim >> 20)))
+        cap = const(i64, max(1, min(max(self.mt, self.np), 2 * s.m * s.n * s.k_dim >> 18)))
         nt = b.select(b.icmp_signed("<", nreq, cap), nreq, cap)
         nt = b.select(b.icmp_signed("<", nt, const(i64, 1)), const(i64, 1), nt)
         split_cols = b.and_(b.icmp_signed(">", nt, const(i64, 1)),

@@ -31,7 +31,7 @@ from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_cols, emit_pack_rows
 from .irutil import Fn, const, i8, i64, intrinsic, new_module, ptr
 
-MIN_FLOPS_PER_THREAD = 1 << 20  # below this a fork (~2 us) costs more than it saves
+MIN_FLOPS_PER_THREAD = 1 << 18  # ~2.5 us of FMAs: a fork (~1 us) pays off above it
 
 
 def _cdiv(a: int, b: int) -> int:
