@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 
-
 SPEC_CLASSES: dict[str, type] = {}
 
 
@@ -19,7 +18,7 @@ def register_spec(cls):
     return cls
 
 
-def spec_from_json(data: dict) -> "Spec":
+def spec_from_json(data: dict) -> Spec:
     data = dict(data)
     cls = SPEC_CLASSES[data.pop("family")]
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

@@ -48,7 +48,7 @@ def intrinsic(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -
 class Var:
     """A mutable local: an alloca that reads and writes like a variable."""
 
-    def __init__(self, fn: "Fn", ty: ir.Type, name: str):
+    def __init__(self, fn: Fn, ty: ir.Type, name: str):
         self.fn, self.ty = fn, ty
         with fn.b.goto_block(fn.entry):
             self.slot = fn.b.alloca(ty, name=name)

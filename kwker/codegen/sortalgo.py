@@ -453,7 +453,7 @@ class SortAlgos:
         return self._fn("introsort_loop", void, [ptr, ptr, i64, i64, i64],
                         ["K", "I", "first", "last", "depth"], body)
 
-    def _depth_limit(self, f: Fn, n):
+    def depth_limit(self, f: Fn, n):
         lg = f.b.sub(const(i64, 63), f.call_intrinsic("llvm.ctlz.i64", i64, [n, const(i1, 0)]))
         return f.b.mul(lg, const(i64, 2))
 
@@ -464,7 +464,7 @@ class SortAlgos:
             b = f.b
             with f.if_(b.icmp_signed(">=", first, last)):
                 f.ret()
-            depth = self._depth_limit(f, b.sub(last, first))
+            depth = self.depth_limit(f, b.sub(last, first))
             b.call(self.introsort_loop(), [K, I, first, last, depth])
             if not self.lanes:  # else each leftover segment was already sorted in place
                 self.final_insertion_sort(f, K, I, first, last)
@@ -480,7 +480,7 @@ class SortAlgos:
                              b.icmp_signed("==", nth, last0))):
                 f.ret()
             first, last = f.var(i64, first0, "first"), f.var(i64, last0, "last")
-            depth = f.var(i64, self._depth_limit(f, b.sub(last0, first0)), "depth")
+            depth = f.var(i64, self.depth_limit(f, b.sub(last0, first0)), "depth")
             with f.while_(lambda: b.icmp_signed(">", b.sub(last.get(), first.get()),
                                                 const(i64, 3))):
                 with f.if_(b.icmp_signed("==", depth.get(), const(i64, 0)), likely=False):

@@ -19,7 +19,23 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .irutil import DTYPES, HALF_FLOATS, Fn, const, f32, f64, i1, i16, i32, i64, ptr, vec, void
+from .irutil import (
+    DTYPES,
+    HALF_FLOATS,
+    Fn,
+    const,
+    f32,
+    f64,
+    i1,
+    i16,
+    i32,
+    i64,
+    intrinsic,
+    new_module,
+    ptr,
+    vec,
+    void,
+)
 from .rows import FIRST_OP_SLOT, emit_row_driver
 from .sortalgo import SortAlgos, emit_radix_sort, radix_hist_bytes
 
@@ -210,7 +226,7 @@ class RowKernel:
 
 # ---------------------------------------------------------------------------------- ops
 def _emit_sort(rk: RowKernel):
-    f, b = rk.f, rk.f.b
+    b = rk.f.b
     if rk.spec.stable:
         K, I, K2, I2, H = rk.scratch_arrays(["K", "I", "K2", "I2", "H"])
         rk.fill_keys(K, I)
@@ -251,9 +267,7 @@ def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
             ctx = f.array(i64, 2 + 3 * ntask, "tasks")  # K, I, then (first, last, depth)*
             f.store(K, ctx, zero)
             f.store(I, ctx, one)
-            lg = b.sub(const(i64, 63), f.call_intrinsic("llvm.ctlz.i64", i64, [rk.n,
-                                                                                const(i1, 0)]))
-            tasks = [(zero, rk.n, b.mul(lg, const(i64, 2)))]
+            tasks = [(zero, rk.n, algos.depth_limit(f, rk.n))]
             for level in range(SPLIT_LEVELS):
                 split = []
                 for first, last, depth in tasks:
@@ -271,13 +285,11 @@ def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
                 for j, v in enumerate((first, last, depth)):
                     f.store(v, ctx, const(i64, 2 + 3 * t + j))
             worker = _introsort_worker(rk, algos, ntask)
-            from .irutil import intrinsic
             gomp = intrinsic(rk.m, "GOMP_parallel", void, [ptr, ptr, i32, i32])
             b.call(gomp, [worker, ctx, b.trunc(threads, i32), const(i32, 0)])
 
 
 def _introsort_worker(rk: RowKernel, algos: SortAlgos, ntask: int) -> ir.Function:
-    from .irutil import intrinsic
     tnum = intrinsic(rk.m, "omp_get_thread_num", i32, [])
     tcount = intrinsic(rk.m, "omp_get_num_threads", i32, [])
     w = Fn(rk.m, f"{algos.prefix}.worker", void, [ptr], ["ctx"])
@@ -650,7 +662,6 @@ def _emit_bucket_select(rk: RowKernel) -> ir.Function:
 
 
 def emit(spec, target) -> ir.Module:
-    from .irutil import new_module
     module = new_module(spec.symbol)
     rk = RowKernel(module, spec, target)
     op = spec.op
@@ -674,4 +685,3 @@ def emit(spec, target) -> ir.Module:
     return module
 
 
-__all__ = ["emit", "SLOTS", "NARG", "INTERPOLATIONS", "scratch_layout", "key_type", "f64", "f32"]
