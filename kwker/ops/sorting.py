@@ -3,7 +3,7 @@
 Each ``fast_*`` function either returns exactly what the ATen CPU kernel returns (values,
 indices, strides) or ``NotImplemented`` when the case is not Kwker's: another device, dtype or
 layout, an argument ATen rejects (so ATen raises its own error), or an input too small to gain.
-The public functions without the prefix fall back to ATen themselves.
+Callers (the drop-in overrides, the compile backend) then run ATen themselves.
 """
 from __future__ import annotations
 
@@ -203,27 +203,3 @@ def write_out(result, outs):
         resize_out(dst, src.shape)
         dst.copy_(src)
     return tuple(outs)
-
-
-# ------------------------------------------------------------------ public, ATen fallback
-def _or_aten(result, aten_op, *args, **kwargs):
-    return aten_op(*args, **kwargs) if result is NotImplemented else result
-
-
-def topk(x, k, dim=-1, largest=True, sorted=True):
-    return _or_aten(fast_topk(x, k, dim, largest, sorted), torch.ops.aten.topk.default,
-                    x, k, dim, largest, sorted)
-
-
-def sort(x, dim=-1, descending=False, stable=False):
-    return _or_aten(fast_sort(x, stable, dim, descending), torch.ops.aten.sort.stable,
-                    x, stable=stable, dim=dim, descending=descending)
-
-
-def kthvalue(x, k, dim=-1, keepdim=False):
-    return _or_aten(fast_kthvalue(x, k, dim, keepdim), torch.ops.aten.kthvalue.default,
-                    x, k, dim, keepdim)
-
-
-def mode(x, dim=-1, keepdim=False):
-    return _or_aten(fast_mode(x, dim, keepdim), torch.ops.aten.mode.default, x, dim, keepdim)
