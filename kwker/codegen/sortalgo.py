@@ -109,7 +109,7 @@ class SortAlgos:
                         body)
 
     def hoare_small(self) -> ir.Function:
-        """hoare_unguarded(lo, hi) for hi - lo < 64, from two stopper masks taken up front.
+        """hoare_unguarded(lo, hi) for hi - lo < 32, from two stopper masks taken up front.
 
         Swaps only touch positions that neither scan visits again, so the masks of the
         untouched range stay valid, and libstdc++'s unguarded scans reduce to bit scans: the
@@ -117,15 +117,17 @@ class SortAlgos:
         swapped-in left stopper, or is beyond the median-of-three guard); the right scan at the
         last right stopper in [lo, hi), else at lo - 1 (the pivot or a swapped-in right stopper).
         No mispredicted branch per element, and no wide load right after a narrow store. The
-        masks read up to 64 keys from lo: the key arrays carry that much padding.
+        masks read 32 keys from lo: the key arrays carry that much padding. The narrowest block
+        rounds stop below 2 * BLOCKS[-1] = 32 positions, which is what makes 32 enough.
         """
+        assert 2 * BLOCKS[-1] <= 32
         def body(f: Fn):
             K, I, lo0, hi0, pp = f.args
             b = f.b
             zero, one = const(i64, 0), const(i64, 1)
             pv = self.key_at(f, K, pp)
-            left_m = self._stopper_mask(f, K, lo0, pv, ">=", 64)
-            right_m = self._stopper_mask(f, K, lo0, pv, "<=", 64)
+            left_m = self._stopper_mask(f, K, lo0, pv, ">=", 32)
+            right_m = self._stopper_mask(f, K, lo0, pv, "<=", 32)
             lo, hi = f.var(i64, lo0, "lo"), f.var(i64, hi0, "hi")
 
             def span(a, c):  # bits [a - lo0, c - lo0) of a 64-bit mask, for lo0 <= a <= c < +64
