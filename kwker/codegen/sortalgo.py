@@ -198,7 +198,7 @@ class SortAlgos:
         b = f.b
         one, zero = const(i64, 1), const(i64, 0)
         pv = self.key_at(f, K, first)
-        pos = f.var(i64, first, "eqpos")
+        pos = f.var(i64, f.b.add(first, one), "eqpos")  # K[first] is the pivot itself
         W = 16
         with f.while_(lambda: b.icmp_signed("<=", b.add(pos.get(), const(i64, W)), last)):
             lt = self._stopper_mask(f, K, pos.get(), pv, ">=", W)  # not below the pivot
