@@ -226,14 +226,28 @@ def exp_softmax(b: ir.IRBuilder, x, avx512: bool):
     r = fma(b, n, splat(ty, -LN2_HI), xc)
     r = fma(b, n, splat(ty, -LN2_LO), r)
     p = b.fadd(splat(ty, 1.0), fma(b, horner(b, EXP_P4, r), b.fmul(r, r), r))
-    if avx512 and isinstance(ty, ir.VectorType) and ty.count == 16:
+    if _has_scalef(ty, avx512):
+        return _scale_pow2(b, p, n, avx512)
+    return b.select(b.fcmp_ordered("<", x, splat(ty, -87.33654022216797)), splat(ty, 0.0),
+                    _scale_pow2(b, p, n, avx512))
+
+
+def _has_scalef(ty, avx512: bool) -> bool:
+    return avx512 and isinstance(ty, ir.VectorType) and ty.count == 16
+
+
+def _scale_pow2(b: ir.IRBuilder, p, n, avx512: bool):
+    """p * 2**n for integral float n: one exact ``vscalefps`` on AVX-512 (denormal range
+    included); otherwise an exponent-field multiply with n clamped at -126 (callers flush
+    the underflowing range to 0)."""
+    ty = p.type
+    if _has_scalef(ty, avx512):
         fn = intrinsic(b.module, "llvm.x86.avx512.mask.scalef.ps.512", ty,
                        [ty, ty, ty, ir.IntType(16), i32])
         return b.call(fn, [p, n, p, ir.Constant(ir.IntType(16), -1), ir.Constant(i32, 4)])
     ni = b.fptosi(n, _int_type(ty))
-    y = b.fmul(p, _pow2(b, b.select(b.icmp_signed("<", ni, splat(ni.type, -126)),
-                                    splat(ni.type, -126), ni)))
-    return b.select(b.fcmp_ordered("<", x, splat(ty, -87.33654022216797)), splat(ty, 0.0), y)
+    return b.fmul(p, _pow2(b, b.select(b.icmp_signed("<", ni, splat(ni.type, -126)),
+                                       splat(ni.type, -126), ni)))
 
 
 EXP2_P = (0.00015461447765119374, 0.0013390866806730628, 0.009618056938052177,
@@ -249,11 +263,7 @@ def exp2_softmax(b: ir.IRBuilder, t, avx512: bool):
     n = unary(b, "rint", tc)
     f = b.fsub(tc, n)
     p = fma(b, horner(b, EXP2_P, f), f, splat(ty, 1.0))
-    if avx512 and isinstance(ty, ir.VectorType) and ty.count == 16:
-        fn = intrinsic(b.module, "llvm.x86.avx512.mask.scalef.ps.512", ty,
-                       [ty, ty, ty, ir.IntType(16), i32])
-        return b.call(fn, [p, n, p, ir.Constant(ir.IntType(16), -1), ir.Constant(i32, 4)])
-    ni = b.fptosi(n, _int_type(ty))
-    y = b.fmul(p, _pow2(b, b.select(b.icmp_signed("<", ni, splat(ni.type, -126)),
-                                    splat(ni.type, -126), ni)))
-    return b.select(b.fcmp_ordered("<", tc, splat(ty, -126.0)), splat(ty, 0.0), y)
+    if _has_scalef(ty, avx512):
+        return _scale_pow2(b, p, n, avx512)
+    return b.select(b.fcmp_ordered("<", tc, splat(ty, -126.0)), splat(ty, 0.0),
+                    _scale_pow2(b, p, n, avx512))
