@@ -29,9 +29,8 @@ def min_numel(monkeypatch):
     from kwker.ops import sorting
 
     def set_min(n):
-        old = sorting.MIN_NUMEL  # one size for all ops, or one per op family
-        monkeypatch.setattr(sorting, "MIN_NUMEL",
-                            dict.fromkeys(old, n) if isinstance(old, dict) else n)
+        monkeypatch.setattr(sorting, "MIN_NUMEL", dict.fromkeys(sorting.MIN_NUMEL, n))
+        monkeypatch.setattr(sorting, "MIN_ROW", dict.fromkeys(sorting.MIN_ROW, 0))
     return set_min
 
 

@@ -14,10 +14,17 @@ from ..spec import SortingSpec
 from .rows import DTYPES, MAX_ROW, DenseOut, OutRows, resize_out, rows_of, run
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
-# Below these many elements a Kwker call (Python dispatch, output allocation, ctypes: ~10 us)
-# costs more than ATen's whole kernel, so ATen runs; measured crossovers on a 2-core Zen 4.
-MIN_NUMEL = {"topk": 8192, "sort": 8192, "stable": 1024, "kthvalue": 32768, "median": 32768,
-             "median_all": 8192, "mode": 1024, "quantile": 1024}
+# Below these many elements, or with rows shorter than MIN_ROW, a Kwker call (Python dispatch,
+# output allocation, ctypes: ~10 us, plus per-row set-up such as radix histograms) costs more
+# than ATen's whole kernel, so ATen runs; crossovers measured on a 2-core Zen 4 over 1-128 rows
+# of 16-16384 elements (benchmarks/results/sorting.md has the sweep).
+MIN_NUMEL = {"topk": 16384, "sort": 8192, "stable": 4096, "kthvalue": 32768, "median": 32768,
+             "median_all": 16384, "mode": 32768, "quantile": 0}
+MIN_ROW = {"topk": 1024, "sort": 512, "stable": 512, "kthvalue": 256, "median": 256,
+           "median_all": 0, "mode": 256, "quantile": 256}
+# ATen's quantile is a composite of a dozen ops (~25 us even for 8 elements): Kwker is as fast
+# on any row length when there are only a few rows, so those never go back to ATen.
+QUANTILE_FEW_ROWS = 8
 SPLIT_ROW = 100_000  # a single row at least this long sorts on several threads
 
 
@@ -41,6 +48,9 @@ def _usable(x: torch.Tensor, dim, family: str, any_size: bool = False):
         return None
     d = _dim(x, dim)
     if d is None or not 0 < x.shape[d] <= MAX_ROW:
+        return None
+    if x.shape[d] < MIN_ROW[family] and not any_size and not (
+            family == "quantile" and x.numel() <= QUANTILE_FEW_ROWS * x.shape[d]):
         return None
     return name, d
 
@@ -172,9 +182,7 @@ def fast_quantile(x, q, dim=None, keepdim=False, interpolation="linear", ignore_
     q_flat = q_t.reshape(-1)
     if not bool(((q_flat >= 0) & (q_flat <= 1)).all()):
         return NotImplemented  # ATen raises its own error
-    if dim is None:
-        if x.numel() < MIN_NUMEL["quantile"]:
-            return NotImplemented
+    if dim is None:  # one row: never slower than ATen's composite
         x2 = x.reshape(1, -1).contiguous()
         rs, rows, n = 0, 1, x2.shape[1]
         reduced = [1] * x.dim() if keepdim else []

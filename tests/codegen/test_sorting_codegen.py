@@ -48,6 +48,7 @@ def test_portable_isa_matches_aten(tmp_path):
         from kwker.runtime.target import host_target
         assert host_target().vector_bits == 128, host_target()
         S.MIN_NUMEL = dict.fromkeys(S.MIN_NUMEL, 0)
+        S.MIN_ROW = dict.fromkeys(S.MIN_ROW, 0)
         g = torch.Generator().manual_seed(0)
         for x in (torch.randint(0, 4, (3, 700), generator=g).float(),
                   torch.randn(2, 3000, generator=g, dtype=torch.float64),

@@ -9,6 +9,7 @@ from kwker.ops import rows
 def kernels_everywhere(monkeypatch):
     """Let the row kernels take every size (no small-input hand-off to ATen), and count calls."""
     monkeypatch.setattr(sorting, "MIN_NUMEL", dict.fromkeys(sorting.MIN_NUMEL, 0))
+    monkeypatch.setattr(sorting, "MIN_ROW", dict.fromkeys(sorting.MIN_ROW, 0))
     before = sum(rows.calls.values())
     yield rows.calls
     assert sum(rows.calls.values()) > before, "no Kwker kernel ran"

@@ -97,14 +97,11 @@ def _lower_cutoff(n: int) -> None:
     """Set Kwker's size cut-off (one int, or one per op family) to ``n`` elements."""
     from kwker.ops import sorting
 
-    cur = getattr(sorting, "MIN_NUMEL", None)
-    if isinstance(cur, dict):
-        sorting.MIN_NUMEL = dict.fromkeys(cur, n)
-    elif isinstance(cur, int):
-        sorting.MIN_NUMEL = n
-    else:
+    if not isinstance(getattr(sorting, "MIN_NUMEL", None), dict):
         raise pytest.UsageError("kwker.ops.sorting.MIN_NUMEL not found: cannot lower the "
                                 "size cut-off for KWKER_UPSTREAM_MIN_NUMEL")
+    sorting.MIN_NUMEL = dict.fromkeys(sorting.MIN_NUMEL, n)
+    sorting.MIN_ROW = dict.fromkeys(sorting.MIN_ROW, 0)
 
 
 def pytest_report_header(config):
