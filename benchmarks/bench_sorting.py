@@ -23,7 +23,7 @@ import common
 
 FLOOR = 0.9  # no op may be slower than 0.9x ATen at any size
 MAIN = (32, 20000)
-SWEEP_SHAPES = [(8,), (64,), (1, 512), (16, 1000), MAIN]
+SWEEP_SHAPES = [(8,), (64,), (1, 512), (1024, 16), (16, 1000), (8, 4096), MAIN]  # (1024, 16): many short rows
 SWEEP_OPS = ["topk", "sort", "stable sort", "argsort", "msort", "kthvalue", "median(dim)",
              "nanmedian(dim)", "mode", "quantile", "nanquantile", "median()"]
 TARGETS = {"topk": 4.0, "sort": 6.0, "stable sort": 6.0, "kthvalue": 5.0, "median(dim)": 5.0,

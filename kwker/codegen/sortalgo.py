@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .irutil import Fn, const, i1, i32, i64, ptr, vec, void
+from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec, void
 
 THRESHOLD = 16  # libstdc++ _S_threshold
 BLOCKS = (64, 16)  # block partition widths: wide while the scans are far apart, then narrow
@@ -126,28 +126,29 @@ class SortAlgos:
             b = f.b
             zero, one = const(i64, 0), const(i64, 1)
             pv = self.key_at(f, K, pp)
-            left_m = self._stopper_mask(f, K, lo0, pv, ">=", 32)
-            right_m = self._stopper_mask(f, K, lo0, pv, "<=", 32)
-            lo, hi = f.var(i64, lo0, "lo"), f.var(i64, hi0, "hi")
-
-            def span(a, c):  # bits [a - lo0, c - lo0) of a 64-bit mask, for lo0 <= a <= c < +64
-                hi_bits = b.sub(b.shl(one, b.sub(c, lo0)), one)
-                lo_bits = b.sub(b.shl(one, b.sub(a, lo0)), one)
-                return b.and_(hi_bits, b.not_(lo_bits))
+            # Stoppers in [lo0, hi0) only. Iteration k pairs the k-th left stopper l_k (from
+            # the left) with the k-th right stopper r_k (from the right) and swaps them while
+            # l_k < r_k; the left scan then stops at min(l_{p+1}, r_p) (r_0 = hi0). Each mask
+            # only loses its lowest bit per swap: a one-cycle dependency between iterations.
+            live = b.sub(b.shl(one, b.sub(hi0, lo0)), one)
+            left_m = b.and_(self._stopper_mask(f, K, lo0, pv, ">=", 32), live)
+            right_m = b.and_(self._stopper_mask(f, K, lo0, pv, "<=", 32), live)
+            lm = f.var(i64, left_m, "lm")
+            rm = f.var(i64, f.call_intrinsic("llvm.bitreverse.i64", i64, [right_m]), "rm")
+            prev_r = f.var(i64, hi0, "prev_r")
+            top = b.add(lo0, const(i64, 63))
             with f.loop():
-                live = span(lo.get(), hi.get())
-                lm = b.and_(left_m, live)
-                rm = b.and_(right_m, live)
-                left = b.select(b.icmp_unsigned("==", lm, zero), hi.get(), b.add(
-                    lo0, f.call_intrinsic("llvm.cttz.i64", i64, [lm, const(i1, 0)])))
-                right = b.select(b.icmp_unsigned("==", rm, zero), b.sub(lo.get(), one), b.add(
-                    lo0, b.sub(const(i64, 63),
-                               f.call_intrinsic("llvm.ctlz.i64", i64, [rm, const(i1, 0)]))))
+                false = const(i1, 0)
+                left = b.select(b.icmp_unsigned("==", lm.get(), zero), hi0, b.add(
+                    lo0, f.call_intrinsic("llvm.cttz.i64", i64, [lm.get(), false])))
+                right = b.select(b.icmp_unsigned("==", rm.get(), zero), lo0, b.sub(
+                    top, f.call_intrinsic("llvm.cttz.i64", i64, [rm.get(), false])))
                 with f.if_(b.icmp_signed(">=", left, right)):
-                    f.ret(left)
+                    f.ret(b.select(b.icmp_signed("<", left, prev_r.get()), left, prev_r.get()))
                 self.swap(f, K, I, left, right)
-                lo.set(b.add(left, one))
-                hi.set(right)
+                prev_r.set(right)
+                lm.set(b.and_(lm.get(), b.sub(lm.get(), one)))
+                rm.set(b.and_(rm.get(), b.sub(rm.get(), one)))
         return self._fn("hoare_small", i64, [ptr, ptr, i64, i64, i64],
                         ["K", "I", "lo", "hi", "pp"], body)
 
@@ -180,7 +181,9 @@ class SortAlgos:
             lo, hi = f.var(i64, b.add(first, one), "lo"), f.var(i64, last, "hi")
             finish = self.hoare()
             if self.lanes:
-                self._all_equal_shortcut(f, K, I, first, last)
+                # small ranges: the Hoare tail reverses an all-equal range just as fast
+                with f.if_(b.icmp_signed(">=", b.sub(last, first), const(i64, 64))):
+                    self._all_equal_shortcut(f, K, I, first, last)
                 for width in BLOCKS:
                     with f.while_(lambda: b.icmp_signed(">=", b.sub(hi.get(), lo.get()),
                                                         const(i64, 2 * width))):
@@ -387,12 +390,16 @@ class SortAlgos:
                 b.call(self.guarded_insertion_sort(), [K, I, first, last])
 
     def small_stable_sort(self) -> ir.Function:
-        """Stable sort of at most 16 elements by rank counting, without branches on the data.
+        """Stable sort of at most 16 elements, without branches on the data.
 
         By the §2.1 theorem, std::sort's final insertion pass equals a stable sort of each
         segment the partition loop leaves (segments are already in order relative to each
-        other; heapsorted ranges are sorted), so this replaces it exactly.
+        other; heapsorted ranges are sorted), so this replaces it exactly. Packed words go
+        through a sorting network, other elements through rank counting.
         """
+        if self.packed:
+            return self._fn("small_sort", void, [ptr, ptr, i64, i64],
+                            ["K", "I", "first", "last"], self._network_sort_body)
         W = THRESHOLD
 
         def body(f: Fn):
@@ -433,6 +440,60 @@ class SortAlgos:
                     f.store(b.extract_element(idxs, j), I, dst)
         return self._fn("small_sort", void, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
                         body)
+
+    def _network_sort_body(self, f: Fn):
+        """Bitonic network over 16 or 8 lanes for packed (key << 32 | index) words.
+
+        The network compares ``key << 32 | position``: unique, so any sorting network orders it
+        exactly as a stable sort by key does. The packed words ride along as payload: a lane
+        keeps its own word when its composite survives the comparator. Lanes past the segment
+        hold the largest key and a position past every real one. Segments of 8 or fewer take
+        the 8-lane network (6 stages instead of 10); one element is already sorted.
+        """
+        K, _, first, last = f.args
+        b = f.b
+        m = b.sub(last, first)
+        with f.if_(b.icmp_signed("<=", m, const(i64, 1))):
+            f.ret()
+        with f.if_else(b.icmp_signed("<=", m, const(i64, 8))) as (narrow, wide):
+            with narrow:
+                self._network(f, K, first, m, 8)
+            with wide:
+                self._network(f, K, first, m, THRESHOLD)
+
+    def _network(self, f: Fn, K, first, m, W: int):
+        b = f.b
+        vt = vec(i64, W)
+        words = f.load_vec(i64, W, K, first)  # the arrays are padded past the end
+        lane = ir.Constant(vt, list(range(W)))
+        mvec = b.shuffle_vector(b.insert_element(ir.Constant(vt, None), m, const(i32, 0)),
+                                ir.Constant(vt, None), ir.Constant(vec(i32, W), [0] * W))
+        live = b.icmp_signed("<", lane, mvec)
+        high = ir.Constant(vt, [-(1 << 32)] * W)  # the key half of a word
+        comp = b.select(live, b.or_(b.and_(words, high), lane),
+                        ir.Constant(vt, [(0x7FFFFFFF << 32) | t for t in range(W)]))
+        pay = words
+        k = 2
+        while k <= W:
+            j = k // 2
+            while j >= 1:
+                perm = ir.Constant(vec(i32, W), [t ^ j for t in range(W)])
+                pc = b.shuffle_vector(comp, comp, perm)
+                pp = b.shuffle_vector(pay, pay, perm)
+                # lane t takes the minimum of its pair iff it is the pair's lower lane in an
+                # ascending block, or the upper lane in a descending one
+                take_min = ir.Constant(vec(i1, W), [int(((t & j) == 0) == ((t & k) == 0))
+                                                    for t in range(W)])
+                lo = f.call_intrinsic(f"llvm.smin.v{W}i64", vt, [comp, pc])
+                hi = f.call_intrinsic(f"llvm.smax.v{W}i64", vt, [comp, pc])
+                new = b.select(take_min, lo, hi)
+                pay = b.select(b.icmp_signed("==", new, comp), pay, pp)
+                comp = new
+                j //= 2
+            k *= 2
+        store = intrinsic(self.m, f"llvm.masked.store.v{W}i64.p0", void,
+                          [vt, ptr, i32, vec(i1, W)])
+        b.call(store, [pay, f.gep(K, first, i64), const(i32, 8), live])
 
     # ---------------------------------------------------------------- std::sort, nth_element
     def introsort_loop(self) -> ir.Function:
