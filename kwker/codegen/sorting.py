@@ -281,9 +281,12 @@ def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
                     # without a partition the left task keeps the whole range, the right none
                     split += [(first, cut.get(), d), (cut.get(), last, d)]
                 tasks = split
+            # With fewer levels than SPLIT_LEVELS the real ranges sit at every 2**(unused
+            # levels)-th task; bit-reversed slots put them first, so they go to different threads.
             for t, (first, last, depth) in enumerate(tasks):
+                slot = int(format(t, f"0{SPLIT_LEVELS}b")[::-1], 2)
                 for j, v in enumerate((first, last, depth)):
-                    f.store(v, ctx, const(i64, 2 + 3 * t + j))
+                    f.store(v, ctx, const(i64, 2 + 3 * slot + j))
             worker = _introsort_worker(rk, algos, ntask)
             gomp = intrinsic(rk.m, "GOMP_parallel", void, [ptr, ptr, i32, i32])
             b.call(gomp, [worker, ctx, b.trunc(threads, i32), const(i32, 0)])
