@@ -117,8 +117,32 @@ class RowKernel:
             f.store(b.or_(k, j), P, j)
 
     def write_packed(self, P, count):
-        f, b = self.f, self.f.b
-        with f.for_range(const(i64, 0), count, name="outp") as j:
+        """Values (gathered from the row: keys do not keep NaN payloads) and indices of the
+        packed words; 16 at a time when both outputs are contiguous along the row."""
+        f, b, a = self.f, self.f.b, self.a
+        start = const(i64, 0)
+        W = 16
+        if self.lanes >= 8 and self.vt in (f32, i32) and not (
+                self.spec.op == "topk" and self.spec.dtype == "bfloat16"):
+            one = const(i64, 1)
+            dense = b.and_(b.icmp_signed("==", a["out_v_es"], one),
+                           b.icmp_signed("==", a["out_i_es"], one))
+            full = b.select(dense, b.and_(count, const(i64, -W)), const(i64, 0))
+            out_v = f.gep(a["out_v"], b.mul(self.row, a["out_v_rs"]), self.vt)
+            out_i = f.gep(a["out_i"], b.mul(self.row, a["out_i_rs"]), i64)
+            vt, it = vec(self.vt, W), vec(i64, W)
+            gather = intrinsic(self.m, f"llvm.masked.gather.v{W}{'f32' if self.vt == f32 else 'i32'}"
+                               f".v{W}p0", vt, [vec(ptr, W), i32, vec(i1, W), vt])
+            with f.for_range(const(i64, 0), full, step=W, name="outv") as j:
+                idx = b.and_(f.load_vec(i64, W, P, j), ir.Constant(it, [0xFFFFFFFF] * W))
+                ptrs = b.gep(self.src, [idx], inbounds=True, source_etype=self.vt)
+                ptrs.type = vec(ptr, W)  # llvmlite types a vector GEP as a scalar pointer
+                v = b.call(gather, [ptrs, const(i32, 4), ir.Constant(vec(i1, W), [1] * W),
+                                    ir.Constant(vt, None)])
+                b.store(v, f.gep(out_v, j, self.vt), align=4)
+                b.store(idx, f.gep(out_i, j, i64), align=8)
+            start = full
+        with f.for_range(start, count, name="outp") as j:
             self.write(j, b.and_(f.load(i64, P, j), const(i64, 0xFFFFFFFF)))
 
     def scratch_arrays(self, names):
