@@ -40,6 +40,10 @@ class SortAlgos:
         self.packed = packed
         assert not packed or key_type == i32
         self.elem_types = [i64] if packed else [key_type, i32]
+        # ranges up to this size try a sorting network first (packed words, vector targets):
+        # 64 with 8 words per vector (AVX-512), 32 with 4 (AVX2)
+        self.distinct_max = 0 if not packed else 64 if vector_lanes >= 8 else \
+            32 if vector_lanes >= 4 else 0
         self._fns: dict[str, ir.Function] = {}
 
     # ---------------------------------------------------------------- element helpers
@@ -462,6 +466,20 @@ class SortAlgos:
                 self._network(f, K, first, m, THRESHOLD)
 
     def _network(self, f: Fn, K, first, m, W: int):
+        pay, _, live = self._sorted_network(f, K, first, m, W)
+        self._store_words(f, K, first, pay, live)
+
+    def _store_words(self, f: Fn, K, first, words, live):
+        W = live.type.count
+        store = intrinsic(self.m, f"llvm.masked.store.v{W}i64.p0", void,
+                          [vec(i64, W), ptr, i32, vec(i1, W)])
+        f.b.call(store, [words, f.gep(K, first, i64), const(i32, 8), live])
+
+    def _sorted_network(self, f: Fn, K, first, m, W: int):
+        """(sorted words, sorted composites, live lanes) of K[first:first+m], m <= W.
+
+        Only the composites go through the network; each lane's word is then gathered from
+        the (untouched) range by the position in its composite's low half."""
         b = f.b
         vt = vec(i64, W)
         words = f.load_vec(i64, W, K, first)  # the arrays are padded past the end
@@ -472,28 +490,78 @@ class SortAlgos:
         high = ir.Constant(vt, [-(1 << 32)] * W)  # the key half of a word
         comp = b.select(live, b.or_(b.and_(words, high), lane),
                         ir.Constant(vt, [(0x7FFFFFFF << 32) | t for t in range(W)]))
-        pay = words
         k = 2
         while k <= W:
             j = k // 2
             while j >= 1:
-                perm = ir.Constant(vec(i32, W), [t ^ j for t in range(W)])
-                pc = b.shuffle_vector(comp, comp, perm)
-                pp = b.shuffle_vector(pay, pay, perm)
+                pc = b.shuffle_vector(comp, comp, ir.Constant(vec(i32, W),
+                                                              [t ^ j for t in range(W)]))
                 # lane t takes the minimum of its pair iff it is the pair's lower lane in an
                 # ascending block, or the upper lane in a descending one
                 take_min = ir.Constant(vec(i1, W), [int(((t & j) == 0) == ((t & k) == 0))
                                                     for t in range(W)])
                 lo = f.call_intrinsic(f"llvm.smin.v{W}i64", vt, [comp, pc])
                 hi = f.call_intrinsic(f"llvm.smax.v{W}i64", vt, [comp, pc])
-                new = b.select(take_min, lo, hi)
-                pay = b.select(b.icmp_signed("==", new, comp), pay, pp)
-                comp = new
+                comp = b.select(take_min, lo, hi)
                 j //= 2
             k *= 2
-        store = intrinsic(self.m, f"llvm.masked.store.v{W}i64.p0", void,
-                          [vt, ptr, i32, vec(i1, W)])
-        b.call(store, [pay, f.gep(K, first, i64), const(i32, 8), live])
+        pos = b.and_(comp, ir.Constant(vt, [0xFFFFFFFF] * W))
+        ptrs = b.gep(f.gep(K, first, i64), [pos], inbounds=True, source_etype=i64)
+        ptrs.type = vec(ptr, W)  # llvmlite types a vector GEP as a scalar pointer
+        gather = intrinsic(self.m, f"llvm.masked.gather.v{W}i64.v{W}p0", vt,
+                           [vec(ptr, W), i32, vec(i1, W), vt])
+        pay = b.call(gather, [ptrs, const(i32, 8), live, ir.Constant(vt, None)])
+        return pay, comp, live
+
+    def distinct_sort(self) -> ir.Function:
+        """distinct_sort(K, I, first, last) -> sorted: a range of at most DISTINCT_MAX packed
+        words whose keys are all different has one sorted order, whatever introsort would do
+        on the way (partitions, heapsort), so a network sorts it; with a tie it returns false
+        and leaves the range untouched for the exact path. Ties are rare in float rows and end
+        up next to each other, so nearly every range at the bottom of the recursion takes this
+        instead of its last partitions, each of which stalls on loads right after the
+        previous level's scalar swaps."""
+        widths = [w for w in (32, 64) if w <= self.distinct_max]
+
+        def body(f: Fn):
+            K, _, first, last = f.args
+            b = f.b
+            m = b.sub(last, first)
+            # tie-heavy ranges: four probes sharing a key send them straight to the exact path
+            probes = [self.key_at(f, K, p) for p in (
+                first, b.add(first, const(i64, 1)),
+                b.add(first, b.sdiv(m, const(i64, 2))), b.sub(last, const(i64, 1)))]
+            same = [b.icmp_signed("==", probes[x], probes[y])
+                    for x in range(4) for y in range(x + 1, 4)]
+            any_same = same[0]
+            for c in same[1:]:
+                any_same = b.or_(any_same, c)
+            with f.if_(any_same):
+                f.ret(const(i1, 0))
+
+            def attempt(W):
+                pay, comp, live = self._sorted_network(f, K, first, m, W)
+                keys = b.ashr(comp, ir.Constant(vec(i64, W), [32] * W))
+                nxt = b.shuffle_vector(keys, keys, ir.Constant(
+                    vec(i32, W), [min(t + 1, W - 1) for t in range(W)]))
+                lane = ir.Constant(vec(i64, W), list(range(W)))
+                m1 = b.sub(m, const(i64, 1))
+                pairs = b.icmp_signed("<", lane, b.shuffle_vector(
+                    b.insert_element(ir.Constant(vec(i64, W), None), m1, const(i32, 0)),
+                    ir.Constant(vec(i64, W), None), ir.Constant(vec(i32, W), [0] * W)))
+                tie = b.bitcast(b.and_(b.icmp_signed("==", keys, nxt), pairs), ir.IntType(W))
+                with f.if_(b.icmp_unsigned("!=", tie, const(ir.IntType(W), 0))):
+                    f.ret(const(i1, 0))
+                self._store_words(f, K, first, pay, live)
+                f.ret(const(i1, 1))
+            if len(widths) == 1:
+                attempt(widths[0])
+            else:
+                with f.if_(b.icmp_signed("<=", m, const(i64, widths[0]))):
+                    attempt(widths[0])
+                attempt(widths[1])
+        return self._fn("distinct_sort", i1, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
+                        body)
 
     # ---------------------------------------------------------------- std::sort, nth_element
     def introsort_loop(self) -> ir.Function:
@@ -503,6 +571,13 @@ class SortAlgos:
             last, depth = f.var(i64, last0, "last"), f.var(i64, depth0, "depth")
             with f.while_(lambda: b.icmp_signed(">", b.sub(last.get(), first),
                                                 const(i64, THRESHOLD))):
+                if self.distinct_max:
+                    small = b.icmp_signed("<=", b.sub(last.get(), first),
+                                          const(i64, self.distinct_max))
+                    with f.if_(small):
+                        done = b.call(self.distinct_sort(), [K, I, first, last.get()])
+                        with f.if_(done):
+                            f.ret()
                 with f.if_(b.icmp_signed("==", depth.get(), const(i64, 0)), likely=False):
                     b.call(self.heap_select(), [K, I, first, last.get(), last.get()])
                     b.call(self.sort_heap(), [K, I, first, last.get()])
