@@ -9,8 +9,9 @@ INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 DTYPES = FLOATS + HALFS + INTS
 
 FLOAT_PATTERNS = ("normal", "ties4", "ties2", "ties_nan", "signed_zero", "specials", "ascending",
-                  "descending", "equal", "subnormal", "asc_ties")
-INT_PATTERNS = ("normal", "ties4", "ties2", "ascending", "descending", "equal", "asc_ties")
+                  "descending", "equal", "subnormal", "asc_ties", "few_dups")
+INT_PATTERNS = ("normal", "ties4", "ties2", "ascending", "descending", "equal", "asc_ties",
+                "few_dups")
 
 
 def patterns(dtype: torch.dtype):
@@ -28,6 +29,10 @@ def make(pattern: str, shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor
         else:
             lo, hi = (0, 256) if dtype == torch.uint8 else (-100, 100)
             x = torch.randint(lo, hi, (n,), generator=g)
+    elif pattern == "few_dups":  # mostly distinct, 2% copies: ties in a few small ranges only
+        x = torch.randperm(n, generator=g).double() - n // 2
+        copies = torch.randint(0, n, (max(1, n // 50), 2), generator=g)
+        x[copies[:, 0]] = x[copies[:, 1]]
     elif pattern == "ties4":
         x = torch.randint(0, 4, (n,), generator=g)
     elif pattern == "ties2":
