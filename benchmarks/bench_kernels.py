@@ -5,13 +5,15 @@
 Every row is best-of-N after a warm-up, the Kwker kernel and its torch counterpart timed
 alternately in one process (the ratio is the number to read on a shared, noisy machine). GEMM
 rows also give GFLOP/s and the fraction of the FMA peak measured by a JIT'd probe (12 independent
-chains of vector ``llvm.fma`` per thread). Prints a table and writes benchmarks/results/kernels.md.
+chains of vector ``llvm.fma`` per thread). Prints a table and writes
+benchmarks/results/kernels.{md,json,png}; ``--quick`` writes files only with ``--out DIR``.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +32,9 @@ from kwker.runtime.compiler import compile_object
 from kwker.runtime.loader import load_symbols
 from kwker.runtime.target import host_target
 
-RESULTS = Path(__file__).resolve().parent / "results" / "kernels.md"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
 GEMM_SHAPES = [(512, 512, 512), (1024, 1024, 1024), (32, 20000, 128), (8, 4096, 1024),
                (1, 4096, 1024), (64, 4096, 1024)]
 TARGETS = {(512, 512, 512): 1.0, (1024, 1024, 1024): 1.0, (32, 20000, 128): 1.3,
@@ -201,31 +205,68 @@ def gelu_rows(reps):
     return [("GELU erf 64x4096", tk, tt, "", None), ("GELU tanh 64x4096", tk2, tt2, "", None)]
 
 
-def render(rows, header: str) -> str:
+def as_dicts(rows) -> list[dict]:
+    """The (name, kwker s, torch s, note, target) tuples as the JSON's rows."""
+    return [{"kernel": name, "kwker_ms": tk * 1e3, "torch_ms": tt * 1e3, "ratio": tt / tk,
+             "target": target, "met": None if target is None else tt / tk >= target,
+             "note": note} for name, tk, tt, note, target in rows]
+
+
+def render(rows: list[dict], header: str) -> str:
     out = [header, "", "| kernel | kwker ms | torch ms | speed-up | target | note |",
            "|---|---:|---:|---:|---:|---|"]
-    for name, tk, tt, note, target in rows:
-        ratio = tt / tk
-        mark = "" if target is None else (f"{target:.1f}x " + ("ok" if ratio >= target
-                                                               else "BELOW"))
-        out.append(f"| {name} | {tk * 1e3:.3f} | {tt * 1e3:.3f} | {ratio:.2f}x | {mark} | "
-                   f"{note} |")
+    for r in rows:
+        mark = "" if r["target"] is None else f"{r['target']:.1f}x " + (
+            "ok" if r["met"] else "BELOW")
+        out.append(f"| {r['kernel']} | {r['kwker_ms']:.3f} | {r['torch_ms']:.3f} | "
+                   f"{r['ratio']:.2f}x | {mark} | {r['note']} |")
     return "\n".join(out)
+
+
+def headline(rows: list[dict]) -> list[dict]:
+    """The index's figures: the issue's main kernel targets and the case furthest below its own."""
+    pick = ("Ranker b32", "GEMM 32x20000x128", "MLP 1024-4096-1024 b64",
+            "SDPA (8, 8, 128, 32) causal")
+    out = [{"label": r["kernel"], "ratio": r["ratio"], "target": r["target"]}
+           for p in pick for r in rows if r["kernel"].startswith(p)]
+    targeted = [r for r in rows if r["target"]]
+    if targeted:
+        low = min(targeted, key=lambda r: r["ratio"] / r["target"])
+        out.append({"label": f"furthest from its target: {low['kernel']}", "ratio": low["ratio"],
+                    "target": low["target"]})
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    """torch time / Kwker time per case (log), black ticks at the targets, % of peak for GEMMs."""
+    plt = common.pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.32 * len(rows)))
+    colors = ["tab:red" if r["met"] is False else "tab:green" if r["ratio"] >= 1 else "tab:orange"
+              for r in rows]
+    notes = [r["note"].split(", ")[-1] if "of peak" in r["note"] else "" for r in rows]
+    common.ratio_bars(ax, [r["kernel"] for r in rows], [r["ratio"] for r in rows],
+                      [r["target"] for r in rows], colors, notes)
+    ax.set_xlabel("torch ms / Kwker ms (log; black tick = target, red = below it)", fontsize=8)
+    return common.save_plot(fig, path, title)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, no results files")
+    ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS})")
     args = ap.parse_args(argv)
     reps = 8 if args.quick else args.reps
     torch.set_num_threads(args.threads)
+    info = common.machine_info()
     peak = fma_peak(args.threads)
     d_k, d_t = dispatch_overhead(reps)
     fork = fork_join_us(args.threads)
-    rows = gemm_rows(reps, peak) + mlp_rows(reps) + sdpa_rows(reps) + ranker_rows(reps) \
-        + gelu_rows(reps)
+    rows = as_dicts(gemm_rows(reps, peak) + mlp_rows(reps) + sdpa_rows(reps)
+                    + ranker_rows(reps) + gelu_rows(reps))
     target = host_target()
     header = (f"# Kwker kernels vs torch {torch.__version__}\n\n"
               f"{target.describe()}, {args.threads} threads, best of {reps}, "
@@ -234,8 +275,17 @@ def main(argv=None) -> None:
               f"GELU 65536 call {d_k:.1f} us (ATen {d_t:.1f} us)")
     text = render(rows, header)
     print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text + "\n")
+    out = args.out or (None if args.quick else common.RESULTS)
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.md").write_text(text + "\n\nPlot: [kernels.png](kernels.png)\n")
+    common.write_json(out / "kernels.json", {
+        "benchmark": "kernels", "script": "bench_kernels.py", "machine": info, "reps": reps,
+        "fma_peak_gflops": peak, "fork_join_us": fork, "gelu_call_us": [d_k, d_t],
+        "headline": headline(rows), "rows": rows})
+    plot(rows, out / "kernels.png", f"Kwker kernels vs torch; {common.machine_line(info)}")
+    print(f"wrote {out / 'kernels.md'}, kernels.json, kernels.png")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -101,9 +102,18 @@ class Side:
         return min(self.samples)
 
 
-def _sample(side: Side, number: int) -> float:
-    """Seconds per call over ``number`` back-to-back calls (context entered outside the clock)."""
+def _sample(side: Side, number: int, settle: float = 0.0) -> float:
+    """Seconds per call over ``number`` back-to-back calls (context entered outside the clock).
+
+    ``settle`` > 0: first sleep that long, then make one untimed call. Sides running their own
+    thread pools (ONNX Runtime's workers spin ~30 ms after a call, OpenMP's a few ms) would
+    otherwise steal a core from the side timed next; after the pause they are idle, and the
+    untimed call wakes this side's own threads.
+    """
     with side.context():
+        if settle:
+            time.sleep(settle)
+            side.fn()
         t0 = time.perf_counter()
         for _ in range(number):
             side.fn()
@@ -125,7 +135,7 @@ def calibrate(sides: Sequence[Side], warmup: int = 3, min_sample: float = 2e-3) 
 
 
 def sample_round(sides: Sequence[Side], reps: int, number: int, budget: float = 0.0,
-                 max_factor: int = 4) -> None:
+                 max_factor: int = 4, settle: float = 0.0) -> None:
     """At least ``reps`` samples of every side, interleaved, the order alternating each time.
 
     Cheap calls get more samples (until ``budget`` seconds have been spent, at most
@@ -135,14 +145,15 @@ def sample_round(sides: Sequence[Side], reps: int, number: int, budget: float = 
     t0, r = time.perf_counter(), 0
     while r < reps or (r < max_factor * reps and time.perf_counter() - t0 < budget):
         for side in (sides if r % 2 == 0 else reversed(sides)):
-            side.samples.append(_sample(side, number))
+            side.samples.append(_sample(side, number, settle))
         r += 1
 
 
 def compare(sides: Sequence[Side], reps: int = 20, warmup: int = 3,
-            min_sample: float = 2e-3) -> list[float]:
-    """Best seconds per call of each side over ``reps`` interleaved samples after warm-up."""
-    sample_round(sides, reps, calibrate(sides, warmup, min_sample))
+            min_sample: float = 2e-3, settle: float = 0.0) -> list[float]:
+    """Best seconds per call of each side over ``reps`` interleaved samples after warm-up
+    (``settle``: see ``_sample``)."""
+    sample_round(sides, reps, calibrate(sides, warmup, min_sample), settle=settle)
     return [s.best for s in sides]
 
 
@@ -175,3 +186,61 @@ def write_json(path: Path, data: dict) -> None:
 def fmt_ms(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
+
+
+# ------------------------------------------------------------------------------------ plots
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None (with a note) when matplotlib is
+    missing: plots are optional (the ``bench`` extra), tables are not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('matplotlib is not installed (pip install -e ".[bench]"): no plot', file=sys.stderr)
+        return None
+    return plt
+
+
+def ratio_bars(ax, labels: Sequence[str], ratios: Sequence[float],
+               targets: Sequence[float | None] = (), colors: Sequence[str] = (),
+               notes: Sequence[str] = ()) -> None:
+    """Horizontal bars of ratios, first label on top, log x; each bar's value (and note) at its
+    end, a black tick per target, a grey line at 1 (a tie)."""
+    n = len(labels)
+    ys = [n - 1 - i for i in range(n)]
+    ax.barh(ys, ratios, color=list(colors) or "tab:blue")
+    for y, t in zip(ys, targets):
+        if t is not None:
+            ax.plot([t, t], [y - 0.4, y + 0.4], color="black", lw=2)
+    notes = list(notes) + [""] * (n - len(notes))
+    for y, r, note in zip(ys, ratios, notes):
+        ax.text(r * 1.03, y, f"{r:.2f}x" + (f", {note}" if note else ""), va="center",
+                fontsize=7)
+    ax.axvline(1.0, color="grey", lw=0.8)
+    log_x(ax, right=max([*ratios, *(t for t in targets if t)]) * 1.8)
+    ax.set_yticks(ys, labels, fontsize=8)
+
+
+def log_x(ax, right: float | None = None) -> None:
+    """A log x axis labelled 0.5x, 1x, 2x... instead of powers of ten."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("log")
+    if right:
+        ax.set_xlim(right=right)
+    fmt = FuncFormatter(lambda v, _: f"{v:g}x")
+    ax.xaxis.set_major_formatter(fmt)
+    ax.xaxis.set_minor_formatter(fmt)
+    ax.tick_params(axis="x", which="both", labelsize=7)
+
+
+def save_plot(fig, path: Path, title: str) -> bool:
+    """Title, tight layout, write the PNG, release the figure."""
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return True

@@ -28,7 +28,11 @@ class KernelStep:
 
 
 class Program:
-    """``program(args)`` runs the steps on a fresh slot list and returns the graph's outputs."""
+    """``program(args)`` runs the steps on a fresh slot list and returns the graph's outputs.
+
+    ``steps`` holds ``(step, slots freed after it)``; a step that calls a Kwker kernel carries the
+    kernel's name as ``step.kernel``, so a benchmark can time the kernels apart from the rest.
+    """
 
     __slots__ = ("n_inputs", "output", "steps", "template")
 
@@ -181,6 +185,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
                 if c is not n and any(u not in k.covers for u in c.users):
                     raise ValueError(f"kernel {k.name} covers {c.name}, which is used outside it")
             step = make_step(k.fn, tuple(k.args), {}, slot_of[n], slot_of)
+            step.kernel = k.name
             reads = [a for a in k.args if isinstance(a, Node)]
         elif n.op == "call_function":
             step = make_step(n.target, n.args, n.kwargs, slot_of[n], slot_of)
