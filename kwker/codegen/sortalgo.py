@@ -223,7 +223,19 @@ class SortAlgos:
                     f.break_()
             with f.if_(tail_ok.get()):
                 n_rev = b.sdiv(b.sub(b.sub(last, first), one), const(i64, 2))
-                with f.for_range(zero, n_rev, name="rev") as i:
+                start = zero
+                if self.packed:  # whole vectors from both ends, reversed and exchanged
+                    V = 8
+                    rev = ir.Constant(vec(i32, V), list(range(V - 1, -1, -1)))
+                    start = b.and_(n_rev, const(i64, -V))
+                    with f.for_range(zero, start, step=V, name="vrev") as i:
+                        lp = b.add(b.add(first, one), i)
+                        rp = b.sub(b.sub(last, i), const(i64, V))
+                        left = f.load_vec(i64, V, K, lp)
+                        right = f.load_vec(i64, V, K, rp)
+                        b.store(b.shuffle_vector(right, right, rev), f.gep(K, lp, i64), align=8)
+                        b.store(b.shuffle_vector(left, left, rev), f.gep(K, rp, i64), align=8)
+                with f.for_range(start, n_rev, name="rev") as i:
                     self.swap(f, K, I, b.add(b.add(first, one), i), b.sub(b.sub(last, one), i))
                 f.ret(b.add(b.add(first, one), n_rev))
 
