@@ -22,6 +22,7 @@ from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec, void
 
 THRESHOLD = 16  # libstdc++ _S_threshold
 BLOCKS = (64, 16)  # block partition widths: wide while the scans are far apart, then narrow
+EQUAL_MIN = 64  # ranges at least this long are checked for all-equal keys (one-pass subtree)
 
 
 class SortAlgos:
@@ -32,7 +33,7 @@ class SortAlgos:
     """
 
     def __init__(self, module: ir.Module, key_type: ir.Type, lt, prefix: str,
-                 vector_lanes: int = 0, packed: bool = False):
+                 vector_lanes: int = 0, packed: bool = False, equal_ranges: bool = False):
         self.m, self.kt, self.lt, self.prefix = module, key_type, lt, prefix
         self.lanes = vector_lanes
         # packed: one i64 word per element, (i32 key << 32) | index, in K (I unused): a swap is
@@ -40,6 +41,8 @@ class SortAlgos:
         self.packed = packed
         assert not packed or key_type == i32
         self.elem_types = [i64] if packed else [key_type, i32]
+        # packed words with a scratch array in I: all-equal ranges permuted in one pass
+        self.equal_ranges = equal_ranges and packed and vector_lanes >= 4
         # ranges up to this size try a sorting network first (packed words, vector targets):
         # 64 with 8 words per vector (AVX-512), 32 with 4 (AVX2)
         self.distinct_max = 0 if not packed else 64 if vector_lanes >= 8 else \
@@ -575,6 +578,95 @@ class SortAlgos:
         return self._fn("distinct_sort", i1, [ptr, ptr, i64, i64], ["K", "I", "first", "last"],
                         body)
 
+    def equal_subtree(self) -> ir.Function:
+        """equal_subtree(K, T, first, last, depth) -> done: the whole introsort subtree of a
+        range whose keys are all equal, in one pass, when its depth budget never runs out.
+
+        On such a range every partition is fixed by the size alone: median-of-three picks mid
+        (no key is less than another), so K[first] and K[mid] swap; every element stops both
+        Hoare scans, so [first+1, last) reverses; cut = first + 1 + (m-1)//2; both parts recurse
+        with depth - 1, down to 16 elements, whose stable sort keeps them in place. Following
+        each position down that tree gives its final slot: the words are copied to T and
+        scattered back, 64 positions per step (independent dependency chains). Returns
+        false (nothing touched) when the keys differ or the depth would reach 0 (heapsort)
+        above 16 elements.
+        """
+        V = 64
+
+        def body(f: Fn):
+            K, T, first, last, depth = f.args
+            b = f.b
+            one, zero = const(i64, 1), const(i64, 0)
+            m = b.sub(last, first)
+            levels, size = f.var(i64, zero, "levels"), f.var(i64, m, "size")
+            with f.while_(lambda: b.icmp_signed(">", size.get(), const(i64, THRESHOLD))):
+                size.set(b.add(one, b.ashr(b.sub(size.get(), one), one)))
+                levels.set(b.add(levels.get(), one))
+            with f.if_(b.icmp_signed("<", depth, levels.get())):
+                f.ret(const(i1, 0))
+            # all keys equal: compare whole words' key halves, 8 at a time, copying to T
+            high = ir.Constant(vec(i64, V), [-(1 << 32)] * V)
+            pkey = b.and_(f.load(i64, K, first), const(i64, -(1 << 32)))
+            splat = b.shuffle_vector(b.insert_element(ir.Constant(vec(i64, V), None), pkey,
+                                                      const(i32, 0)),
+                                     ir.Constant(vec(i64, V), None),
+                                     ir.Constant(vec(i32, V), [0] * V))
+            full = b.add(first, b.and_(m, const(i64, -V)))
+            with f.for_range(first, full, step=V, name="eqv") as j:
+                w = f.load_vec(i64, V, K, j)
+                diff = b.bitcast(b.icmp_unsigned("!=", b.and_(w, high), splat), ir.IntType(V))
+                with f.if_(b.icmp_unsigned("!=", diff, const(ir.IntType(V), 0))):
+                    f.ret(const(i1, 0))
+                b.store(w, f.gep(T, j, i64), align=8)
+            with f.for_range(full, last, name="eqt") as j:
+                w = f.load(i64, K, j)
+                with f.if_(b.icmp_unsigned("!=", b.and_(w, const(i64, -(1 << 32))), pkey)):
+                    f.ret(const(i1, 0))
+                f.store(w, T, j)
+            # positions relative to first, as i32 (rows are shorter than 2**31): 16 per vector
+            pt = vec(i32, V)
+
+            def splat_of(x):
+                return b.shuffle_vector(b.insert_element(ir.Constant(pt, None), x,
+                                                         const(i32, 0)),
+                                        ir.Constant(pt, None), ir.Constant(vec(i32, V), [0] * V))
+            lane = ir.Constant(pt, list(range(V)))
+            c1, c16 = splat_of(const(i32, 1)), splat_of(const(i32, THRESHOLD))
+            m32 = b.trunc(m, i32)
+            vt = vec(i64, V)
+            scatter = intrinsic(self.m, f"llvm.masked.scatter.v{V}i64.v{V}p0", void,
+                                [vt, vec(ptr, V), i32, vec(i1, V)])
+            with f.for_range(zero, m, step=V, name="eqs") as q0:
+                q = b.add(splat_of(b.trunc(q0, i32)), lane)
+                live = b.icmp_signed("<", q, splat_of(m32))
+                pos, lo, hi = f.var(pt, q, "pos"), f.var(pt, splat_of(const(i32, 0)), "flo"), \
+                    f.var(pt, splat_of(m32), "fhi")
+                with f.for_range(zero, levels.get(), name="lvl"):
+                    p, fl, la = pos.get(), lo.get(), hi.get()
+                    ln = b.sub(la, fl)
+                    active = b.icmp_signed(">", ln, c16)
+                    mid = b.add(fl, b.ashr(ln, c1))
+                    p1 = b.select(b.icmp_signed("==", p, fl), mid,
+                                  b.select(b.icmp_signed("==", p, mid), fl, p))
+                    p2 = b.select(b.icmp_signed(">", p1, fl), b.sub(b.add(fl, la), p1), p1)
+                    cut = b.add(b.add(fl, c1), b.ashr(b.sub(ln, c1), c1))
+                    p3 = b.select(active, p2, p)
+                    right = b.icmp_signed(">=", p3, cut)
+                    pos.set(p3)
+                    lo.set(b.select(b.and_(active, right), cut, fl))
+                    hi.set(b.select(b.and_(active, b.not_(right)), cut, la))
+                src = b.add(first, q0)
+                words = b.call(intrinsic(self.m, f"llvm.masked.load.v{V}i64.p0", vt,
+                                         [ptr, i32, vec(i1, V), vt]),
+                               [f.gep(T, src, i64), const(i32, 8), live, ir.Constant(vt, None)])
+                ptrs = b.gep(f.gep(K, first, i64), [b.sext(pos.get(), vec(i64, V))],
+                             inbounds=True, source_etype=i64)
+                ptrs.type = vec(ptr, V)  # llvmlite types a vector GEP as a scalar pointer
+                b.call(scatter, [words, ptrs, const(i32, 8), live])
+            f.ret(const(i1, 1))
+        return self._fn("equal_subtree", i1, [ptr, ptr, i64, i64, i64],
+                        ["K", "T", "first", "last", "depth"], body)
+
     # ---------------------------------------------------------------- std::sort, nth_element
     def introsort_loop(self) -> ir.Function:
         def body(f: Fn):
@@ -583,6 +675,13 @@ class SortAlgos:
             last, depth = f.var(i64, last0, "last"), f.var(i64, depth0, "depth")
             with f.while_(lambda: b.icmp_signed(">", b.sub(last.get(), first),
                                                 const(i64, THRESHOLD))):
+                if self.equal_ranges:
+                    big = b.icmp_signed(">=", b.sub(last.get(), first), const(i64, EQUAL_MIN))
+                    with f.if_(big):
+                        done = b.call(self.equal_subtree(), [K, I, first, last.get(),
+                                                             depth.get()])
+                        with f.if_(done):
+                            f.ret()
                 if self.distinct_max:
                     small = b.icmp_signed("<=", b.sub(last.get(), first),
                                           const(i64, self.distinct_max))

@@ -9,9 +9,9 @@ INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 DTYPES = FLOATS + HALFS + INTS
 
 FLOAT_PATTERNS = ("normal", "ties4", "ties2", "ties_nan", "signed_zero", "specials", "ascending",
-                  "descending", "equal", "subnormal", "asc_ties", "few_dups")
+                  "descending", "equal", "subnormal", "asc_ties", "few_dups", "tie_runs")
 INT_PATTERNS = ("normal", "ties4", "ties2", "ascending", "descending", "equal", "asc_ties",
-                "few_dups")
+                "few_dups", "tie_runs")
 
 
 def patterns(dtype: torch.dtype):
@@ -33,6 +33,8 @@ def make(pattern: str, shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor
         x = torch.randperm(n, generator=g).double() - n // 2
         copies = torch.randint(0, n, (max(1, n // 50), 2), generator=g)
         x[copies[:, 0]] = x[copies[:, 1]]
+    elif pattern == "tie_runs":  # each value ~100 times: all-equal ranges of 64+ mid-recursion
+        x = torch.randint(0, max(1, n // 100), (n,), generator=g)
     elif pattern == "ties4":
         x = torch.randint(0, 4, (n,), generator=g)
     elif pattern == "ties2":
