@@ -542,6 +542,9 @@ def _emit_mode(rk: RowKernel):
     rk.write(zero, mode_i.get())
 
 
+SHORT_QUANTILE_ROW = 256
+
+
 def _emit_quantile(rk: RowKernel, nan_ignoring: bool):
     """§8.2: sort the row, then ATen's rank and FMA interpolation arithmetic in the dtype.
 
@@ -580,6 +583,8 @@ def _emit_quantile(rk: RowKernel, nan_ignoring: bool):
                   else b.icmp_signed(">", nnan.get(), zero))
     mixed_nans = b.icmp_signed("<", nan_lo.get(), nan_hi.get())
     exact = b.or_(b.and_(nan_picked, mixed_nans), b.and_(pz.get(), nz.get()))
+    # short rows: sorting costs less than clearing and scanning the bucket table
+    exact = b.or_(exact, b.icmp_signed("<=", rk.n, const(i64, SHORT_QUANTILE_ROW)))
     state = f.array(i64, 2, "bucket_cache")  # (bucket gathered into K2, its size)
     with f.if_else(exact) as (slow, fast):
         with slow:

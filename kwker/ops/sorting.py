@@ -20,11 +20,10 @@ FLOAT_DTYPES = (torch.float32, torch.float64)
 # of 16-16384 elements (benchmarks/results/sorting.md has the sweep).
 MIN_NUMEL = {"topk": 16384, "sort": 8192, "stable": 4096, "kthvalue": 32768, "median": 32768,
              "median_all": 16384, "mode": 32768, "quantile": 0}
+# ATen's quantile is a composite of a dozen ops (~25 us even for 8 elements), and Kwker sorts
+# short rows instead of bucketing them: it takes every size.
 MIN_ROW = {"topk": 1024, "sort": 512, "stable": 512, "kthvalue": 256, "median": 256,
-           "median_all": 0, "mode": 256, "quantile": 256}
-# ATen's quantile is a composite of a dozen ops (~25 us even for 8 elements): Kwker is as fast
-# on any row length when there are only a few rows, so those never go back to ATen.
-QUANTILE_FEW_ROWS = 8
+           "median_all": 0, "mode": 256, "quantile": 0}
 SPLIT_ROW = 100_000  # a single row at least this long sorts on several threads
 
 
@@ -49,8 +48,7 @@ def _usable(x: torch.Tensor, dim, family: str, any_size: bool = False):
     d = _dim(x, dim)
     if d is None or not 0 < x.shape[d] <= MAX_ROW:
         return None
-    if x.shape[d] < MIN_ROW[family] and not any_size and not (
-            family == "quantile" and x.numel() <= QUANTILE_FEW_ROWS * x.shape[d]):
+    if x.shape[d] < MIN_ROW[family] and not any_size:
         return None
     return name, d
 
@@ -177,12 +175,17 @@ def fast_quantile(x, q, dim=None, keepdim=False, interpolation="linear", ignore_
         if q.dtype != x.dtype or q.device != x.device or q.dim() > 1 or q.numel() == 0:
             return NotImplemented
         q_t = q.contiguous()
+        q_flat = q_t.reshape(-1)
+        # q outside [0, 1] or NaN: ATen raises its own error (a few q's check faster in Python)
+        if not (all(0 <= v <= 1 for v in q_flat.tolist()) if q_flat.numel() <= 64
+                else bool(((q_flat >= 0) & (q_flat <= 1)).all())):
+            return NotImplemented
     else:
+        if not 0 <= float(q) <= 1:
+            return NotImplemented
         q_t = torch.tensor(float(q), dtype=x.dtype)
-    q_flat = q_t.reshape(-1)
-    if not bool(((q_flat >= 0) & (q_flat <= 1)).all()):
-        return NotImplemented  # ATen raises its own error
-    if dim is None:  # one row: never slower than ATen's composite
+        q_flat = q_t.reshape(-1)
+    if dim is None:
         x2 = x.reshape(1, -1).contiguous()
         rs, rows, n = 0, 1, x2.shape[1]
         reduced = [1] * x.dim() if keepdim else []
