@@ -280,6 +280,14 @@ def _emit_sort(rk: RowKernel):
 SPLIT_LEVELS = 3  # at most this many partition levels before a long row's ranges go to threads
 
 
+def task_slot(t: int) -> int:
+    """Slot of task ``t`` (in split order) in the worker's list, dealt round-robin to threads.
+
+    With fewer partition levels than SPLIT_LEVELS the real ranges sit at every 2**(unused
+    levels)-th task; bit-reversed slots put them first, so they go to different threads."""
+    return int(format(t, f"0{SPLIT_LEVELS}b")[::-1], 2)
+
+
 def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
     """std::sort of the row; with ``p0`` > 1 threads, one long row is shared between threads.
 
@@ -313,10 +321,8 @@ def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
                     # without a partition the left task keeps the whole range, the right none
                     split += [(first, cut.get(), d), (cut.get(), last, d)]
                 tasks = split
-            # With fewer levels than SPLIT_LEVELS the real ranges sit at every 2**(unused
-            # levels)-th task; bit-reversed slots put them first, so they go to different threads.
             for t, (first, last, depth) in enumerate(tasks):
-                slot = int(format(t, f"0{SPLIT_LEVELS}b")[::-1], 2)
+                slot = task_slot(t)
                 for j, v in enumerate((first, last, depth)):
                     f.store(v, ctx, const(i64, 2 + 3 * slot + j))
             worker = _introsort_worker(rk, algos, ntask)

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from kwker.codegen import sorting
+from kwker.codegen.sorting import SPLIT_LEVELS, task_slot
 from kwker.eager_specs import generic_specs
 from kwker.runtime.compiler import compile_assembly
 from kwker.runtime.target import make_target
@@ -72,3 +73,14 @@ def test_portable_isa_matches_aten(tmp_path):
                KWKER_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("levels", range(1, SPLIT_LEVELS + 1))
+def test_split_ranges_reach_every_thread(levels):
+    """A long row partitioned ``levels`` times leaves 2**levels real ranges among the
+    2**SPLIT_LEVELS tasks (the others empty); the workers deal slots round-robin, so the real
+    ranges must fill the first slots, one per thread for 2**levels threads."""
+    ntask = 2 ** SPLIT_LEVELS
+    real = [t for t in range(ntask) if t % 2 ** (SPLIT_LEVELS - levels) == 0]
+    assert sorted(task_slot(t) for t in real) == list(range(2 ** levels))
+    assert sorted(task_slot(t) for t in range(ntask)) == list(range(ntask))
