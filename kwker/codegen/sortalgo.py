@@ -479,6 +479,20 @@ class SortAlgos:
             with wide:
                 self._network(f, K, first, m, THRESHOLD)
 
+    def network_sort(self, f: Fn, K, first, m):
+        """Sort K[first:first+m] (m <= distinct_max packed words) by key, stably, inline in f:
+        the narrowest network that holds m."""
+        def emit(widths):
+            if len(widths) == 1:
+                self._network(f, K, first, m, widths[0])
+                return
+            with f.if_else(f.b.icmp_signed("<=", m, const(i64, widths[0]))) as (narrow, wide):
+                with narrow:
+                    self._network(f, K, first, m, widths[0])
+                with wide:
+                    emit(widths[1:])
+        emit([w for w in (16, 32, 64) if w <= self.distinct_max])
+
     def _network(self, f: Fn, K, first, m, W: int):
         pay, _, live = self._sorted_network(f, K, first, m, W)
         self._store_words(f, K, first, pay, live)

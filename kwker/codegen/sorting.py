@@ -257,14 +257,34 @@ class RowKernel:
 
 
 # ---------------------------------------------------------------------------------- ops
+def _emit_radix(rk: RowKernel):
+    b = rk.f.b
+    K, I, K2, I2, H = rk.scratch_arrays(["K", "I", "K2", "I2", "H"])
+    rk.fill_keys(K, I)
+    radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")
+    flipped = b.call(radix, [K, I, K2, I2, H, rk.n])
+    rk.write_sorted(b.select(flipped, I2, I), rk.n)
+
+
 def _emit_sort(rk: RowKernel):
     b = rk.f.b
     if rk.spec.stable:
-        K, I, K2, I2, H = rk.scratch_arrays(["K", "I", "K2", "I2", "H"])
-        rk.fill_keys(K, I)
-        radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")
-        flipped = b.call(radix, [K, I, K2, I2, H, rk.n])
-        rk.write_sorted(b.select(flipped, I2, I), rk.n)
+        algos = rk.algos(packed=True) if rk.kt == i32 else None
+        if algos is not None and algos.distinct_max:
+            # a short row's packed words (key << 32 | index) are all different: one network
+            # sorts them in the stable order, where the radix sort's histograms would dominate
+            f = rk.f
+            short = b.icmp_signed("<=", rk.n, const(i64, algos.distinct_max))
+            with f.if_else(short) as (network, radix):
+                with network:
+                    P, = rk.scratch_arrays(["P"])
+                    rk.fill_packed(P)
+                    algos.network_sort(f, P, const(i64, 0), rk.n)
+                    rk.write_packed(P, rk.n)
+                with radix:
+                    _emit_radix(rk)
+        else:
+            _emit_radix(rk)
     elif rk.kt == i32:
         P, T = rk.scratch_arrays(["P", "T"])
         rk.fill_packed(P)
