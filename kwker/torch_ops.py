@@ -17,6 +17,7 @@ Tie order is a property of one torch release; on an unverified release nothing i
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from contextlib import contextmanager
@@ -35,20 +36,16 @@ def torch_verified() -> bool:
     return torch.__version__.split("+")[0] in VERIFIED_TORCH
 
 
-class _Original:
-    """The ATen kernel registered for ``op`` at ``key`` before Kwker's override."""
-
-    def __init__(self, op: str, key=_CPU):
-        self.kernel = torch._C._dispatch_get_computed_kernel_for_dispatch_key(op, key)
-        self.keyset = torch._C.DispatchKeySet(key)
-
-    def __call__(self, *args, **kwargs):
-        return self.kernel.call_boxed(self.keyset, *args, **kwargs)
+def _original(op: str, key=_CPU):
+    """The ATen kernel registered for ``op`` at ``key`` before Kwker's override, as a callable
+    (a partial of the C++ kernel: no Python frame between an override and ATen)."""
+    kernel = torch._C._dispatch_get_computed_kernel_for_dispatch_key(op, key)
+    return functools.partial(kernel.call_boxed, torch._C.DispatchKeySet(key))
 
 
 def _overrides() -> list[tuple[str, object, str]]:
     """(schema name, implementation, dispatch key) of every override."""
-    orig = {name: _Original("aten::" + name) for name in (
+    orig = {name: _original("aten::" + name) for name in (
         "topk", "topk.values", "sort.stable", "sort.values_stable", "kthvalue.values",
         "median", "median.dim_values", "nanmedian", "nanmedian.dim_values", "mode",
         "quantile", "quantile.scalar", "quantile.out", "quantile.scalar_out",
@@ -57,19 +54,25 @@ def _overrides() -> list[tuple[str, object, str]]:
     def fast_or(name, result, *args, **kwargs):
         return orig[name](*args, **kwargs) if result is NotImplemented else result
 
+    # Each override first hands inputs below the op's size cut-off (read at call time) straight
+    # to ATen: the Python call into the override is already most of a tiny call's cost.
     def topk(self, k, dim=-1, largest=True, sorted=True):
+        if self.numel() < ops.MIN_NUMEL["topk"]:
+            return orig["topk"](self, k, dim, largest, sorted)
         return fast_or("topk", ops.fast_topk(self, k, dim, largest, sorted),
                        self, k, dim, largest, sorted)
 
     def topk_out(self, k, dim=-1, largest=True, sorted=True, *, values, indices):
-        r = ops.fast_topk(self, k, dim, largest, sorted) if _plain_outs(self, values,
-                                                                        indices) else None
+        r = ops.fast_topk(self, k, dim, largest, sorted) if (
+            self.numel() >= ops.MIN_NUMEL["topk"] and _plain_outs(self, values, indices)) else None
         if r is None or r is NotImplemented:
             return orig["topk.values"](self, k, dim, largest, sorted, values=values,
                                        indices=indices)
         return ops.write_out(r, (values, indices))
 
     def sort(self, *, stable, dim=-1, descending=False):
+        if self.numel() < ops.MIN_NUMEL["stable" if stable else "sort"]:
+            return orig["sort.stable"](self, stable=stable, dim=dim, descending=descending)
         return fast_or("sort.stable", ops.fast_sort(self, bool(stable), dim, descending),
                        self, stable=stable, dim=dim, descending=descending)
 
@@ -82,35 +85,44 @@ def _overrides() -> list[tuple[str, object, str]]:
                                               indices=indices)
         return ops.write_out(r, (values, indices))
 
-    def reduction_out(name, fast):
+    def reduction_out(name, family, fast):
         def impl(self, *args, values, indices):
-            r = fast(self, *args) if _plain_outs(self, values, indices) else None
+            # median(dim) of an expanded input is always Kwker's (ATen reads it wrongly)
+            small = self.numel() < ops.MIN_NUMEL[family] and (family != "median"
+                                                          or 0 not in self.stride())
+            r = fast(self, *args) if not small and _plain_outs(self, values, indices) else None
             if r is None or r is NotImplemented:
                 return orig[name](self, *args, values=values, indices=indices)
             return ops.write_out(r, (values, indices))
         return impl
 
     def median_all(self):
+        if self.numel() < ops.MIN_NUMEL["median_all"]:
+            return orig["median"](self)
         return fast_or("median", ops.fast_median_all(self), self)
 
     def nanmedian_all(self):
+        if self.numel() < ops.MIN_NUMEL["median_all"]:
+            return orig["nanmedian"](self)
         return fast_or("nanmedian", ops.fast_median_all(self, True), self)
 
     def mode(self, dim=-1, keepdim=False):
+        if self.numel() < ops.MIN_NUMEL["mode"]:
+            return orig["mode"](self, dim, keepdim)
         return fast_or("mode", ops.fast_mode(self, dim, keepdim), self, dim, keepdim)
 
     impls = [
         ("topk", topk, "CPU"), ("topk.values", topk_out, "CPU"),
         ("sort.stable", sort, "CPU"), ("sort.values_stable", sort_out, "CPU"),
         ("kthvalue.values", reduction_out(
-            "kthvalue.values", lambda x, k, dim=-1, keepdim=False:
+            "kthvalue.values", "kthvalue", lambda x, k, dim=-1, keepdim=False:
             ops.fast_kthvalue(x, k, dim, keepdim)), "CPU"),
         ("median", median_all, "CPU"), ("nanmedian", nanmedian_all, "CPU"),
         ("median.dim_values", reduction_out(
-            "median.dim_values", lambda x, dim, keepdim=False:
+            "median.dim_values", "median", lambda x, dim, keepdim=False:
             ops.fast_median_dim(x, dim, keepdim)), "CPU"),
         ("nanmedian.dim_values", reduction_out(
-            "nanmedian.dim_values", lambda x, dim, keepdim=False:
+            "nanmedian.dim_values", "median", lambda x, dim, keepdim=False:
             ops.fast_median_dim(x, dim, keepdim, ignore_nan=True)), "CPU"),
         ("mode", mode, "CPU"),
     ]
@@ -127,7 +139,7 @@ def _plain_outs(x, values, indices) -> bool:
 
 def _quantile_overrides(base: str, ignore_nan: bool, orig: dict):
     names = (base, base + ".scalar", base + ".out", base + ".scalar_out")
-    autograd = {n: _Original("aten::" + n, _AUTOGRAD_CPU) for n in names}
+    autograd = {n: _original("aten::" + n, _AUTOGRAD_CPU) for n in names}
 
     def fast(self, q, dim, keepdim, interpolation):
         return ops.fast_quantile(self, q, dim, keepdim, interpolation, ignore_nan)
