@@ -18,11 +18,11 @@ FLOAT_DTYPES = (torch.float32, torch.float64)
 # output allocation, ctypes: ~10 us, plus per-row set-up such as radix histograms) costs more
 # than ATen's whole kernel, so ATen runs; crossovers measured on a 2-core Zen 4 over 1-128 rows
 # of 16-16384 elements (benchmarks/results/sorting.md has the sweep).
-MIN_NUMEL = {"topk": 16384, "sort": 8192, "stable": 1024, "kthvalue": 32768, "median": 32768,
-             "median_all": 16384, "mode": 32768, "quantile": 0}
+MIN_NUMEL = {"topk": 8192, "sort": 8192, "stable": 1024, "kthvalue": 12288, "median": 32768,
+             "median_all": 8192, "mode": 16384, "quantile": 0}
 # ATen's quantile is a composite of a dozen ops (~25 us even for 8 elements), and Kwker sorts
 # short rows instead of bucketing them: it takes every size.
-MIN_ROW = {"topk": 1024, "sort": 0, "stable": 512, "kthvalue": 256, "median": 256,
+MIN_ROW = {"topk": 1000, "sort": 0, "stable": 512, "kthvalue": 512, "median": 256,
            "median_all": 0, "mode": 256, "quantile": 0}
 # A stable sort of rows this short with 32-bit keys is one sorting network (no radix set-up),
 # so those rows are taken below MIN_ROW["stable"] too.
