@@ -10,7 +10,11 @@ Where the output is provably the same, a faster equivalent replaces a step:
   k-th left stopper with the k-th right stopper, BlockQuicksort-style). Hoare's scans are a pairing
   of original stoppers until the scans cross, so the swaps are the same; near the crossing the
   scalar loop takes over from the exact Hoare state (lo, hi);
-* the stable sort is an LSD radix sort (any stable sort gives the one stable order).
+* the stable sort is an LSD radix sort (any stable sort gives the one stable order);
+* packed (key << 32 | index) words: each leftover segment of <= 16 elements is stably sorted by
+  a sorting network; a range of <= 64 whose keys all differ has one sorted order, so a network
+  sorts it whatever introsort would do; a range whose keys are all equal has partitions fixed by
+  its length alone, so its whole subtree is one computed permutation (``equal_subtree``).
 
 Fast-math: none. Comparisons are exact integer (or ordered float, for ``mode``) compares.
 """
@@ -188,7 +192,7 @@ class SortAlgos:
             finish = self.hoare()
             if self.lanes:
                 # small ranges: the Hoare tail reverses an all-equal range just as fast
-                with f.if_(b.icmp_signed(">=", b.sub(last, first), const(i64, 64))):
+                with f.if_(b.icmp_signed(">=", b.sub(last, first), const(i64, EQUAL_MIN))):
                     self._all_equal_shortcut(f, K, I, first, last)
                 for width in BLOCKS:
                     with f.while_(lambda: b.icmp_signed(">=", b.sub(hi.get(), lo.get()),
@@ -460,13 +464,9 @@ class SortAlgos:
                         body)
 
     def _network_sort_body(self, f: Fn):
-        """Bitonic network over 16 or 8 lanes for packed (key << 32 | index) words.
-
-        The network compares ``key << 32 | position``: unique, so any sorting network orders it
-        exactly as a stable sort by key does. The packed words ride along as payload: a lane
-        keeps its own word when its composite survives the comparator. Lanes past the segment
-        hold the largest key and a position past every real one. Segments of 8 or fewer take
-        the 8-lane network (6 stages instead of 10); one element is already sorted.
+        """Stable sort of a leftover segment of packed (key << 32 | index) words by a bitonic
+        network (``_sorted_network``): 8 lanes for segments of 8 or fewer (6 stages instead of
+        10), 16 otherwise; one element is already sorted.
         """
         K, _, first, last = f.args
         b = f.b
