@@ -14,7 +14,7 @@ Where the output is provably the same, a faster equivalent replaces a step:
 * packed (key << 32 | index) words: each leftover segment of <= 16 elements is stably sorted by
   a sorting network; a range of <= 64 whose keys all differ has one sorted order, so a network
   sorts it whatever introsort would do; a range whose keys are all equal has partitions fixed by
-  its length alone, so its whole subtree is one computed permutation (``equal_subtree``).
+  its length alone, so its whole subtree is swaps and vector reversals (``equal_subtree``).
 
 Fast-math: none. Comparisons are exact integer (or ordered float, for ``mode``) compares.
 """
@@ -37,7 +37,7 @@ class SortAlgos:
     """
 
     def __init__(self, module: ir.Module, key_type: ir.Type, lt, prefix: str,
-                 vector_lanes: int = 0, packed: bool = False, equal_ranges: bool = False):
+                 vector_lanes: int = 0, packed: bool = False):
         self.m, self.kt, self.lt, self.prefix = module, key_type, lt, prefix
         self.lanes = vector_lanes
         # packed: one i64 word per element, (i32 key << 32) | index, in K (I unused): a swap is
@@ -45,8 +45,8 @@ class SortAlgos:
         self.packed = packed
         assert not packed or key_type == i32
         self.elem_types = [i64] if packed else [key_type, i32]
-        # packed words with a scratch array in I: all-equal ranges permuted in one pass
-        self.equal_ranges = equal_ranges and packed and vector_lanes >= 4
+        # packed words: all-equal ranges of EQUAL_MIN or more take their whole subtree at once
+        self.equal_ranges = packed and vector_lanes >= 4
         # ranges up to this size try a sorting network first (packed words, vector targets;
         # 64 beat 32 on both AVX-512 and AVX2 code measured on a Zen 4)
         self.distinct_max = 64 if packed and vector_lanes >= 4 else 0
@@ -229,20 +229,12 @@ class SortAlgos:
                     f.break_()
             with f.if_(tail_ok.get()):
                 n_rev = b.sdiv(b.sub(b.sub(last, first), one), const(i64, 2))
-                start = zero
-                if self.packed:  # whole vectors from both ends, reversed and exchanged
-                    V = 8
-                    rev = ir.Constant(vec(i32, V), list(range(V - 1, -1, -1)))
-                    start = b.and_(n_rev, const(i64, -V))
-                    with f.for_range(zero, start, step=V, name="vrev") as i:
-                        lp = b.add(b.add(first, one), i)
-                        rp = b.sub(b.sub(last, i), const(i64, V))
-                        left = f.load_vec(i64, V, K, lp)
-                        right = f.load_vec(i64, V, K, rp)
-                        b.store(b.shuffle_vector(right, right, rev), f.gep(K, lp, i64), align=8)
-                        b.store(b.shuffle_vector(left, left, rev), f.gep(K, rp, i64), align=8)
-                with f.for_range(start, n_rev, name="rev") as i:
-                    self.swap(f, K, I, b.add(b.add(first, one), i), b.sub(b.sub(last, one), i))
+                if self.packed:
+                    self._reverse(f, K, b.add(first, one), last, n_rev)
+                else:
+                    with f.for_range(zero, n_rev, name="rev") as i:
+                        self.swap(f, K, I, b.add(b.add(first, one), i),
+                                  b.sub(b.sub(last, one), i))
                 f.ret(b.add(b.add(first, one), n_rev))
 
     def _block_pairs(self, f: Fn, K, I, first, lo, hi, width: int):
@@ -592,22 +584,21 @@ class SortAlgos:
                         body)
 
     def equal_subtree(self) -> ir.Function:
-        """equal_subtree(K, T, first, last, depth) -> done: the whole introsort subtree of a
-        range whose keys are all equal, in one pass, when its depth budget never runs out.
+        """equal_subtree(K, I, first, last, depth) -> done: the whole introsort subtree of a
+        range whose keys are all equal, when its depth budget never runs out.
 
         On such a range every partition is fixed by the size alone: median-of-three picks mid
         (no key is less than another), so K[first] and K[mid] swap; every element stops both
         Hoare scans, so [first+1, last) reverses; cut = first + 1 + (m-1)//2; both parts recurse
-        with depth - 1, down to 16 elements, whose stable sort keeps them in place. Following
-        each position down that tree gives its final slot: the words are copied to T and
-        scattered back, 64 positions per step (independent dependency chains). Returns
-        false (nothing touched) when the keys differ or the depth would reach 0 (heapsort)
-        above 16 elements.
+        with depth - 1, down to 16 elements, whose stable sort keeps them in place. So one check
+        of the keys, then swaps and vector reversals level by level (``equal_tree``), with no
+        compares, masks or leaf sorts. Returns false (nothing touched) when the keys differ or
+        the depth would reach 0 (heapsort) above 16 elements.
         """
         V = 64
 
         def body(f: Fn):
-            K, T, first, last, depth = f.args
+            K, _, first, last, depth = f.args
             b = f.b
             one, zero = const(i64, 1), const(i64, 0)
             m = b.sub(last, first)
@@ -617,7 +608,7 @@ class SortAlgos:
                 levels.set(b.add(levels.get(), one))
             with f.if_(b.icmp_signed("<", depth, levels.get())):
                 f.ret(const(i1, 0))
-            # all keys equal: compare whole words' key halves, 8 at a time, copying to T
+            # all keys equal: compare the words' key halves, 64 at a time
             high = ir.Constant(vec(i64, V), [-(1 << 32)] * V)
             pkey = b.and_(f.load(i64, K, first), const(i64, -(1 << 32)))
             splat = b.shuffle_vector(b.insert_element(ir.Constant(vec(i64, V), None), pkey,
@@ -630,55 +621,51 @@ class SortAlgos:
                 diff = b.bitcast(b.icmp_unsigned("!=", b.and_(w, high), splat), ir.IntType(V))
                 with f.if_(b.icmp_unsigned("!=", diff, const(ir.IntType(V), 0))):
                     f.ret(const(i1, 0))
-                b.store(w, f.gep(T, j, i64), align=8)
             with f.for_range(full, last, name="eqt") as j:
                 w = f.load(i64, K, j)
                 with f.if_(b.icmp_unsigned("!=", b.and_(w, const(i64, -(1 << 32))), pkey)):
                     f.ret(const(i1, 0))
-                f.store(w, T, j)
-            # positions relative to first, as i32 (rows are shorter than 2**31): 16 per vector
-            pt = vec(i32, V)
-
-            def splat_of(x):
-                return b.shuffle_vector(b.insert_element(ir.Constant(pt, None), x,
-                                                         const(i32, 0)),
-                                        ir.Constant(pt, None), ir.Constant(vec(i32, V), [0] * V))
-            lane = ir.Constant(pt, list(range(V)))
-            c1, c16 = splat_of(const(i32, 1)), splat_of(const(i32, THRESHOLD))
-            m32 = b.trunc(m, i32)
-            vt = vec(i64, V)
-            scatter = intrinsic(self.m, f"llvm.masked.scatter.v{V}i64.v{V}p0", void,
-                                [vt, vec(ptr, V), i32, vec(i1, V)])
-            with f.for_range(zero, m, step=V, name="eqs") as q0:
-                q = b.add(splat_of(b.trunc(q0, i32)), lane)
-                live = b.icmp_signed("<", q, splat_of(m32))
-                pos, lo, hi = f.var(pt, q, "pos"), f.var(pt, splat_of(const(i32, 0)), "flo"), \
-                    f.var(pt, splat_of(m32), "fhi")
-                with f.for_range(zero, levels.get(), name="lvl"):
-                    p, fl, la = pos.get(), lo.get(), hi.get()
-                    ln = b.sub(la, fl)
-                    active = b.icmp_signed(">", ln, c16)
-                    mid = b.add(fl, b.ashr(ln, c1))
-                    p1 = b.select(b.icmp_signed("==", p, fl), mid,
-                                  b.select(b.icmp_signed("==", p, mid), fl, p))
-                    p2 = b.select(b.icmp_signed(">", p1, fl), b.sub(b.add(fl, la), p1), p1)
-                    cut = b.add(b.add(fl, c1), b.ashr(b.sub(ln, c1), c1))
-                    p3 = b.select(active, p2, p)
-                    right = b.icmp_signed(">=", p3, cut)
-                    pos.set(p3)
-                    lo.set(b.select(b.and_(active, right), cut, fl))
-                    hi.set(b.select(b.and_(active, b.not_(right)), cut, la))
-                src = b.add(first, q0)
-                words = b.call(intrinsic(self.m, f"llvm.masked.load.v{V}i64.p0", vt,
-                                         [ptr, i32, vec(i1, V), vt]),
-                               [f.gep(T, src, i64), const(i32, 8), live, ir.Constant(vt, None)])
-                ptrs = b.gep(f.gep(K, first, i64), [b.sext(pos.get(), vec(i64, V))],
-                             inbounds=True, source_etype=i64)
-                ptrs.type = vec(ptr, V)  # llvmlite types a vector GEP as a scalar pointer
-                b.call(scatter, [words, ptrs, const(i32, 8), live])
+            b.call(self.equal_tree(), [K, first, last])
             f.ret(const(i1, 1))
         return self._fn("equal_subtree", i1, [ptr, ptr, i64, i64, i64],
-                        ["K", "T", "first", "last", "depth"], body)
+                        ["K", "I", "first", "last", "depth"], body)
+
+    def equal_tree(self) -> ir.Function:
+        """equal_tree(K, first, last): introsort's partitions of an all-equal range (see
+        equal_subtree), each a swap and a reversal of packed words, 8 per vector step."""
+        def body(f: Fn):
+            K, first, last0 = f.args
+            b = f.b
+            one, two = const(i64, 1), const(i64, 2)
+            last = f.var(i64, last0, "last")
+            with f.while_(lambda: b.icmp_signed(">", b.sub(last.get(), first),
+                                                const(i64, THRESHOLD))):
+                lst = last.get()
+                m = b.sub(lst, first)
+                self.swap(f, K, None, first, b.add(first, b.sdiv(m, two)))
+                n_rev = b.sdiv(b.sub(m, one), two)
+                self._reverse(f, K, b.add(first, one), lst, n_rev)
+                cut = b.add(b.add(first, one), n_rev)
+                b.call(f.fn, [K, cut, lst])
+                last.set(cut)
+        return self._fn("equal_tree", void, [ptr, i64, i64], ["K", "first", "last"], body)
+
+    def _reverse(self, f: Fn, K, lo, hi, n_rev):
+        """Swap (lo + i, hi - 1 - i) for i < n_rev: whole vectors of packed words from both
+        ends, then one by one."""
+        b = f.b
+        V = 8
+        rev = ir.Constant(vec(i32, V), list(range(V - 1, -1, -1)))
+        start = b.and_(n_rev, const(i64, -V))
+        with f.for_range(const(i64, 0), start, step=V, name="vrev") as i:
+            lp = b.add(lo, i)
+            rp = b.sub(b.sub(hi, i), const(i64, V))
+            left = f.load_vec(i64, V, K, lp)
+            right = f.load_vec(i64, V, K, rp)
+            b.store(b.shuffle_vector(right, right, rev), f.gep(K, lp, i64), align=8)
+            b.store(b.shuffle_vector(left, left, rev), f.gep(K, rp, i64), align=8)
+        with f.for_range(start, n_rev, name="rev") as i:
+            self.swap(f, K, None, b.add(lo, i), b.sub(b.sub(hi, const(i64, 1)), i))
 
     # ---------------------------------------------------------------- std::sort, nth_element
     def introsort_loop(self) -> ir.Function:

@@ -65,8 +65,6 @@ def scratch_layout(op: str, dtype: str, n: int, stable: bool = False) -> dict[st
     """Byte offsets of the per-thread scratch arrays, and the total under ``"size"``."""
     kb = key_type(dtype).width // 8
     sizes = [("K", n * kb), ("I", n * 4)]
-    if op == "sort" and not stable and kb == 4:  # packed words: T holds all-equal ranges
-        sizes += [("T", n * 8)]
     if stable or op in ("quantile", "nanquantile"):
         sizes += [("K2", n * kb), ("I2", n * 4), ("H", hist_bytes(key_type(dtype)))]
     out, pos = {}, 0
@@ -99,20 +97,16 @@ class RowKernel:
     def lt(self, b, x, y):
         return b.icmp_signed("<", x, y)
 
-    def algos(self, lanes: int | None = None, packed: bool = False,
-              equal_ranges: bool = False) -> SortAlgos:
-        """The exact algorithms on this op's keys (one set per module and variant).
-
-        ``equal_ranges``: std::sort's I argument is a scratch array as long as the row, which
-        lets all-equal ranges be permuted in one pass (packed words only)."""
+    def algos(self, lanes: int | None = None, packed: bool = False) -> SortAlgos:
+        """The exact algorithms on this op's keys (one set per module and variant)."""
         lanes = self.lanes if lanes is None else lanes
         if packed:
             lanes = max(lanes // 2, 4)  # i64 words per vector
-        key = (lanes, packed, equal_ranges)
+        key = (lanes, packed)
         if key not in self._algos:
-            name = f"{self.spec.symbol}.algo{lanes}{'p' * packed}{'e' * equal_ranges}"
-            self._algos[key] = SortAlgos(self.m, self.kt, self.lt, name, vector_lanes=lanes,
-                                         packed=packed, equal_ranges=equal_ranges)
+            self._algos[key] = SortAlgos(self.m, self.kt, self.lt,
+                                         f"{self.spec.symbol}.algo{lanes}{'p' * packed}",
+                                         vector_lanes=lanes, packed=packed)
         return self._algos[key]
 
     def fill_packed(self, P):
@@ -157,10 +151,8 @@ class RowKernel:
         sizes = {"K": b.mul(self.n, const(i64, kb)), "I": b.mul(self.n, const(i64, 4)),
                  "P": b.mul(self.n, const(i64, 8))}
         pad = const(i64, PAD)
-        if names[0] == "P":  # P spans the K and I regions of scratch_layout; T follows them
-            region = b.and_(b.add(sizes["I"], const(i64, 2 * PAD + 63)), const(i64, ~63))
-            at = {"P": pad, "T": b.add(b.mul(region, const(i64, 2)), pad)}
-            return [self.f.gep(self.scratch, at[nm], ir.IntType(8)) for nm in names]
+        if names == ["P"]:  # P spans the K and I regions of scratch_layout
+            return [self.f.gep(self.scratch, pad, ir.IntType(8))]
         sizes["K2"], sizes["I2"] = sizes["K"], sizes["I"]
         sizes["H"] = const(i64, hist_bytes(self.kt))
         out, pos = {}, const(i64, 0)
@@ -286,9 +278,9 @@ def _emit_sort(rk: RowKernel):
         else:
             _emit_radix(rk)
     elif rk.kt == i32:
-        P, T = rk.scratch_arrays(["P", "T"])
+        P, = rk.scratch_arrays(["P"])
         rk.fill_packed(P)
-        _std_sort_maybe_parallel(rk, rk.algos(packed=True, equal_ranges=True), P, T)
+        _std_sort_maybe_parallel(rk, rk.algos(packed=True), P, P)
         rk.write_packed(P, rk.n)
     else:
         K, I = rk.scratch_arrays(["K", "I"])
