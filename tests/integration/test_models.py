@@ -111,3 +111,21 @@ def test_multihead_attention_sequence_first_causal(inner):
     assert_close(out, ref)
     assert_no_misses(reports)
     assert kernels(reports) == ["linear", "linear", "sdpa"]
+
+
+@pytest.mark.parametrize("inner", INNER)
+def test_large_erf_gelu_stays_on_aten(inner):
+    """A standalone erf GELU becomes a kernel only up to GELU_ERF_MAX elements: above it ATen's
+    vectorised erf is faster, and the report says so; the tanh form is always Kwker's."""
+    from kwker.lowering.build import GELU_ERF_MAX
+
+    class Acts(torch.nn.Module):
+        def forward(self, small, big):
+            return (torch.nn.functional.gelu(small), torch.nn.functional.gelu(big),
+                    torch.nn.functional.gelu(big, approximate="tanh"))
+
+    small, big = torch.randn(16, 1024), torch.randn(GELU_ERF_MAX // 512, 1024)
+    ref, out, reports = compile_run(Acts(), (small, big), inner)
+    assert_close(out, ref)
+    assert kernels(reports) == ["gelu", "gelu"]  # the small erf one and the tanh one
+    assert any("ATen's is faster" in why for r in reports for _, _, why in r.missed)
