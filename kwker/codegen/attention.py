@@ -1,7 +1,8 @@
 """Scaled dot-product attention, flash style: Q blocks x K/V blocks with an online softmax.
 
-Contract: ``out[b,h] = softmax(scale * Q K^T + mask) V`` for contiguous float32 (B, H, L, E)
-tensors; ``mask`` is a float mask (added) or a bool mask (False = -inf), broadcast from its own
+Contract: ``out[b,h] = softmax(scale * Q K^T + mask) V`` for float32 (B, H, L, E) tensors
+whose last dim is contiguous (batch, head and row strides are compile-time; contiguous by
+default); ``mask`` is a float mask (added) or a bool mask (False = -inf), broadcast from its own
 4-D shape; ``causal`` masks key j > query i (top-left aligned, as torch does). Rows with no
 visible key give 0, as torch does.
 
@@ -57,17 +58,27 @@ class _Emitter:
         self.ev_pad = _cdiv(s.ev, lanes) * lanes
         # a few queries (decode): scores as dot products with K in place, no K packing
         self.direct = s.lq <= DIRECT_MAX_LQ
+        # (batch, head, row) element strides of q, k, v, out
+        self.qs, self.ks, self.vs, self.os = s.strides or (
+            (s.heads * s.lq * s.e, s.lq * s.e, s.e), (s.heads * s.lk * s.e, s.lk * s.e, s.e),
+            (s.heads * s.lk * s.ev, s.lk * s.ev, s.ev), (s.heads * s.lq * s.ev, s.lq * s.ev, s.ev))
+
+    def head_off(self, head, strides):
+        """Element offset of head ``head`` (= batch * heads + h) for these strides."""
+        b, H = self.f.b, const(i64, self.s.heads)
+        return b.add(b.mul(b.sdiv(head, H), const(i64, strides[0])),
+                     b.mul(b.srem(head, H), const(i64, strides[1])))
 
     # -- micro-kernel variants --------------------------------------------------------------
     def s_kernel(self, rows: int, cols: int) -> ir.Function:
         s, L = self.s, self.L
-        return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, s.e, 1, s.nr, False,
-                                        self.bk))
+        return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, self.qs[2], 1, s.nr,
+                                        False, self.bk))
 
     def o_kernel(self, rows: int) -> ir.Function:
         s, L = self.s, self.L
-        return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1, s.ev,
-                                        s.ev % L != 0, self.ev_pad))
+        return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1,
+                                        self.vs[2], s.ev % L != 0, self.ev_pad))
 
     def body(self) -> ir.Function:
         s = self.s
@@ -85,7 +96,7 @@ class _Emitter:
         sizes = [kp_floats, s.bq * self.bk, s.bq * self.ev_pad, s.bq, s.bq]
         raws = [b.call(malloc, [const(i64, 4 * n + 64)]) for n in sizes]
         kp, sbuf, obuf, mrow, lrow = (_align64(b, r) for r in raws)
-        pack_k = emit_pack_rows(self.m, s.nr, s.e, self.L)
+        pack_k = emit_pack_rows(self.m, s.nr, self.ks[2], self.L)
 
         items = s.batch * s.heads * self.nqb
         cur_head = f.var(i64, const(i64, -1), "head")
@@ -94,7 +105,7 @@ class _Emitter:
             item = it.get()
             head = b.sdiv(item, const(i64, self.nqb))
             qb = b.srem(item, const(i64, self.nqb))
-            kh = simd.gep(b, k_all, b.mul(head, const(i64, s.lk * s.e)))
+            kh = simd.gep(b, k_all, self.head_off(head, self.ks))
             if not self.direct:
                 with f.if_(b.icmp_signed("!=", head, cur_head.get())):
                     b.call(pack_k, [kh, const(i64, s.lk), const(i64, s.e), kp])
@@ -114,9 +125,9 @@ class _Emitter:
         i1 = b.add(i0, const(i64, s.bq))
         i1 = b.select(b.icmp_signed("<", i1, const(i64, s.lq)), i1, const(i64, s.lq))
         rows = b.sub(i1, i0)
-        qh = simd.gep(b, q_all, b.add(b.mul(head, const(i64, s.lq * s.e)),
-                                      b.mul(i0, const(i64, s.e))))
-        vh = simd.gep(b, v_all, b.mul(head, const(i64, s.lk * s.ev)))
+        qh = simd.gep(b, q_all, b.add(self.head_off(head, self.qs),
+                                      b.mul(i0, const(i64, self.qs[2]))))
+        vh = simd.gep(b, v_all, self.head_off(head, self.vs))
         with f.for_range(0, s.bq, name="init") as r:
             simd.store_scalar(b, ir.Constant(f32, NEG_INF), mrow, r)
             simd.store_scalar(b, ir.Constant(f32, 0.0), lrow, r)
@@ -157,7 +168,7 @@ class _Emitter:
         nullp = ir.Constant(ptr, None)
 
         def tile(r0, nrows):
-            a = simd.gep(b, qh, b.mul(r0, const(i64, s.e)))
+            a = simd.gep(b, qh, b.mul(r0, const(i64, self.qs[2])))
             c_row = b.mul(r0, const(i64, self.bk))
             full_panels = b.sdiv(kv, const(i64, s.nr))
             with f.for_range(0, full_panels, name="sp") as p:
@@ -186,14 +197,14 @@ class _Emitter:
         ne = _cdiv(s.e, L)
         zero = vmath.splat(simd.vty(L), 0.0)
         with f.for_range(0, rows, name="dr") as r:
-            qrow = simd.gep(b, qh, b.mul(r, const(i64, s.e)))
+            qrow = simd.gep(b, qh, b.mul(r, const(i64, self.qs[2])))
             qv = [simd.load_any(b, qrow, e * L, L, min(L, s.e - e * L)) for e in range(ne)]
             with f.for_range(0, kv, step=L, name="dk") as jb:
                 sums = []
                 for jj in range(L):
                     key = b.add(b.add(j0, jb), const(i64, jj))
                     live = b.icmp_signed("<", b.add(jb, const(i64, jj)), kv)
-                    krow = simd.gep(b, kh, b.mul(key, const(i64, s.e)))
+                    krow = simd.gep(b, kh, b.mul(key, const(i64, self.ks[2])))
                     acc = zero
                     for e in range(ne):
                         m = b.and_(simd.const_mask(L, min(L, s.e - e * L)),
@@ -207,7 +218,7 @@ class _Emitter:
         s, f = self.s, self.f
         b = f.b
         nullp = ir.Constant(ptr, None)
-        vb = simd.gep(b, vh, b.mul(j0, const(i64, s.ev)))
+        vb = simd.gep(b, vh, b.mul(j0, const(i64, self.vs[2])))
 
         def tile(r0, nrows):
             a = simd.gep(b, sbuf, b.mul(r0, const(i64, self.bk)))
@@ -339,8 +350,8 @@ class _Emitter:
     def finish_rows(self, head, i0, rows, obuf, lrow, o_all):
         s, L, f = self.s, self.L, self.f
         b = f.b
-        oh = simd.gep(b, o_all, b.add(b.mul(head, const(i64, s.lq * s.ev)),
-                                      b.mul(i0, const(i64, s.ev))))
+        oh = simd.gep(b, o_all, b.add(self.head_off(head, self.os),
+                                      b.mul(i0, const(i64, self.os[2]))))
         with f.for_range(0, rows, name="fr") as r:
             lsum = simd.load_scalar(b, lrow, r)
             inv = b.fdiv(ir.Constant(f32, 1.0), lsum)
@@ -351,7 +362,7 @@ class _Emitter:
                 x = simd.load_vec(b, obuf, b.add(b.mul(r, const(i64, self.ev_pad)),
                                                  const(i64, v * L)), L)
                 active = min(L, s.ev - v * L)
-                simd.store_any(b, b.fmul(x, iv), oh, b.add(b.mul(r, const(i64, s.ev)),
+                simd.store_any(b, b.fmul(x, iv), oh, b.add(b.mul(r, const(i64, self.os[2])),
                                                            const(i64, v * L)), active)
 
 

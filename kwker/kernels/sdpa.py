@@ -21,12 +21,24 @@ def _blocking(lq: int, lk: int, e: int, ev: int) -> dict:
     return dict(bq=bq, bk=bk, nr=nr, mrs=mrs, mro=mro)
 
 
+def _contiguous(shape) -> tuple:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
+
+
 def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal: bool = False,
-              scale: float | None = None, mask: str | None = None, mask_shape=None):
-    """``callable(q, k, v, mask=None) -> out`` for contiguous float32 (B, H, L, E) inputs.
+              scale: float | None = None, mask: str | None = None, mask_shape=None,
+              strides=None):
+    """``callable(q, k, v, mask=None) -> out`` for float32 (B, H, L, E) inputs.
 
     ``mask``: None, "bool" (True keeps) or "float" (added); ``mask_shape`` its 4-D shape, each
-    dim 1 or full. Dropout is not supported (use dropout_p=0).
+    dim 1 or full. Dropout is not supported (use dropout_p=0). ``strides``: the 4-D strides of
+    q, k, v and of the output (last stride 1), read and written in place, e.g. heads side by side
+    in each row as ``nn.MultiheadAttention`` makes them; None means contiguous. Inputs with other
+    strides are copied into the expected layout.
     """
     kind = mask or "none"
     if kind not in ("none", "bool", "float"):
@@ -43,22 +55,30 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
             raise ValueError(f"make_sdpa: mask shape {mask_shape} does not broadcast to {full}")
     else:
         mask_shape = ()
-    spec = AttentionSpec(batch, heads, lq, lk, e, ev, bool(causal), float(scale or 0.0), kind,
-                         mask_shape, **_blocking(lq, lk, e, ev))
-    fn = entry(spec, 5)
-    symbol = spec.symbol
     qs, ks, vs = (batch, heads, lq, e), (batch, heads, lk, e), (batch, heads, lk, ev)
     out_shape = (batch, heads, lq, ev)
+    shapes = (qs, ks, vs, out_shape)
+    dense = tuple(_contiguous(t) for t in shapes)
+    strides = tuple(tuple(int(x) for x in st) for st in strides) if strides else dense
+    if any(len(st) != 4 or st[3] != 1 or min(st) < 0 for st in strides):
+        raise ValueError(f"make_sdpa: strides {strides} need 4 dims, the last 1")
+    spec = AttentionSpec(batch, heads, lq, lk, e, ev, bool(causal), float(scale or 0.0), kind,
+                         mask_shape, **_blocking(lq, lk, e, ev),
+                         strides=() if strides == dense else tuple(st[:3] for st in strides))
+    fn = entry(spec, 5)
+    symbol = spec.symbol
+    (qst, kst, vst, ost) = strides
     mdtype = torch.bool if kind == "bool" else torch.float32
-    f32, empty, threads = torch.float32, torch.empty, torch.get_num_threads
+    f32, empty_strided, threads = torch.float32, torch.empty_strided, torch.get_num_threads
+
+    def layout(x, shape, stride, name):
+        if x.shape == shape and x.dtype == f32 and x.stride() == stride:
+            return x
+        return empty_strided(shape, stride, dtype=f32).copy_(checked(x, shape, name))
 
     def run(q, k, v, mask=None):
-        if not (q.shape == qs and q.dtype == f32 and q.is_contiguous()):
-            q = checked(q, qs, "sdpa q")
-        if not (k.shape == ks and k.dtype == f32 and k.is_contiguous()):
-            k = checked(k, ks, "sdpa k")
-        if not (v.shape == vs and v.dtype == f32 and v.is_contiguous()):
-            v = checked(v, vs, "sdpa v")
+        q, k, v = layout(q, qs, qst, "sdpa q"), layout(k, ks, kst, "sdpa k"), \
+            layout(v, vs, vst, "sdpa v")
         m_ptr = None
         if kind != "none":
             if mask is None:
@@ -67,7 +87,7 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
                 raise NotImplementedError(f"sdpa: mask dtype {mask.dtype}, built for {mdtype}")
             mask = mask.reshape(mask_shape).contiguous()
             m_ptr = mask.data_ptr()
-        out = empty(out_shape, dtype=f32)
+        out = empty_strided(out_shape, ost, dtype=f32)
         if _profiler_enabled():
             with record_function(symbol):
                 fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), m_ptr, out.data_ptr(), threads())

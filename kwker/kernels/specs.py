@@ -59,7 +59,7 @@ class GemmSpec(Spec):
 @register_spec
 @dataclass(frozen=True)
 class AttentionSpec(Spec):
-    """Flash-style SDPA over contiguous (batch, heads, L, E) float32 (see codegen/attention.py).
+    """Flash-style SDPA over (batch, heads, L, E) float32 (see codegen/attention.py).
 
     ``mask`` is none, bool or float; ``mask_shape`` its 4-D shape (1 = broadcast). ``scale`` 0
     means 1/sqrt(e). Blocking: ``bq`` query rows x ``bk`` keys per step, ``nr``-key panels,
@@ -80,6 +80,10 @@ class AttentionSpec(Spec):
     nr: int = 32
     mrs: int = 12
     mro: int = 12
+    # element strides (batch, head, row) of q, k, v and the output; () = contiguous (B, H, L, E).
+    # Heads packed side by side in one row (TransformerEncoderLayer's q/k/v views, ATen's output
+    # layout) are read and written in place.
+    strides: tuple = ()
     family = "attention"
 
     @property
@@ -89,7 +93,9 @@ class AttentionSpec(Spec):
         ms = "x".join(map(str, self.mask_shape)) if self.mask_shape else "0"
         return (f"kw_sdpa_{self.batch}x{self.heads}x{self.lq}x{self.lk}_e{self.e}_ev{self.ev}"
                 f"_c{int(self.causal)}_s{scale:08x}_{self.mask}{ms}"
-                f"_q{self.bq}_k{self.bk}_n{self.nr}_{self.mrs}_{self.mro}")
+                f"_q{self.bq}_k{self.bk}_n{self.nr}_{self.mrs}_{self.mro}"
+                + ("_st" + "_".join("x".join(map(str, t)) for t in self.strides)
+                   if self.strides else ""))
 
 
 @register_spec

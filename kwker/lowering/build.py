@@ -244,8 +244,15 @@ def _sdpa(m: Match, metas, consts):
         mask_shape = (1,) * (4 - len(ms)) + tuple(ms)
         if any(s not in (1, full) for s, full in zip(mask_shape, (b, h, lq, lk))):
             return None, f"mask shape {ms} does not broadcast to {(b, h, lq, lk)}"
+    # 4-D q/k/v views with a unit last stride (e.g. heads side by side in one projection) are
+    # read in place, and the output is written in the layout ATen gives it
+    strides = None
+    om = metas.get(m.output)
+    if not three and isinstance(om, TensorMeta) and all(
+            t.stride[-1] == 1 and min(t.stride) >= 0 for t in (qm, km, vm, om)):
+        strides = (qm.stride, km.stride, vm.stride, om.stride)
     fn, why = _make("make_sdpa", b, h, lq, lk, e, ev, m.params["causal"], m.params["scale"],
-                    m.params["mask"], mask_shape=mask_shape)
+                    m.params["mask"], mask_shape=mask_shape, strides=strides)
     if fn is None:
         return None, why
     if three:
@@ -279,12 +286,15 @@ _BUILDERS = {"linear": _linear, "linear_topk": _linear_topk, "matmul": _matmul, 
 
 
 def restrided(fn, meta: TensorMeta):
-    """``fn`` whose tensor result is copied into ``meta``'s strides if ATen's layout differs."""
+    """``fn`` whose tensor result is copied into ``meta``'s strides if ATen's layout differs
+    (a kernel that already writes that layout is left alone)."""
     if same_layout(meta.shape, meta.stride, contiguous_strides(meta.shape)):
         return fn
-    shape, stride = meta.shape, meta.stride
+    shape, stride = meta.shape, tuple(meta.stride)
 
     def run(*args):
         out = fn(*args)
+        if out.stride() == stride:
+            return out
         return torch.empty_strided(shape, stride, dtype=out.dtype).copy_(out)
     return run

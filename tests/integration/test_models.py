@@ -61,6 +61,9 @@ def test_transformer_encoder_layer(inner):
     assert [op for _, op in reports[-1].decomposed] == ["_transformer_encoder_layer_fwd"]
     assert kernels(reports) == sorted(["linear", "sdpa", "linear_residual", "linear_gelu",
                                        "linear_residual"])
+    if inner == "eager":  # attention reads q/k/v in place and writes ATen's output layout
+        sdpa = [s for s in reports[-1].specs if type(s).__name__ == "AttentionSpec"]
+        assert len(sdpa) == 1 and sdpa[0].strides, sdpa
 
 
 @pytest.mark.parametrize("inner", INNER)

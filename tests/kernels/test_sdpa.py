@@ -86,3 +86,24 @@ def test_sdpa_decode_with_mask(mask, threads):
     """Few queries take the unpacked dot-product path for the scores."""
     y, (q, k, v, am) = run(2, 3, 3, 70, 40, 24, mask=mask, mask_shape=(2, 1, 3, 70), seed=8)
     torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v, attn_mask=am), **TOL)
+
+
+@pytest.mark.parametrize("lq", [3, 37, 130])  # decode path (a few queries) and blocked path
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_strided_in_place(lq, causal, threads):
+    """q, k, v as the head views of one packed (B, L, 3, H, E) projection, and the output in
+    ATen's (B, L, H, E) memory order: read and written in place, no copies, same result."""
+    torch.manual_seed(3)
+    b, h, e = 2, 3, 16
+    qkv = torch.randn(b, lq, 3, h, e).permute(2, 0, 3, 1, 4)  # (3, B, H, L, E) views
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    out_strides = (lq * h * e, e, h * e, 1)
+    f = make_sdpa(b, h, lq, lq, e, e, causal, strides=(q.stride(), k.stride(), v.stride(),
+                                                       out_strides))
+    assert f.spec.strides  # a layout of its own, not the contiguous kernel
+    y = f(q, k, v)
+    assert y.stride() == out_strides
+    torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                               **TOL)
+    # contiguous inputs to the strided kernel are copied into its layout, not misread
+    torch.testing.assert_close(f(q.contiguous(), k.contiguous(), v.contiguous()), y, **TOL)
