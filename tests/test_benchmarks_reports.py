@@ -90,9 +90,9 @@ def test_kernels_json_rows_and_headline(mods, tmp_path):
                         ("GELU erf 64x4096", 1.0, 0.9, "", None)])
     assert rows[0]["ratio"] == 2.0 and rows[0]["met"] and rows[2]["met"] is None
     head = bk.headline(rows)
+    furthest = "furthest from its target: Ranker b32 (MLP + scores + topk 10)"
     assert [h["label"] for h in head] == ["Ranker b32 (MLP + scores + topk 10)",
-                                          "GEMM 32x20000x128", "furthest from its target: "
-                                          "Ranker b32 (MLP + scores + topk 10)"]
+                                          "GEMM 32x20000x128", furthest]
     assert "| 2.50x | 3.0x BELOW |" in bk.render(rows, "# k")
     (tmp_path / "kernels.json").write_text(json.dumps({"script": "bench_kernels.py",
                                                        "headline": head, "rows": rows}))
