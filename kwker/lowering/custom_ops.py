@@ -100,16 +100,20 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def _shape_meta(shape, dtype=torch.float32):
+def _shape_meta(shape, dtype=torch.float32, stride=None):
     if shape is None:
         return None
     shape = tuple(int(s) for s in shape)
-    return TensorMeta(shape, contiguous_strides(shape), dtype, "cpu", False)
+    stride = contiguous_strides(shape) if stride is None else tuple(int(s) for s in stride)
+    return TensorMeta(shape, stride, dtype, "cpu", False)
 
 
-def _make(kind, inputs: dict, shapes: dict, params: dict, consts: dict | None = None):
-    """Build a kernel for ``kind`` at these shapes (called by kernel_for on a miss only)."""
-    metas = {k: _shape_meta(v) for k, v in shapes.items()}
+def _make(kind, inputs: dict, shapes: dict, params: dict, consts: dict | None = None,
+          strides: dict | None = None):
+    """Build a kernel for ``kind`` at these shapes (called by kernel_for on a miss only);
+    ``strides`` gives some inputs' layouts (contiguous otherwise; "out" is the result's)."""
+    strides = strides or {}
+    metas = {k: _shape_meta(v, stride=strides.get(k)) for k, v in shapes.items()}
     return B.build(Match(kind, "out", [], inputs, params), metas, consts or {})
 
 
@@ -140,12 +144,17 @@ def gelu_kernel(numel, approximate):
         "gelu", {"x": "x"}, {"x": (numel,)}, {"approximate": approximate}))
 
 
-def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale):
-    key = ("sdpa", q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale)
+def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
+                qkv_strides=(None, None, None)):
+    """``qkv_strides``: the layouts q, k, v arrive in (read in place); the result is contiguous,
+    as the custom op's fake says."""
+    key = ("sdpa", q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale, qkv_strides)
+    out_shape = (*q_shape[:-1], v_shape[-1])
     return kernel_for(key, (), lambda: _make(
         "sdpa", {"q": "q", "k": "k", "v": "v", "mask": None if mask_shape is None else "m"},
-        {"q": q_shape, "k": k_shape, "v": v_shape, "m": mask_shape},
-        {"causal": causal, "scale": scale, "mask": mask_kind}))
+        {"q": q_shape, "k": k_shape, "v": v_shape, "m": mask_shape, "out": out_shape},
+        {"causal": causal, "scale": scale, "mask": mask_kind},
+        strides=dict(zip("qkv", qkv_strides))))
 
 
 # ------------------------------------------------------------- real and fake impls
@@ -215,7 +224,7 @@ def _gelu_fake(x, approximate):
 def _sdpa(q, k, v, mask, causal, scale):
     kind = None if mask is None else ("bool" if mask.dtype == torch.bool else "float")
     fn, _ = sdpa_kernel(q.shape, k.shape, v.shape, None if mask is None else mask.shape, kind,
-                        causal, scale)
+                        causal, scale, (q.stride(), k.stride(), v.stride()))
     if fn is not None:
         return (fn(q, k, v) if mask is None else fn(q, k, v, mask)).contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,

@@ -132,3 +132,22 @@ def test_large_erf_gelu_stays_on_aten(inner):
     assert_close(out, ref)
     assert kernels(reports) == ["gelu", "gelu"]  # the small erf one and the tanh one
     assert any("ATen's is faster" in why for r in reports for _, _, why in r.missed)
+
+
+def test_inductor_custom_sdpa_reads_views_in_place():
+    """Under inner="inductor" the attention custom op builds its kernel for the layout its
+    inputs arrive in (heads side by side in one projection), and answers like ATen."""
+    import torch.nn.functional as F
+
+    import kwker.lowering.custom_ops as C
+
+    torch.manual_seed(6)
+    qkv = torch.randn(2, 40, 3, 4, 16).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    out = torch.ops.kwker.sdpa(q, k, v, None, True, None)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               rtol=1e-4, atol=1e-5)
+    fn, _ = C.sdpa_kernel(q.shape, k.shape, v.shape, None, None, True, None,
+                          (q.stride(), k.stride(), v.stride()))
+    assert [s.strides[0] for s in fn.kwker_specs] == [q.stride()[:3]]
