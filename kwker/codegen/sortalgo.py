@@ -27,6 +27,9 @@ from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec, void
 THRESHOLD = 16  # libstdc++ _S_threshold
 BLOCKS = (64, 16)  # block partition widths: wide while the scans are far apart, then narrow
 EQUAL_MIN = 64  # ranges at least this long are checked for all-equal keys (one-pass subtree)
+# packed ranges up to this long try a sorting network first (64 beat 32 on AVX-512 and on AVX2
+# code, measured on a Zen 4)
+NETWORK_MAX = 64
 
 
 class SortAlgos:
@@ -47,9 +50,7 @@ class SortAlgos:
         self.elem_types = [i64] if packed else [key_type, i32]
         # packed words: all-equal ranges of EQUAL_MIN or more take their whole subtree at once
         self.equal_ranges = packed and vector_lanes >= 4
-        # ranges up to this size try a sorting network first (packed words, vector targets;
-        # 64 beat 32 on both AVX-512 and AVX2 code measured on a Zen 4)
-        self.distinct_max = 64 if packed and vector_lanes >= 4 else 0
+        self.distinct_max = NETWORK_MAX if packed and vector_lanes >= 4 else 0
         self._fns: dict[str, ir.Function] = {}
 
     # ---------------------------------------------------------------- element helpers

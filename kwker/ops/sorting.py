@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..codegen.sortalgo import NETWORK_MAX
 from ..codegen.sorting import INTERPOLATIONS
 from ..spec import SortingSpec
 from .rows import DTYPES, MAX_ROW, DenseOut, OutRows, resize_out, rows_of, run
@@ -24,9 +25,6 @@ MIN_NUMEL = {"topk": 8192, "sort": 8192, "stable": 1024, "kthvalue": 12288, "med
 # short rows instead of bucketing them: it takes every size.
 MIN_ROW = {"topk": 1000, "sort": 0, "stable": 512, "kthvalue": 512, "median": 256,
            "median_all": 0, "mode": 256, "quantile": 0}
-# A stable sort of rows this short with 32-bit keys is one sorting network (no radix set-up),
-# so those rows are taken below MIN_ROW["stable"] too.
-NETWORK_ROW = 64
 SPLIT_ROW = 100_000  # a single row at least this long sorts on several threads
 
 
@@ -51,8 +49,10 @@ def _usable(x: torch.Tensor, dim, family: str, any_size: bool = False):
     d = _dim(x, dim)
     if d is None or not 0 < x.shape[d] <= MAX_ROW:
         return None
+    # a stable sort of a row of at most NETWORK_MAX elements with 32-bit keys is one sorting
+    # network (no radix set-up), so those rows are taken below MIN_ROW["stable"] too
     if x.shape[d] < MIN_ROW[family] and not any_size and not (
-            family == "stable" and x.shape[d] <= NETWORK_ROW and x.element_size() <= 4):
+            family == "stable" and x.shape[d] <= NETWORK_MAX and x.element_size() <= 4):
         return None
     return name, d
 
