@@ -24,6 +24,15 @@ def entry(spec, n_ptrs: int, n_ints: int = 1):
     return proto(get_kernel(spec))
 
 
+def contiguous_strides(shape) -> tuple:
+    """The strides torch gives a contiguous tensor of ``shape``."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
 def require_f32(*tensors, what: str = "kwker kernel") -> None:
     for t in tensors:
         if t is not None and t.dtype != F32:

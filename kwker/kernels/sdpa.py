@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import blocking
-from ._call import _profiler_enabled, checked, entry, record_function
+from ._call import _profiler_enabled, checked, contiguous_strides, entry, record_function
 from .specs import AttentionSpec
 
 
@@ -19,14 +19,6 @@ def _blocking(lq: int, lk: int, e: int, ev: int) -> dict:
     bq = mrs * 2
     bk = min(256, -(-lk // nr) * nr)
     return dict(bq=bq, bk=bk, nr=nr, mrs=mrs, mro=mro)
-
-
-def _contiguous(shape) -> tuple:
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= d
-    return tuple(reversed(out))
 
 
 def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal: bool = False,
@@ -58,7 +50,7 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
     qs, ks, vs = (batch, heads, lq, e), (batch, heads, lk, e), (batch, heads, lk, ev)
     out_shape = (batch, heads, lq, ev)
     shapes = (qs, ks, vs, out_shape)
-    dense = tuple(_contiguous(t) for t in shapes)
+    dense = tuple(contiguous_strides(t) for t in shapes)
     strides = tuple(tuple(int(x) for x in st) for st in strides) if strides else dense
     if any(len(st) != 4 or st[3] != 1 or min(st) < 0 for st in strides):
         raise ValueError(f"make_sdpa: strides {strides} need 4 dims, the last 1")

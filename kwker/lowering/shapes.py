@@ -14,6 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from ..kernels._call import contiguous_strides
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -34,14 +36,6 @@ class TensorMeta:
         for s in self.shape:
             n *= s
         return n
-
-
-def contiguous_strides(shape) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
 
 
 def same_layout(shape, a, b) -> bool:
