@@ -20,7 +20,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd
-from .irutil import Fn, const, f32, i16, i32, i64, intrinsic, ptr, void
+from .irutil import Fn, const, defined, f32, i16, i32, i64, intrinsic, ptr, void
 from .vmath import fma
 
 I16x32 = ir.VectorType(i16, 32)
@@ -40,10 +40,9 @@ def emit_micro_bf16(module: ir.Module, mr: int, nv: int, nr: int) -> ir.Function
     ``a``: packed words ``a[p * mr + r]``; ``b``: panel words ``b[p * nr + j]``; C row stride nr.
     """
     name = f"ukb.{mr}x{nv}.{nr}"
-    try:
-        return module.get_global(name)
-    except KeyError:
-        pass
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
     f = Fn(module, name, void, [ptr, ptr, ptr, i64], ["a", "b", "c", "kp"])
     f.fn.attributes.add("noinline")
     a, bp, c, kp = f.args
@@ -81,10 +80,9 @@ def emit_pack_bf16(module: ir.Module, mr: int, k: int) -> ir.Function:
     matrix into ``mr``-row tiles of bf16 word pairs ``dst[t][p][r]`` (zero past ``rows`` and
     past ``k``), and ``qnorm[row]`` = |x_row| rounded up (float32 sum of squares, sqrt)."""
     name = f"pack_bf16.{mr}.{k}"
-    try:
-        return module.get_global(name)
-    except KeyError:
-        pass
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
     f = Fn(module, name, void, [ptr, i64, ptr, ptr], ["x", "rows", "dst", "qnorm"])
     f.fn.attributes.add("noinline")
     x, rows, dst, qnorm = f.args
@@ -130,10 +128,9 @@ def emit_dot(module: ir.Module, k: int, lanes: int) -> ir.Function:
     """``f32 dot(ptr x, ptr w)``: the float32 score of one (row, item) pair, computed the same
     way wherever it is needed (two vector accumulators, masked tail, tree sum)."""
     name = f"dot.{k}.{lanes}"
-    try:
-        return module.get_global(name)
-    except KeyError:
-        pass
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
     f = Fn(module, name, f32, [ptr, ptr], ["x", "w"])
     x, w = f.args
     b = f.b

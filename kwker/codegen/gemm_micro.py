@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import simd, vmath
-from .irutil import Fn, const, f32, i64, ptr, void
+from .irutil import Fn, const, defined, f32, i64, ptr, void
 
 FIRST, LAST = 1, 2  # bits of the ``mode`` argument
 
@@ -55,10 +55,9 @@ class Micro:
 
 def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
     """``void uk(ptr a, ptr b, ptr c, i64 kc, i64 mode, ptr bias, ptr residual)``; emitted once."""
-    try:
-        return module.get_global(mk.name)
-    except KeyError:
-        pass
+    existing = defined(module, mk.name)
+    if existing is not None:
+        return existing
     f = Fn(module, mk.name, void, [ptr, ptr, ptr, i64, i64, ptr, ptr],
            ["a", "b", "c", "kc", "mode", "bias", "res"])
     # noinline: a constant kc must not let LLVM unroll the k loop completely (compile time)

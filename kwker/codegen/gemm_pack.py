@@ -15,7 +15,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd
-from .irutil import Fn, const, f32, i64, ptr, void
+from .irutil import Fn, const, defined, f32, i64, ptr, void
 
 
 def emit_pack_rows(module: ir.Module, mr: int, ld: int, lanes: int = 0) -> ir.Function:
@@ -27,10 +27,9 @@ def emit_pack_rows(module: ir.Module, mr: int, ld: int, lanes: int = 0) -> ir.Fu
     if lanes >= 4:
         return _emit_pack_rows_vec(module, mr, ld, lanes)
     name = f"pack_rows.{mr}.{ld}"
-    try:
-        return module.get_global(name)
-    except KeyError:
-        pass
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
     f = Fn(module, name, void, [ptr, i64, i64, ptr], ["src", "rows", "kc", "dst"])
     f.fn.attributes.add("noinline")
     src, rows, kc, dst = f.args
@@ -61,10 +60,9 @@ def emit_pack_cols(module: ir.Module, nr: int, ld: int, lanes: int) -> ir.Functi
     ``src`` points at element (k0, 0) of a row-major ``(k, n)`` matrix with row stride ``ld``.
     """
     name = f"pack_cols.{nr}.{ld}.{lanes}"
-    try:
-        return module.get_global(name)
-    except KeyError:
-        pass
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
     f = Fn(module, name, void, [ptr, i64, i64, ptr], ["src", "cols", "kc", "dst"])
     f.fn.attributes.add("noinline")
     src, cols, kc, dst = f.args
@@ -111,10 +109,9 @@ def _emit_pack_rows_vec(module: ir.Module, mr: int, ld: int, L: int) -> ir.Funct
     """pack_rows with in-register transposes: per group of <= L rows and block of L k's, L
     (masked) row loads, one L x L transpose, L (masked) stores of the group's lanes."""
     name = f"pack_rows.v{L}.{mr}.{ld}"
-    try:
-        return module.get_global(name)
-    except KeyError:
-        pass
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
     f = Fn(module, name, void, [ptr, i64, i64, ptr], ["src", "rows", "kc", "dst"])
     f.fn.attributes.add("noinline")
     src, rows, kc, dst = f.args

@@ -16,7 +16,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd
-from .irutil import Fn, const, f32, i1, i32, i64, ptr, void
+from .irutil import Fn, const, defined, f32, i1, i32, i64, ptr, void
 
 
 def lt(b: ir.IRBuilder, x, y, largest: bool):
@@ -40,10 +40,7 @@ class Heap:
         self.push = self._get(f"heap.{tag}.push", self._emit_push)
 
     def _get(self, name, build):
-        try:
-            return self.m.get_global(name)
-        except KeyError:
-            return build(name)
+        return defined(self.m, name) or build(name)
 
     def _lt(self, b, x, y):
         return lt(b, x, y, self.largest)

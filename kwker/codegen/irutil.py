@@ -37,12 +37,17 @@ def new_module(name: str) -> ir.Module:
     return ir.Module(name=name)
 
 
-def intrinsic(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
-    """Declare (once) an LLVM intrinsic or external function."""
+def defined(module: ir.Module, name: str) -> ir.Function | None:
+    """The function ``name`` if this module already has it: shared helpers are emitted once."""
     try:
         return module.get_global(name)
     except KeyError:
-        return ir.Function(module, ir.FunctionType(ret, args), name)
+        return None
+
+
+def intrinsic(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+    """Declare (once) an LLVM intrinsic or external function."""
+    return defined(module, name) or ir.Function(module, ir.FunctionType(ret, args), name)
 
 
 class Var:

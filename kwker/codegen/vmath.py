@@ -22,7 +22,7 @@ import math
 
 from llvmlite import ir
 
-from .irutil import f32, i32, intrinsic
+from .irutil import defined, f32, i32, intrinsic
 
 EXP_P = (0.00019899278413504362, 0.0013933662557974458, 0.0083332983776927,
          0.041666463017463684, 0.1666666716337204, 0.5)
@@ -77,10 +77,9 @@ def _helper(b: ir.IRBuilder, name: str, ty: ir.Type, body) -> ir.Value:
     """Get or emit ``name`` for ``ty`` as an always-inlined function built by ``body(b, x)``."""
     full = f"kw.{name}.{_suffix(ty)}"
     module = b.module
-    try:
-        return module.get_global(full)
-    except KeyError:
-        pass
+    existing = defined(module, full)
+    if existing is not None:
+        return existing
     fn = ir.Function(module, ir.FunctionType(ty, [ty]), name=full)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
