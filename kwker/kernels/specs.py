@@ -17,6 +17,7 @@ class EltwiseSpec(Spec):
     """``out = op(x)`` over ``numel`` contiguous float32 (op: gelu, gelu_tanh, relu, exp, ...)."""
     op: str
     numel: int
+    dtype: str = "f32"     # element type of x and out ("f32" | "bf16"); maths in float32
     family = "eltwise"
 
 
@@ -45,6 +46,7 @@ class GemmSpec(Spec):
     a_pack: bool = True
     ksplit: int = 1
     unroll: int = 1
+    dtype: str = "f32"     # "bf16": bf16 A/B/residual/out, float32 accumulation and epilogue
     family = "gemm"
 
     @property
@@ -53,7 +55,8 @@ class GemmSpec(Spec):
                  "_" + self.epilogue) + ("_res" if self.residual else ""))
         return (f"kw_gemm_{self.m}x{self.n}x{self.k}_b{self.batch}_{self.b_layout}{flags}"
                 f"_t{self.mr}x{self.nr}_kc{self.kc}_mc{self.mc}_nb{self.nb}"
-                f"_p{int(self.a_pack)}_s{self.ksplit}_u{self.unroll}")
+                f"_p{int(self.a_pack)}_s{self.ksplit}_u{self.unroll}"
+                + ("" if self.dtype == "f32" else "_" + self.dtype))
 
 
 @register_spec
@@ -84,6 +87,7 @@ class AttentionSpec(Spec):
     # Heads packed side by side in one row (TransformerEncoderLayer's q/k/v views, ATen's output
     # layout) are read and written in place.
     strides: tuple = ()
+    dtype: str = "f32"     # "bf16": bf16 q/k/v/out, float32 softmax and accumulation
     family = "attention"
 
     @property
@@ -95,7 +99,8 @@ class AttentionSpec(Spec):
                 f"_c{int(self.causal)}_s{scale:08x}_{self.mask}{ms}"
                 f"_q{self.bq}_k{self.bk}_n{self.nr}_{self.mrs}_{self.mro}"
                 + ("_st" + "_".join("x".join(map(str, t)) for t in self.strides)
-                   if self.strides else ""))
+                   if self.strides else "")
+                + ("" if self.dtype == "f32" else "_" + self.dtype))
 
 
 @register_spec
@@ -111,9 +116,11 @@ class TopkGemmSpec(Spec):
     mr: int = 8
     nr: int = 48
     approx: str = "none"   # "bf16": screen with bf16 dot products, rescore survivors in float32
+    dtype: str = "f32"     # "bf16": bf16 x and W, scores rounded to bf16 as eager rounds them
     family = "topk_gemm"
 
     @property
     def symbol(self) -> str:
         return (f"kw_linear_topk_{self.m}x{self.n}x{self.k_dim}_k{self.k}_l{int(self.largest)}"
-                f"_t{self.mr}x{self.nr}" + ("" if self.approx == "none" else f"_{self.approx}"))
+                f"_t{self.mr}x{self.nr}" + ("" if self.approx == "none" else f"_{self.approx}")
+                + ("" if self.dtype == "f32" else "_" + self.dtype))
