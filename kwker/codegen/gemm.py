@@ -17,6 +17,13 @@ B is packed at run time, so no two threads pack the same panels), never K: each 
 by one thread, so the K blocks accumulate without synchronisation and the epilogue runs once,
 on the last K block.
 
+bfloat16 (``dtype="bf16"``): A, B, the residual and C are bf16, the bias float32. The loop nest
+is the float32 one over k *pairs* (32-bit words of two bf16, see gemm_micro.py), so blocking,
+packing of A and of a transposed B are the float32 routines moving words; a row-major runtime B
+is interleaved in pairs while it is packed (``pack_cols_pairs``); K must be even (the factories
+pad an odd K with one zero column). Partial sums of earlier K blocks live in a float32 scratch
+chunk per thread, so C is written once, rounded once.
+
 ``a_pack=False`` broadcasts A in place and does not block K. The factory picks it for small M
 (decode shapes: one tile holds all rows, the weights stream once at memory bandwidth, with
 ``ksplit`` accumulator sets for enough FMA chains) and for a runtime B only one or two panels
@@ -28,8 +35,8 @@ from llvmlite import ir
 
 from . import omp, simd
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
-from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, const, i8, i64, intrinsic, new_module, ptr
+from .gemm_pack import emit_pack_cols, emit_pack_cols_pairs, emit_pack_rows
+from .irutil import Fn, const, i8, i16, i64, intrinsic, new_module, ptr
 
 MIN_FLOPS_PER_THREAD = 1 << 18  # ~2.5 us of FMAs: a fork (~1 us) pays off above it
 
@@ -46,12 +53,23 @@ class _Plan:
         self.lanes = simd.float_lanes(target)
         if spec.nr % self.lanes:
             raise ValueError(f"kwker gemm: nr={spec.nr} not a multiple of {self.lanes} lanes")
+        self.bf16 = spec.dtype == "bf16"
+        if spec.dtype not in ("f32", "bf16") or (self.bf16 and spec.k % 2):
+            raise ValueError(f"kwker gemm: dtype {spec.dtype!r} with k={spec.k} (bf16 needs "
+                             "an even k)")
+        self.dot = "fma"
+        if self.bf16:
+            self.dot = "dpbf16" if self.lanes == 16 and target.has("avx512bf16") else "widen"
+        self.kw = spec.k // 2 if self.bf16 else spec.k  # k steps of A and B (words)
         self.mt = _cdiv(spec.m, spec.mr)          # row tiles
         self.np = _cdiv(spec.n, spec.nr)          # column panels
         self.mr_edge = spec.m - (self.mt - 1) * spec.mr
         self.nr_edge = spec.n - (self.np - 1) * spec.nr
-        self.kc = spec.k if not spec.a_pack else min(spec.kc, spec.k)
-        self.pack_b = spec.b_layout == "nk" or (spec.b_layout == "kn" and spec.a_pack)
+        self.kc = self.kw if not spec.a_pack else min(spec.kc, self.kw)
+        self.pack_b = spec.b_layout == "nk" or (spec.b_layout == "kn" and
+                                                 (spec.a_pack or self.bf16))
+        self.one_block = self.kc >= self.kw
+        self.tiles_per_chunk = max(1, spec.mc // spec.mr) if spec.a_pack else self.mt
 
     def micro(self, rows: int, cols: int) -> Micro:
         s, L = self.s, self.lanes
@@ -59,13 +77,15 @@ class _Plan:
         if s.a_pack:
             a_rs, a_ks = 1, s.mr
         else:
-            a_rs, a_ks = s.k, 1
+            a_rs, a_ks = self.kw, 1
         if self.pack_b or s.b_layout == "packed":
             ldb, masked = s.nr, False
         else:
             ldb, masked = s.n, True
-        return Micro(rows, nv, L, cols, a_rs, a_ks, ldb, masked, s.n, s.epilogue, s.bias,
-                     s.residual, s.ksplit, s.unroll)
+        # bf16 partial sums: a scratch tile (one K block) or a scratch chunk of full rows
+        ldc = s.n if not self.bf16 or not self.one_block else s.nr
+        return Micro(rows, nv, L, cols, a_rs, a_ks, ldb, masked, ldc, s.epilogue, s.bias,
+                     s.residual, s.ksplit, s.unroll, self.dot, s.n if self.bf16 else 0)
 
 
 def emit(spec, target) -> ir.Module:
@@ -124,49 +144,59 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
 
     free = intrinsic(module, "free", ir.VoidType(), [ptr])
     raws = []
-    ap = bp = None
+    ap = bp = acc = None
     if s.a_pack:
         raw, ap = _aligned_malloc(f, s.mc * p.kc * 4)
         raws.append(raw)
     if p.pack_b:
         raw, bp = _aligned_malloc(f, s.nb * s.nr * p.kc * 4)
         raws.append(raw)
+    if p.bf16:
+        rows = s.mr if p.one_block else p.tiles_per_chunk * s.mr
+        raw, acc = _aligned_malloc(f, rows * (s.nr if p.one_block else s.n) * 4)
+        raws.append(raw)
 
     variants = {}
     for rows in {s.mr, p.mr_edge}:
         for cols in {s.nr, p.nr_edge}:
             variants[rows, cols] = emit_micro(module, p.micro(rows, cols))
-    pack_a = emit_pack_rows(module, s.mr, s.k, L) if s.a_pack else None
+    kw = p.kw
+    pack_a = emit_pack_rows(module, s.mr, kw, L) if s.a_pack else None
     if s.b_layout == "nk":
-        pack_b = emit_pack_rows(module, s.nr, s.k, L)
+        pack_b = emit_pack_rows(module, s.nr, kw, L)
     elif p.pack_b:
-        pack_b = emit_pack_cols(module, s.nr, s.n, L)
+        pack_b = (emit_pack_cols_pairs if p.bf16 else emit_pack_cols)(module, s.nr, s.n, L)
     else:
         pack_b = None
 
-    tiles_per_chunk = max(1, s.mc // s.mr) if s.a_pack else p.mt
+    ct = i16 if p.bf16 else None  # element type of C, the residual and a runtime B
+
+    def at(base, index, ty=None):
+        return simd.gep(b, base, index, ty) if ty is not None else simd.gep(b, base, index)
+
+    tiles_per_chunk = p.tiles_per_chunk
     with f.for_range(bt0.get(), bt1.get(), name="batch") as bi:
-        a_mat = simd.gep(b, a_all, b.mul(bi, const(i64, s.m * s.k)))
-        c_mat = simd.gep(b, c_all, b.mul(bi, const(i64, s.m * s.n)))
-        r_mat = simd.gep(b, res_all, b.mul(bi, const(i64, s.m * s.n))) if s.residual else res_all
+        a_mat = simd.gep(b, a_all, b.mul(bi, const(i64, s.m * kw)))
+        c_mat = at(c_all, b.mul(bi, const(i64, s.m * s.n)), ct)
+        r_mat = at(res_all, b.mul(bi, const(i64, s.m * s.n)), ct) if s.residual else res_all
         b_mat = b_all if s.b_layout == "packed" else \
-            simd.gep(b, b_all, b.mul(bi, const(i64, s.k * s.n)))
+            at(b_all, b.mul(bi, const(i64, s.k * s.n)), ct)
         with f.for_range(t0.get(), t1.get(), step=tiles_per_chunk, name="jc") as tc0:
             tc1 = b.add(tc0, const(i64, tiles_per_chunk))
             tc1 = b.select(b.icmp_signed("<", tc1, t1.get()), tc1, t1.get())
             row0 = b.mul(tc0, const(i64, s.mr))
             row1 = b.mul(tc1, const(i64, s.mr))
             row1 = b.select(b.icmp_signed("<", row1, const(i64, s.m)), row1, const(i64, s.m))
-            with f.for_range(0, s.k, step=p.kc, name="pc") as k0:
-                kcl = b.sub(const(i64, s.k), k0)
+            with f.for_range(0, kw, step=p.kc, name="pc") as k0:
+                kcl = b.sub(const(i64, kw), k0)
                 kcl = b.select(b.icmp_signed("<", kcl, const(i64, p.kc)), kcl, const(i64, p.kc))
                 mode = b.or_(
                     b.select(b.icmp_signed("==", k0, const(i64, 0)), const(i64, FIRST),
                              const(i64, 0)),
-                    b.select(b.icmp_signed("==", b.add(k0, kcl), const(i64, s.k)),
+                    b.select(b.icmp_signed("==", b.add(k0, kcl), const(i64, kw)),
                              const(i64, LAST), const(i64, 0)))
                 if s.a_pack:
-                    src = simd.gep(b, a_mat, b.add(b.mul(row0, const(i64, s.k)), k0))
+                    src = simd.gep(b, a_mat, b.add(b.mul(row0, const(i64, kw)), k0))
                     b.call(pack_a, [src, b.sub(row1, row0), kcl, ap])
                 with f.for_range(q0.get(), q1.get(), step=s.nb, name="ic") as qb0:
                     qb1 = b.add(qb0, const(i64, s.nb))
@@ -177,9 +207,10 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
                             b.icmp_signed("<", b.mul(qb1, const(i64, s.nr)), const(i64, s.n)),
                             b.mul(qb1, const(i64, s.nr)), const(i64, s.n)), col0)
                         if s.b_layout == "nk":
-                            src = simd.gep(b, b_mat, b.add(b.mul(col0, const(i64, s.k)), k0))
-                        else:
-                            src = simd.gep(b, b_mat, b.add(b.mul(k0, const(i64, s.n)), col0))
+                            src = simd.gep(b, b_mat, b.add(b.mul(col0, const(i64, kw)), k0))
+                        else:  # bf16: rows 2 k0 and 2 k0 + 1 start the first pair
+                            krow = b.mul(k0, const(i64, 2)) if p.bf16 else k0
+                            src = at(b_mat, b.add(b.mul(krow, const(i64, s.n)), col0), ct)
                         b.call(pack_b, [src, cols, kcl, bp])
                     with f.for_range(tc0, tc1, name="jr") as t:
                         if s.a_pack:
@@ -187,7 +218,7 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
                                                            b.mul(kcl, const(i64, s.mr))))
                         else:
                             a_tile = simd.gep(b, a_mat, b.add(
-                                b.mul(t, const(i64, s.mr * s.k)), k0))
+                                b.mul(t, const(i64, s.mr * kw)), k0))
                         row_off = b.mul(t, const(i64, s.mr * s.n))
                         with f.for_range(qb0, qb1, name="ir") as q:
                             if p.pack_b:
@@ -195,17 +226,23 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
                                                                b.mul(kcl, const(i64, s.nr))))
                             elif s.b_layout == "packed":
                                 b_tile = simd.gep(b, b_mat, b.add(
-                                    b.mul(q, const(i64, s.k * s.nr)),
+                                    b.mul(q, const(i64, kw * s.nr)),
                                     b.mul(k0, const(i64, s.nr))))
                             else:
                                 b_tile = simd.gep(b, b_mat, b.add(
                                     b.mul(k0, const(i64, s.n)), b.mul(q, const(i64, s.nr))))
                             off = b.add(row_off, b.mul(q, const(i64, s.nr)))
-                            c_tile = simd.gep(b, c_mat, off)
-                            r_tile = simd.gep(b, r_mat, off) if s.residual else r_mat
+                            c_tile = at(c_mat, off, ct)
+                            r_tile = at(r_mat, off, ct) if s.residual else r_mat
                             bias_t = simd.gep(b, bias, b.mul(q, const(i64, s.nr))) if s.bias \
                                 else bias
                             args = [a_tile, b_tile, c_tile, kcl, mode, bias_t, r_tile]
+                            if p.bf16:  # float32 partial sums in the scratch, bf16 out
+                                a_off = acc if p.one_block else simd.gep(b, acc, b.add(
+                                    b.mul(b.sub(t, tc0), const(i64, s.mr * s.n)),
+                                    b.mul(q, const(i64, s.nr))))
+                                args = [a_tile, b_tile, a_off, kcl, mode, bias_t, r_tile,
+                                        c_tile]
                             _dispatch(f, p, variants, t, q, args)
     for raw in raws:
         b.call(free, [raw])

@@ -15,6 +15,15 @@ Contract (BLIS's, with the vector dimension along N because C and the weights ar
 - ``ksplit`` > 1 keeps that many independent accumulator sets over interleaved k (summed at the
   end), so tiles with few rows (decode-sized M) still have enough FMA chains in flight.
 
+bfloat16 (``dtype="bf16"``): A and B hold k *pairs*, one 32-bit word of two bf16 per element
+(k even in the low half), so every stride above counts words and the loop runs over pairs. A
+step is one ``vdpbf16ps`` per accumulator (``dot="dpbf16"``, CPUs with AVX512_BF16: 2 multiply-
+adds per lane, float32 accumulation), or, elsewhere, the two halves widened to float32 (a shift
+and a mask) and two FMAs (``dot="widen"``). ``c`` then holds float32 partial sums (a scratch tile
+or chunk of the driver's, row stride ``ldc``); the last K block adds the bias in float32, runs the
+epilogue in float32 and rounds once to bf16 into ``out`` (row stride ``ldo``), reading a bf16
+residual from there. For float32, ``out`` is ``c``.
+
 Fast-math: none; the products are explicit ``llvm.fma`` (one rounding per step, like MKL).
 """
 from __future__ import annotations
@@ -23,8 +32,8 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from . import simd, vmath
-from .irutil import Fn, const, defined, f32, i64, ptr, void
+from . import bf16, simd, vmath
+from .irutil import Fn, const, defined, f32, i16, i32, i64, intrinsic, ptr, void
 
 FIRST, LAST = 1, 2  # bits of the ``mode`` argument
 
@@ -46,25 +55,35 @@ class Micro:
     residual: bool = False
     ksplit: int = 1
     unroll: int = 1
+    dot: str = "fma"   # fma (float32) | dpbf16 | widen (bf16 pairs, see the module doc)
+    ldo: int = 0       # bf16: row stride of ``out`` and the residual
+
+    @property
+    def bf16(self) -> bool:
+        return self.dot != "fma"
 
     @property
     def name(self) -> str:
         return (f"uk.{self.mr}x{self.nv}x{self.lanes}.c{self.cols}.a{self.a_rs}_{self.a_ks}"
-                f".b{self.ldb}{'m' if self.b_masked else ''}.s{self.ksplit}.u{self.unroll}")
+                f".b{self.ldb}{'m' if self.b_masked else ''}.s{self.ksplit}.u{self.unroll}"
+                + ("" if self.dot == "fma" else f".{self.dot}.o{self.ldo}"))
 
 
 def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
-    """``void uk(ptr a, ptr b, ptr c, i64 kc, i64 mode, ptr bias, ptr residual)``; emitted once."""
+    """``void uk(ptr a, ptr b, ptr c, i64 kc, i64 mode, ptr bias, ptr residual)``, and for bf16
+    an eighth argument ``ptr out``; emitted once per variant."""
     existing = defined(module, mk.name)
     if existing is not None:
         return existing
-    f = Fn(module, mk.name, void, [ptr, ptr, ptr, i64, i64, ptr, ptr],
-           ["a", "b", "c", "kc", "mode", "bias", "res"])
+    names = ["a", "b", "c", "kc", "mode", "bias", "res"] + (["out"] if mk.bf16 else [])
+    f = Fn(module, mk.name, void, [ptr, ptr, ptr, i64, i64, ptr, ptr] + [ptr] * mk.bf16, names)
     # noinline: a constant kc must not let LLVM unroll the k loop completely (compile time)
     f.fn.attributes.add("noinline")
-    a, bp, c, kc, mode, bias, res = f.args
-    for arg in (a, bp, c, bias, res):
-        arg.add_attribute("noalias")
+    a, bp, c, kc, mode, bias, res = f.args[:7]
+    out = f.args[7] if mk.bf16 else c
+    for arg in f.args:
+        if arg.type == ptr:
+            arg.add_attribute("noalias")
     b = f.b
     L, nv, mr = mk.lanes, mk.nv, mk.mr
     vt = simd.vty(L)
@@ -79,7 +98,9 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
             for v in range(nv):
                 acc[0][r][v].set(_load_c(b, c, r * mk.ldc + v * L, L, last_active, v == nv - 1))
 
-    def step(k, s):
+    step = _bf16_step(f, mk, a, bp, acc) if mk.bf16 else None
+
+    def fstep(k, s):
         """One k step into accumulator set ``s``."""
         brow = b.mul(k, const(i64, mk.ldb))
         bv = []
@@ -95,6 +116,7 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
             for v in range(nv):
                 acc[s][r][v].set(vmath.fma(b, av, bv[v], acc[s][r][v].get()))
 
+    step = step or fstep
     group = mk.ksplit * mk.unroll
     main_end = b.mul(b.sdiv(kc, const(i64, group)), const(i64, group))
     with f.for_range(0, main_end, step=group, name="k") as k:
@@ -113,14 +135,19 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
         with then:
             bias_v = [simd.load_any(b, bias, v * L, L, min(L, mk.cols - v * L)) if mk.bias
                       else None for v in range(nv)]
+            fused = mk.epilogue != "none" or mk.residual
             for r in range(mr):
                 for v in range(nv):
                     x = total[r][v]
                     if mk.bias:
                         x = b.fadd(x, bias_v[v])
-                    _store_c(b, x, c, r * mk.ldc + v * L, last_active, v == nv - 1)
-            if mk.epilogue != "none" or mk.residual:
-                _epilogue_pass(f, mk, c, res, last_active)
+                    if mk.bf16 and not fused:   # round once, straight from the registers
+                        active = last_active if v == nv - 1 else L
+                        bf16.store(b, x, out, const(i64, r * mk.ldo + v * L), active)
+                    else:
+                        _store_c(b, x, c, r * mk.ldc + v * L, last_active, v == nv - 1)
+            if fused:
+                _epilogue_pass(f, mk, c, res, out, last_active)
         with otherwise:
             for r in range(mr):
                 for v in range(nv):
@@ -128,20 +155,62 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
     return f.finish()
 
 
-def _epilogue_pass(f: Fn, mk: Micro, c, res, last_active: int) -> None:
-    """C = act(C) + residual over the stored tile, one row per iteration: the activation is
+def _epilogue_pass(f: Fn, mk: Micro, c, res, out, last_active: int) -> None:
+    """out = act(C) + residual over the stored tile, one row per iteration: the activation is
     emitted ``nv`` times instead of ``mr * nv`` times (compile time), at the cost of an L1
-    round trip per vector."""
+    round trip per vector. bf16: C is float32, the residual and out bf16 (rounded once)."""
     b, L = f.b, mk.lanes
+    dtype = "bf16" if mk.bf16 else "f32"
     with f.for_range(0, mk.mr, name="ep") as r:
         row = b.mul(r, const(i64, mk.ldc))
+        orow = b.mul(r, const(i64, mk.ldo)) if mk.bf16 else row
         for v in range(mk.nv):
             active = last_active if v == mk.nv - 1 else L
             idx = b.add(row, const(i64, v * L))
+            oidx = b.add(orow, const(i64, v * L))
             x = vmath.activation(b, mk.epilogue, simd.load_any(b, c, idx, L, active))
             if mk.residual:
-                x = b.fadd(x, simd.load_any(b, res, idx, L, active))
-            simd.store_any(b, x, c, idx, active)
+                x = b.fadd(x, bf16.load_as(b, dtype, res, oidx, L, active))
+            bf16.store_as(b, dtype, x, out, oidx, active)
+
+
+def _bf16_step(f: Fn, mk: Micro, a, bp, acc):
+    """The k-pair step of the bf16 micro-kernel (``dot`` = dpbf16 or widen), see module doc."""
+    b, L, nv, mr = f.b, mk.lanes, mk.nv, mk.mr
+    wt = ir.VectorType(i32, L)
+    if mk.dot == "dpbf16":
+        ht = ir.VectorType(i16, 2 * L)
+        dp = intrinsic(f.module, f"llvm.x86.avx512bf16.dpbf16ps.{L * 32}", simd.vty(L),
+                       [simd.vty(L), ht, ht])
+    hi_mask = ir.Constant(wt, [ir.Constant(i32, -65536)] * L)
+    sixteen = ir.Constant(wt, [ir.Constant(i32, 16)] * L)
+
+    def halves(words):
+        """(even-k, odd-k) float32 vectors of a vector of bf16 pairs."""
+        return (b.bitcast(b.shl(words, sixteen), simd.vty(L)),
+                b.bitcast(b.and_(words, hi_mask), simd.vty(L)))
+
+    def step(k, s):
+        brow = b.mul(k, const(i64, mk.ldb))
+        bw = [b.load(simd.gep(b, bp, b.add(brow, const(i64, v * L)), i32), typ=wt, align=4)
+              for v in range(nv)]
+        if mk.dot == "widen":
+            bh = [halves(w) for w in bw]
+        abase = b.mul(k, const(i64, mk.a_ks))
+        for r in range(mr):
+            word = simd.load_scalar(b, a, b.add(abase, const(i64, r * mk.a_rs)), i32)
+            aw = simd.broadcast(b, word, L)
+            if mk.dot == "dpbf16":
+                av = b.bitcast(aw, ir.VectorType(i16, 2 * L))
+                for v in range(nv):
+                    bv = b.bitcast(bw[v], ir.VectorType(i16, 2 * L))
+                    acc[s][r][v].set(b.call(dp, [acc[s][r][v].get(), av, bv]))
+            else:
+                a_even, a_odd = halves(aw)
+                for v in range(nv):
+                    x = vmath.fma(b, a_even, bh[v][0], acc[s][r][v].get())
+                    acc[s][r][v].set(vmath.fma(b, a_odd, bh[v][1], x))
+    return step
 
 
 def _load_c(b, base, index: int, lanes: int, last_active: int, is_last: bool):

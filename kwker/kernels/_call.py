@@ -16,6 +16,8 @@ from ..runtime.kernel import get_kernel
 _profiler_enabled = torch.autograd._profiler_enabled
 record_function = torch.profiler.record_function
 F32 = torch.float32
+# torch dtype -> the spec's dtype name, for the kernels that have a bf16 form
+KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def entry(spec, n_ptrs: int, n_ints: int = 1):
@@ -39,10 +41,18 @@ def require_f32(*tensors, what: str = "kwker kernel") -> None:
             raise NotImplementedError(f"{what} is float32 only, got {t.dtype}")
 
 
-def checked(x: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
-    """``x`` as a contiguous float32 tensor of ``shape`` or a useful error (slow path only)."""
-    if x.dtype != F32:
-        raise NotImplementedError(f"{name}: float32 only, got {x.dtype}")
+def kernel_dtype(dtype: torch.dtype | None, what: str) -> str:
+    """The spec dtype name ("f32", "bf16") of a torch dtype, or NotImplementedError."""
+    name = KERNEL_DTYPES.get(dtype or F32)
+    if name is None:
+        raise NotImplementedError(f"{what} runs in float32 or bfloat16, not {dtype}")
+    return name
+
+
+def checked(x: torch.Tensor, shape: tuple, name: str, dtype: torch.dtype = F32) -> torch.Tensor:
+    """``x`` as a contiguous ``dtype`` tensor of ``shape`` or a useful error (slow path only)."""
+    if x.dtype != dtype:
+        raise NotImplementedError(f"{name}: built for {dtype}, got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
     if x.device.type != "cpu":

@@ -5,6 +5,10 @@ The register tile (mr x nr) fills the vector register file with accumulators: 12
 Cache blocks follow BLIS: an A micro-panel (mr x kc) in half of L1, a B block (nb panels x kc) in
 half of L2, an A chunk (mc x kc) in a quarter of L2. Small M (<= 8 rows) gets the decode
 schedule: one tile of all rows, wide panels, K unblocked, split accumulators when rows are few.
+
+bf16 GEMMs are blocked in k pairs (one 32-bit word per pair, so every byte count below holds).
+Where the CPU has no ``vdpbf16ps`` the micro-kernel widens each B vector into two float32
+vectors, so its tiles leave room for those (``WIDEN_TILES``).
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from ..runtime.target import Target, host_target
 SMALL_M = 8
 # register tiles (rows, vectors): 24 accumulators of 32 zmm / 12 of 16 ymm; first = preferred
 TILES = {16: [(12, 2), (8, 3), (6, 4)], 8: [(6, 2), (4, 3)], 4: [(6, 2), (4, 3)]}
+# bf16 widened to float32: 2 vectors per B vector and per broadcast (30 of 32 zmm, 14 of 16 ymm)
+WIDEN_TILES = {16: [(12, 2), (8, 3)], 8: [(4, 2)], 4: [(4, 2)]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,19 +66,27 @@ def lanes(target: Target | None = None) -> int:
 
 
 def choose(m: int, n: int, k: int, target: Target | None = None,
-           small_ok: bool = True, b_layout: str = "packed") -> Blocking:
-    """Blocking for an (m, k) x (k, n) product on ``target`` (default: this machine).
+           small_ok: bool = True, b_layout: str = "packed", dtype: str = "f32") -> Blocking:
+    """Blocking for an (m, k) x (k, n) product on ``target`` (default: this machine); for
+    ``dtype="bf16"`` ``k`` counts k pairs and a runtime B is always packed.
 
     ``b_layout`` is the B operand's layout (packed, kn or nk, see GemmSpec): a runtime
     row-major B read in place by the small-M schedule gets wide panels, so each k step reads
     a long contiguous run of its row instead of hopping between rows.
     """
+    target = target or host_target()
     L = lanes(target)
     regs = 32 if L == 16 else 16
     l1, l2, _ = cache_sizes()
+    widen = dtype == "bf16" and not (L == 16 and target.has("avx512bf16"))
+    if dtype == "bf16" and b_layout == "kn":
+        b_layout = "nk"  # packed at run time, like a transposed B
+    tiles = WIDEN_TILES[L] if widen else TILES[L]
     if small_ok and m <= SMALL_M:
         # accumulators m * nv * ksplit within the register file, leaving room for B and A
         budget = regs - 6 if L == 16 else regs - 4
+        if widen:
+            budget -= 4
         if b_layout == "kn":
             nv, ksplit = max(1, min(16, budget // m, _cdiv(n, L))), 1
         else:
@@ -82,9 +96,9 @@ def choose(m: int, n: int, k: int, target: Target | None = None,
         nr = nv * L
         nb = max(1, min(_cdiv(n, nr), (l2 // 2) // (nr * k * 4)))
         return Blocking(m, nr, k, m, nb, False, ksplit)
-    waste = [_padded(m, n, t[0], t[1] * L) for t in TILES[L]]
+    waste = [_padded(m, n, t[0], t[1] * L) for t in tiles]
     # the first tile within 3% of the least padded one (measured: all reach ~90% of peak)
-    mr, nv = next(t for t, w in zip(TILES[L], waste) if w <= min(waste) + 0.03)
+    mr, nv = next(t for t, w in zip(tiles, waste) if w <= min(waste) + 0.03)
     nr = nv * L
     if b_layout != "packed" and _cdiv(n, nr) <= 2:
         # one or two panels: each A row is used once or twice, packing it would cost as much

@@ -5,24 +5,48 @@ import torch
 import torch.nn.functional as F
 
 from . import blocking
-from ._call import _profiler_enabled, checked, entry, record_function, require_f32
+from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function
 from .specs import GemmSpec
 
 EPILOGUES = ("none", "relu", "gelu", "gelu_tanh")
 
 
 def pack_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
-    """(N, K) weights -> (ceil(N/nr), K, nr) k-major panels, zero-padded past column N."""
+    """(N, K) weights -> (ceil(N/nr), K, nr) k-major float32 panels, zero-padded past column N."""
     n, k = w.shape
     panels = -(-n // nr)
     wt = F.pad(w.detach().to(torch.float32).t(), (0, panels * nr - n))  # (K, panels*nr)
     return wt.reshape(k, panels, nr).permute(1, 0, 2).contiguous()
 
 
+def pack_bf16_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
+    """(N, K) -> int32 words (panels, ceil(K/2), nr): two bf16 (k even low, k odd high) per
+    column, zero-padded past N and K (the pair-interleaved layout ``vdpbf16ps`` multiplies).
+    float32 weights are rounded to bf16 as ``.to(torch.bfloat16)`` rounds them."""
+    n, k = w.shape
+    panels, kp = -(-n // nr), -(-k // 2)
+    wb = torch.zeros(panels * nr, 2 * kp, dtype=torch.bfloat16)
+    wb[:n, :k] = w.detach().to(torch.bfloat16)
+    words = wb.view(torch.int16).view(panels * nr, kp, 2).view(torch.int32).squeeze(-1)
+    return words.reshape(panels, nr, kp).permute(0, 2, 1).contiguous()
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int,
-                epilogue: str = "none", residual: bool = False):
-    """``callable(x (m, K)[, residual (m, N)]) -> (m, N)`` specialised to these shapes."""
-    require_f32(weight, bias, what="make_linear")
+                epilogue: str = "none", residual: bool = False,
+                dtype: torch.dtype | None = None):
+    """``callable(x (m, K)[, residual (m, N)]) -> (m, N)`` specialised to these shapes.
+
+    ``dtype`` (default: the weight's) is the type of x, the residual and the output: float32,
+    or bfloat16 (weights rounded to bf16 once here, the bias added in float32 to the float32
+    sums, the epilogue in float32, one rounding at the end: autocast's casts and oneDNN's
+    arithmetic, with fewer roundings).
+    """
+    dtype = dtype or weight.dtype
+    dt = kernel_dtype(dtype, "make_linear")
+    if dt == "f32":
+        for t in (weight, bias):
+            if t is not None and t.dtype != torch.float32:
+                raise NotImplementedError(f"make_linear: float32 kernel, got a {t.dtype} weight")
     if epilogue not in EPILOGUES:
         raise ValueError(f"make_linear: epilogue must be one of {EPILOGUES}, not {epilogue!r}")
     if weight.dim() != 2:
@@ -33,16 +57,22 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int,
         raise ValueError(f"make_linear: empty shapes m={m}, N={n}, K={k}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"make_linear: bias must be ({n},), got {tuple(bias.shape)}")
-    blk = blocking.choose(m, n, k)
-    spec = GemmSpec(m, n, k, 1, "packed", bias is not None, epilogue, residual,
-                    **blk.as_kwargs())
+    bf16 = dt == "bf16"
+    kk = k + (k % 2) if bf16 else k          # bf16 kernels step over k pairs
+    blk = blocking.choose(m, n, kk // 2 if bf16 else k, dtype=dt)
+    spec = GemmSpec(m, n, kk, 1, "packed", bias is not None, epilogue, residual,
+                    **blk.as_kwargs(), dtype=dt)
     fn = entry(spec, 5)
-    packed = pack_panels(weight, blk.nr)
-    bias_c = bias.detach().contiguous() if bias is not None else None
+    packed = pack_bf16_panels(weight, blk.nr) if bf16 else pack_panels(weight, blk.nr)
+    bias_c = None
+    if bias is not None:  # bf16: rounded as autocast rounds it, then added in float32
+        bias_c = (bias.detach().to(torch.bfloat16) if bf16 else bias.detach()).float() \
+            .contiguous()
     w_ptr = packed.data_ptr()
     b_ptr = bias_c.data_ptr() if bias_c is not None else None
     symbol, x_shape, out_shape = spec.symbol, (m, k), (m, n)
-    f32, empty, threads = torch.float32, torch.empty, torch.get_num_threads
+    empty, threads = torch.empty, torch.get_num_threads
+    pad = kk != k
 
     def call(x_ptr, r_ptr, o_ptr):
         if _profiler_enabled():
@@ -51,20 +81,23 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int,
         else:
             fn(x_ptr, w_ptr, b_ptr, r_ptr, o_ptr, threads())
 
+    def prepare(x):
+        if not (x.shape == x_shape and x.dtype == dtype and x.is_contiguous()):
+            x = checked(x, x_shape, "linear input", dtype)
+        return F.pad(x, (0, 1)) if pad else x   # odd K: one zero column completes the last pair
+
     if residual:
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-            if not (x.shape == x_shape and x.dtype == f32 and x.is_contiguous()):
-                x = checked(x, x_shape, "linear input")
-            if not (res.shape == out_shape and res.dtype == f32 and res.is_contiguous()):
-                res = checked(res, out_shape, "linear residual")
-            out = empty(out_shape, dtype=f32)
+            x = prepare(x)
+            if not (res.shape == out_shape and res.dtype == dtype and res.is_contiguous()):
+                res = checked(res, out_shape, "linear residual", dtype)
+            out = empty(out_shape, dtype=dtype)
             call(x.data_ptr(), res.data_ptr(), out.data_ptr())
             return out
     else:
         def run(x: torch.Tensor) -> torch.Tensor:
-            if not (x.shape == x_shape and x.dtype == f32 and x.is_contiguous()):
-                x = checked(x, x_shape, "linear input")
-            out = empty(out_shape, dtype=f32)
+            x = prepare(x)
+            out = empty(out_shape, dtype=dtype)
             call(x.data_ptr(), None, out.data_ptr())
             return out
 

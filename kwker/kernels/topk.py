@@ -9,7 +9,7 @@ from ..codegen.gemm_bf16 import bound_factor
 from ..runtime.target import host_target
 from . import blocking
 from ._call import _profiler_enabled, checked, entry, record_function, require_f32
-from .linear import make_linear, pack_panels
+from .linear import make_linear, pack_bf16_panels, pack_panels
 from .specs import TopkGemmSpec
 
 MIN_BF16_K = 32  # below this the float32 rescoring of survivors costs more than screening saves
@@ -24,17 +24,6 @@ def _tile(m: int, bf16: bool) -> tuple[int, int]:
             return 8, 48
         return m, 64 if m <= 4 else 48
     return (min(m, 6), 16) if m > 3 else (m, 24)
-
-
-def pack_bf16_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
-    """(N, K) -> int32 words (panels, ceil(K/2), nr): two bf16 (k even low, k odd high) per
-    column, zero-padded past N and K (the layout of codegen/gemm_bf16.py)."""
-    n, k = w.shape
-    panels, kp = -(-n // nr), -(-k // 2)
-    wb = torch.zeros(panels * nr, 2 * kp, dtype=torch.bfloat16)
-    wb[:n, :k] = w.detach().to(torch.float32).to(torch.bfloat16)
-    words = wb.view(torch.int16).view(panels * nr, kp, 2).view(torch.int32).squeeze(-1)
-    return words.reshape(panels, nr, kp).permute(0, 2, 1).contiguous()
 
 
 def _bounds(w: torch.Tensor) -> torch.Tensor:
