@@ -1,10 +1,18 @@
 """Scaled dot-product attention, flash style: Q blocks x K/V blocks with an online softmax.
 
-Contract: ``out[b,h] = softmax(scale * Q K^T + mask) V`` for float32 (B, H, L, E) tensors
-whose last dim is contiguous (batch, head and row strides are compile-time; contiguous by
-default); ``mask`` is a float mask (added) or a bool mask (False = -inf), broadcast from its own
-4-D shape; ``causal`` masks key j > query i (top-left aligned, as torch does). Rows with no
-visible key give 0, as torch does.
+Contract: ``out[b,h] = softmax(scale * Q K^T + mask) V`` for float32 or bfloat16 (B, H, L, E)
+tensors whose last dim is contiguous (batch, head and row strides are compile-time; contiguous by
+default); ``mask`` is a float mask (added, in the q dtype) or a bool mask (False = -inf),
+broadcast from its own 4-D shape; ``causal`` masks key j > query i (top-left aligned, as torch
+does). Rows with no visible key give 0, as torch does. Grouped-query attention: K and V have
+``kv_heads`` heads and query head h reads kv head ``h // (heads // kv_heads)`` (the head offset
+comes from the strides, nothing is copied).
+
+bfloat16: the softmax and both products run in float32 on widened inputs (widening is exact),
+and the output is rounded once (round to nearest even, as ATen). K and V are widened once per kv
+head per thread into float32 scratch (K then packed as below, V read from there as the B
+operand, zero-padded to whole vectors), the rows of a Q block once per block; the few-query path
+reads Q and K in place with widening loads.
 
 Per work item (one head, one block of ``bq`` query rows) and per block of ``bk`` keys:
 1. ``S = Q_blk K_blk^T`` with the GEMM micro-kernel: Q rows broadcast straight from Q, K packed
@@ -24,10 +32,11 @@ import math
 
 from llvmlite import ir
 
-from . import omp, simd, vmath
+from . import bf16, omp, simd, vmath
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
-from .irutil import Fn, const, f32, i1, i8, i32, i64, intrinsic, new_module, ptr
+from .irutil import Fn, const, defined, f32, i1, i8, i16, i32, i64, intrinsic, new_module, ptr, \
+    void
 
 NEG_INF = -math.inf
 DIRECT_MAX_LQ = 4  # packing K costs ~0.4 op per element, more than a few dot products save
@@ -58,27 +67,44 @@ class _Emitter:
         self.ev_pad = _cdiv(s.ev, lanes) * lanes
         # a few queries (decode): scores as dot products with K in place, no K packing
         self.direct = s.lq <= DIRECT_MAX_LQ
+        self.kvh = s.kv_heads or s.heads
         # (batch, head, row) element strides of q, k, v, out
         self.qs, self.ks, self.vs, self.os = s.strides or (
-            (s.heads * s.lq * s.e, s.lq * s.e, s.e), (s.heads * s.lk * s.e, s.lk * s.e, s.e),
-            (s.heads * s.lk * s.ev, s.lk * s.ev, s.ev), (s.heads * s.lq * s.ev, s.lq * s.ev, s.ev))
+            (s.heads * s.lq * s.e, s.lq * s.e, s.e), (self.kvh * s.lk * s.e, s.lk * s.e, s.e),
+            (self.kvh * s.lk * s.ev, s.lk * s.ev, s.ev), (s.heads * s.lq * s.ev, s.lq * s.ev, s.ev))
+        # element type of q/k/v/mask/out in memory; bf16 operands of the micro-kernels are
+        # widened into float32 scratch first, whose row strides these are
+        self.dt = s.dtype
+        self.bf = s.dtype == "bf16"
+        self.et = i16 if self.bf else f32
+        self.q_ld = s.e if self.bf and not self.direct else self.qs[2]
+        self.v_ld = self.ev_pad if self.bf else self.vs[2]
 
-    def head_off(self, head, strides):
+    def head_off(self, head, strides, heads: int | None = None):
         """Element offset of head ``head`` (= batch * heads + h) for these strides."""
-        b, H = self.f.b, const(i64, self.s.heads)
+        b, H = self.f.b, const(i64, heads or self.s.heads)
         return b.add(b.mul(b.sdiv(head, H), const(i64, strides[0])),
                      b.mul(b.srem(head, H), const(i64, strides[1])))
+
+    def kv_index(self, head):
+        """batch * kv_heads + the kv head that query head ``head`` reads."""
+        s, b = self.s, self.f.b
+        if self.kvh == s.heads:
+            return head
+        H = const(i64, s.heads)
+        return b.add(b.mul(b.sdiv(head, H), const(i64, self.kvh)),
+                     b.sdiv(b.srem(head, H), const(i64, s.heads // self.kvh)))
 
     # -- micro-kernel variants --------------------------------------------------------------
     def s_kernel(self, rows: int, cols: int) -> ir.Function:
         s, L = self.s, self.L
-        return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, self.qs[2], 1, s.nr,
+        return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, self.q_ld, 1, s.nr,
                                         False, self.bk))
 
     def o_kernel(self, rows: int) -> ir.Function:
         s, L = self.s, self.L
-        return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1,
-                                        self.vs[2], s.ev % L != 0, self.ev_pad))
+        return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1, self.v_ld,
+                                        not self.bf and s.ev % L != 0, self.ev_pad))
 
     def body(self) -> ir.Function:
         s = self.s
@@ -94,31 +120,46 @@ class _Emitter:
         free = intrinsic(self.m, "free", ir.VoidType(), [ptr])
         kp_floats = 0 if self.direct else _cdiv(s.lk, s.nr) * s.nr * s.e
         sizes = [kp_floats, s.bq * self.bk, s.bq * self.ev_pad, s.bq, s.bq]
+        if self.bf:  # float32 V of one kv head; K of one kv head and one Q block (blocked path)
+            blocked = not self.direct
+            sizes += [s.lk * self.ev_pad, s.lk * s.e * blocked, s.bq * s.e * blocked]
         raws = [b.call(malloc, [const(i64, 4 * n + 64)]) for n in sizes]
-        kp, sbuf, obuf, mrow, lrow = (_align64(b, r) for r in raws)
-        pack_k = emit_pack_rows(self.m, s.nr, self.ks[2], self.L)
+        kp, sbuf, obuf, mrow, lrow, *wide = (_align64(b, r) for r in raws)
+        vf, kf, self.qf = wide or (None, None, None)
+        pack_k = emit_pack_rows(self.m, s.nr, s.e if self.bf else self.ks[2], self.L)
 
         items = s.batch * s.heads * self.nqb
-        cur_head = f.var(i64, const(i64, -1), "head")
+        cur_kv = f.var(i64, const(i64, -1), "kvhead")
         it = f.var(i64, tid, "it")  # round-robin: item = tid, tid + nt, ...
         with f.while_(lambda: b.icmp_signed("<", it.get(), const(i64, items))):
             item = it.get()
             head = b.sdiv(item, const(i64, self.nqb))
             qb = b.srem(item, const(i64, self.nqb))
-            kh = simd.gep(b, k_all, self.head_off(head, self.ks))
-            if not self.direct:
-                with f.if_(b.icmp_signed("!=", head, cur_head.get())):
-                    b.call(pack_k, [kh, const(i64, s.lk), const(i64, s.e), kp])
-                    cur_head.set(head)
-            self.block(head, qb, q_all, v_all, o_all, kh if self.direct else kp, sbuf, obuf,
-                       mrow, lrow)
+            kv = self.kv_index(head)
+            kh = simd.gep(b, k_all, self.head_off(kv, self.ks, self.kvh), self.et)
+            vh = simd.gep(b, v_all, self.head_off(kv, self.vs, self.kvh), self.et)
+            if self.bf or not self.direct:  # once per kv head on this thread
+                with f.if_(b.icmp_signed("!=", kv, cur_kv.get())):
+                    if self.bf:
+                        widen = _emit_widen(self.m, self.L, s.ev, self.vs[2], self.ev_pad)
+                        b.call(widen, [vh, const(i64, s.lk), vf])
+                    if not self.direct:
+                        src = kh
+                        if self.bf:
+                            widen = _emit_widen(self.m, self.L, s.e, self.ks[2], s.e)
+                            b.call(widen, [kh, const(i64, s.lk), kf])
+                            src = kf
+                        b.call(pack_k, [src, const(i64, s.lk), const(i64, s.e), kp])
+                    cur_kv.set(kv)
+            self.block(head, qb, q_all, vf if self.bf else vh, o_all, kh if self.direct else kp,
+                       sbuf, obuf, mrow, lrow)
             it.set(b.add(item, nt))
         for r in raws:
             b.call(free, [r])
         return f.finish()
 
     # -- one (head, query block) ------------------------------------------------------------
-    def block(self, head, qb, q_all, v_all, o_all, kp, sbuf, obuf, mrow, lrow):
+    def block(self, head, qb, q_all, vh, o_all, kp, sbuf, obuf, mrow, lrow):
         s, f = self.s, self.f
         b = f.b
         i0 = b.mul(qb, const(i64, s.bq))
@@ -126,8 +167,10 @@ class _Emitter:
         i1 = b.select(b.icmp_signed("<", i1, const(i64, s.lq)), i1, const(i64, s.lq))
         rows = b.sub(i1, i0)
         qh = simd.gep(b, q_all, b.add(self.head_off(head, self.qs),
-                                      b.mul(i0, const(i64, self.qs[2]))))
-        vh = simd.gep(b, v_all, self.head_off(head, self.vs))
+                                      b.mul(i0, const(i64, self.qs[2]))), self.et)
+        if self.bf and not self.direct:  # the block's query rows in float32, row stride e
+            b.call(_emit_widen(self.m, self.L, s.e, self.qs[2], s.e), [qh, rows, self.qf])
+            qh = self.qf
         with f.for_range(0, s.bq, name="init") as r:
             simd.store_scalar(b, ir.Constant(f32, NEG_INF), mrow, r)
             simd.store_scalar(b, ir.Constant(f32, 0.0), lrow, r)
@@ -168,7 +211,7 @@ class _Emitter:
         nullp = ir.Constant(ptr, None)
 
         def tile(r0, nrows):
-            a = simd.gep(b, qh, b.mul(r0, const(i64, self.qs[2])))
+            a = simd.gep(b, qh, b.mul(r0, const(i64, self.q_ld)))
             c_row = b.mul(r0, const(i64, self.bk))
             full_panels = b.sdiv(kv, const(i64, s.nr))
             with f.for_range(0, full_panels, name="sp") as p:
@@ -197,19 +240,22 @@ class _Emitter:
         ne = _cdiv(s.e, L)
         zero = vmath.splat(simd.vty(L), 0.0)
         with f.for_range(0, rows, name="dr") as r:
-            qrow = simd.gep(b, qh, b.mul(r, const(i64, self.qs[2])))
-            qv = [simd.load_any(b, qrow, e * L, L, min(L, s.e - e * L)) for e in range(ne)]
+            qrow = simd.gep(b, qh, b.mul(r, const(i64, self.qs[2])), self.et)
+            qv = [bf16.load_as(b, self.dt, qrow, e * L, L, min(L, s.e - e * L))
+                  for e in range(ne)]
             with f.for_range(0, kv, step=L, name="dk") as jb:
                 sums = []
                 for jj in range(L):
                     key = b.add(b.add(j0, jb), const(i64, jj))
                     live = b.icmp_signed("<", b.add(jb, const(i64, jj)), kv)
-                    krow = simd.gep(b, kh, b.mul(key, const(i64, self.ks[2])))
+                    krow = simd.gep(b, kh, b.mul(key, const(i64, self.ks[2])), self.et)
                     acc = zero
                     for e in range(ne):
                         m = b.and_(simd.const_mask(L, min(L, s.e - e * L)),
                                    _splat_bit(b, live, L))
-                        acc = vmath.fma(b, qv[e], simd.masked_load(b, krow, e * L, m, L), acc)
+                        kv_ = bf16.load(b, krow, e * L, L, mask=m) if self.bf else \
+                            simd.masked_load(b, krow, e * L, m, L)
+                        acc = vmath.fma(b, qv[e], kv_, acc)
                     sums.append(acc)
                 out = transpose_add(b, sums)
                 simd.store_vec(b, out, sbuf, b.add(b.mul(r, const(i64, self.bk)), jb))
@@ -218,7 +264,7 @@ class _Emitter:
         s, f = self.s, self.f
         b = f.b
         nullp = ir.Constant(ptr, None)
-        vb = simd.gep(b, vh, b.mul(j0, const(i64, self.vs[2])))
+        vb = simd.gep(b, vh, b.mul(j0, const(i64, self.v_ld)))
 
         def tile(r0, nrows):
             a = simd.gep(b, sbuf, b.mul(r0, const(i64, self.bk)))
@@ -324,9 +370,12 @@ class _Emitter:
         for idx, size, stride in zip((bi, hi, i), (mb, mh, mq), strides):
             if size != 1:
                 off = b.add(off, b.mul(idx, const(i64, stride)))
-        if s.mask == "float":
+        if s.mask == "float":  # in the q dtype
             if mk == 1:
-                mval = simd.broadcast(b, simd.load_scalar(b, self.mask_all, off), L)
+                m0 = simd.load_scalar(b, self.mask_all, off, self.et)
+                mval = simd.broadcast(b, bf16.widen_scalar(b, m0) if self.bf else m0, L)
+            elif self.bf:
+                mval = bf16.load(b, self.mask_all, b.add(off, j), L, mask=live)
             else:
                 mval = simd.masked_load(b, self.mask_all, b.add(off, j), live, L)
             return b.fadd(x, mval)
@@ -351,7 +400,7 @@ class _Emitter:
         s, L, f = self.s, self.L, self.f
         b = f.b
         oh = simd.gep(b, o_all, b.add(self.head_off(head, self.os),
-                                      b.mul(i0, const(i64, self.os[2]))))
+                                      b.mul(i0, const(i64, self.os[2]))), self.et)
         with f.for_range(0, rows, name="fr") as r:
             lsum = simd.load_scalar(b, lrow, r)
             inv = b.fdiv(ir.Constant(f32, 1.0), lsum)
@@ -362,8 +411,32 @@ class _Emitter:
                 x = simd.load_vec(b, obuf, b.add(b.mul(r, const(i64, self.ev_pad)),
                                                  const(i64, v * L)), L)
                 active = min(L, s.ev - v * L)
-                simd.store_any(b, b.fmul(x, iv), oh, b.add(b.mul(r, const(i64, self.os[2])),
-                                                           const(i64, v * L)), active)
+                bf16.store_as(b, self.dt, b.fmul(x, iv), oh,
+                              b.add(b.mul(r, const(i64, self.os[2])), const(i64, v * L)), active)
+
+
+def _emit_widen(module: ir.Module, L: int, cols: int, src_ld: int, dst_ld: int) -> ir.Function:
+    """``void widen(ptr src, i64 rows, ptr dst)``: ``rows`` x ``cols`` bf16 (row stride
+    ``src_ld``) to float32 (row stride ``dst_ld``); when ``dst_ld`` reaches past ``cols`` to a
+    whole vector, the padding lanes are written as 0."""
+    name = f"widen_rows.{L}.{cols}.{src_ld}.{dst_ld}"
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
+    f = Fn(module, name, void, [ptr, i64, ptr], ["src", "rows", "dst"])
+    f.fn.attributes.add("noinline")
+    src, rows, dst = f.args
+    b = f.b
+    full = cols // L * L
+    with f.for_range(0, rows, name="r") as r:
+        s0, d0 = b.mul(r, const(i64, src_ld)), b.mul(r, const(i64, dst_ld))
+        with f.for_range(0, full, step=L, name="c") as c:
+            simd.store_vec(b, bf16.load(b, src, b.add(s0, c), L), dst, b.add(d0, c))
+        if cols > full:
+            x = bf16.load(b, src, b.add(s0, const(i64, full)), L, cols - full)
+            simd.store_any(b, x, dst, b.add(d0, const(i64, full)),
+                           L if dst_ld >= full + L else cols - full)
+    return f.finish()
 
 
 def transpose_add(b: ir.IRBuilder, vecs: list) -> ir.Value:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import blocking
-from ._call import _profiler_enabled, checked, contiguous_strides, entry, record_function
+from ._call import _profiler_enabled, contiguous_strides, entry, record_function
 from .specs import AttentionSpec
 
 
@@ -23,15 +23,23 @@ def _blocking(lq: int, lk: int, e: int, ev: int) -> dict:
 
 def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal: bool = False,
               scale: float | None = None, mask: str | None = None, mask_shape=None,
-              strides=None):
-    """``callable(q, k, v, mask=None) -> out`` for float32 (B, H, L, E) inputs.
+              strides=None, dtype: torch.dtype = torch.float32, kv_heads: int | None = None):
+    """``callable(q, k, v, mask=None) -> out`` for float32 or bfloat16 (B, H, L, E) inputs.
 
-    ``mask``: None, "bool" (True keeps) or "float" (added); ``mask_shape`` its 4-D shape, each
-    dim 1 or full. Dropout is not supported (use dropout_p=0). ``strides``: the 4-D strides of
-    q, k, v and of the output (last stride 1), read and written in place, e.g. heads side by side
-    in each row as ``nn.MultiheadAttention`` makes them; None means contiguous. Inputs with other
-    strides are copied into the expected layout.
+    ``mask``: None, "bool" (True keeps) or "float" (added, in ``dtype``); ``mask_shape`` its 4-D
+    shape, each dim 1 or full. Dropout is not supported (use dropout_p=0). ``strides``: the 4-D
+    strides of q, k, v and of the output (last stride 1), read and written in place, e.g. heads
+    side by side in each row as ``nn.MultiheadAttention`` makes them; None means contiguous.
+    Inputs with other strides are copied into the expected layout.
+
+    ``dtype``: torch.float32 or torch.bfloat16 (q, k, v, float mask and output; the softmax and
+    accumulation run in float32, the output is rounded once). ``kv_heads``: grouped-query
+    attention, k and v are (B, kv_heads, Lk, E) and query head h reads kv head
+    ``h // (heads // kv_heads)``, as ``F.scaled_dot_product_attention(..., enable_gqa=True)``.
     """
+    dts = {torch.float32: "f32", torch.bfloat16: "bf16"}
+    if dtype not in dts:
+        raise NotImplementedError(f"make_sdpa: dtype {dtype}; float32 or bfloat16 only")
     kind = mask or "none"
     if kind not in ("none", "bool", "float"):
         raise ValueError(f"make_sdpa: mask must be None, 'bool' or 'float', not {mask!r}")
@@ -39,6 +47,9 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
     if min(dims) < 1:
         raise ValueError(f"make_sdpa: empty shapes {dims}")
     batch, heads, lq, lk, e, ev = dims
+    kvh = int(kv_heads or heads)
+    if kvh < 1 or heads % kvh:
+        raise ValueError(f"make_sdpa: {heads} query heads are not a multiple of {kvh} kv heads")
     full = (batch, heads, lq, lk)
     if kind != "none":
         mask_shape = tuple(int(d) for d in (mask_shape or full))
@@ -47,7 +58,7 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
             raise ValueError(f"make_sdpa: mask shape {mask_shape} does not broadcast to {full}")
     else:
         mask_shape = ()
-    qs, ks, vs = (batch, heads, lq, e), (batch, heads, lk, e), (batch, heads, lk, ev)
+    qs, ks, vs = (batch, heads, lq, e), (batch, kvh, lk, e), (batch, kvh, lk, ev)
     out_shape = (batch, heads, lq, ev)
     shapes = (qs, ks, vs, out_shape)
     dense = tuple(contiguous_strides(t) for t in shapes)
@@ -56,17 +67,24 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
         raise ValueError(f"make_sdpa: strides {strides} need 4 dims, the last 1")
     spec = AttentionSpec(batch, heads, lq, lk, e, ev, bool(causal), float(scale or 0.0), kind,
                          mask_shape, **_blocking(lq, lk, e, ev),
-                         strides=() if strides == dense else tuple(st[:3] for st in strides))
+                         strides=() if strides == dense else tuple(st[:3] for st in strides),
+                         dtype=dts[dtype], kv_heads=0 if kvh == heads else kvh)
     fn = entry(spec, 5)
     symbol = spec.symbol
     (qst, kst, vst, ost) = strides
-    mdtype = torch.bool if kind == "bool" else torch.float32
-    f32, empty_strided, threads = torch.float32, torch.empty_strided, torch.get_num_threads
+    mdtype = torch.bool if kind == "bool" else dtype
+    empty_strided, threads = torch.empty_strided, torch.get_num_threads
 
     def layout(x, shape, stride, name):
-        if x.shape == shape and x.dtype == f32 and x.stride() == stride:
+        if x.shape == shape and x.dtype == dtype and x.stride() == stride:
             return x
-        return empty_strided(shape, stride, dtype=f32).copy_(checked(x, shape, name))
+        if x.dtype != dtype:
+            raise NotImplementedError(f"{name}: built for {dtype}, got {x.dtype}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: CPU tensors only, got {x.device}")
+        return empty_strided(shape, stride, dtype=dtype).copy_(x)
 
     def run(q, k, v, mask=None):
         q, k, v = layout(q, qs, qst, "sdpa q"), layout(k, ks, kst, "sdpa k"), \
@@ -79,7 +97,7 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
                 raise NotImplementedError(f"sdpa: mask dtype {mask.dtype}, built for {mdtype}")
             mask = mask.reshape(mask_shape).contiguous()
             m_ptr = mask.data_ptr()
-        out = empty_strided(out_shape, ost, dtype=f32)
+        out = empty_strided(out_shape, ost, dtype=dtype)
         if _profiler_enabled():
             with record_function(symbol):
                 fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), m_ptr, out.data_ptr(), threads())

@@ -88,6 +88,9 @@ class AttentionSpec(Spec):
     # layout) are read and written in place.
     strides: tuple = ()
     dtype: str = "f32"     # "bf16": bf16 q/k/v/out, float32 softmax and accumulation
+    # grouped-query attention: k/v have ``kv_heads`` heads, query head h reads kv head
+    # h // (heads // kv_heads); 0 = as many as the query
+    kv_heads: int = 0
     family = "attention"
 
     @property
@@ -100,7 +103,8 @@ class AttentionSpec(Spec):
                 f"_q{self.bq}_k{self.bk}_n{self.nr}_{self.mrs}_{self.mro}"
                 + ("_st" + "_".join("x".join(map(str, t)) for t in self.strides)
                    if self.strides else "")
-                + ("" if self.dtype == "f32" else "_" + self.dtype))
+                + ("" if self.dtype == "f32" else "_" + self.dtype)
+                + (f"_g{self.kv_heads}" if self.kv_heads else ""))
 
 
 @register_spec

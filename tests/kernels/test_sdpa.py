@@ -107,3 +107,54 @@ def test_sdpa_strided_in_place(lq, causal, threads):
                                **TOL)
     # contiguous inputs to the strided kernel are copied into its layout, not misread
     torch.testing.assert_close(f(q.contiguous(), k.contiguous(), v.contiguous()), y, **TOL)
+
+
+@pytest.mark.parametrize("shape,kvh", [((2, 8, 37, 53, 16, 16), 2), ((1, 4, 130, 300, 32, 32), 1),
+                                       ((2, 6, 1, 70, 40, 24), 3), ((1, 4, 49, 49, 17, 40), 2),
+                                       ((2, 4, 3, 37, 17, 17), 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_gqa(shape, kvh, causal, threads):
+    """Grouped-query attention: query head h reads kv head h // (heads // kv_heads)."""
+    torch.manual_seed(9)
+    b, h, lq, lk, e, ev = shape
+    q, k, v = torch.randn(b, h, lq, e), torch.randn(b, kvh, lk, e), torch.randn(b, kvh, lk, ev)
+    f = make_sdpa(*shape, causal, kv_heads=kvh)
+    assert f.spec.kv_heads == (0 if kvh == h else kvh)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    torch.testing.assert_close(f(q, k, v), ref, **TOL)
+
+
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_sdpa_gqa_mask(mask):
+    torch.manual_seed(10)
+    q, k, v = torch.randn(2, 6, 33, 24), torch.randn(2, 2, 65, 24), torch.randn(2, 2, 65, 40)
+    am = torch.rand(2, 6, 33, 65) > 0.3 if mask == "bool" else torch.randn(1, 6, 1, 65)
+    y = make_sdpa(2, 6, 33, 65, 24, 40, mask=mask, mask_shape=tuple(am.shape), kv_heads=2)(
+        q, k, v, am)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=am, enable_gqa=True)
+    torch.testing.assert_close(y, ref, **TOL)
+
+
+@pytest.mark.parametrize("lq", [2, 37])
+def test_sdpa_gqa_strided_in_place(lq, threads):
+    """q, k, v as head views of one fused (B, L, H + 2 * KVH, E) projection (as GQA models
+    make them): the kv head mapping goes through the strides, nothing is copied."""
+    torch.manual_seed(11)
+    b, h, kvh, e = 2, 6, 2, 16
+    proj = torch.randn(b, lq, h + 2 * kvh, e).transpose(1, 2)  # (B, heads, L, E) view
+    q, k, v = proj[:, :h], proj[:, h:h + kvh], proj[:, h + kvh:]
+    f = make_sdpa(b, h, lq, lq, e, e, True, kv_heads=kvh,
+                  strides=(q.stride(), k.stride(), v.stride(), (lq * h * e, e, h * e, 1)))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(f(q, k, v), ref, **TOL)
+
+
+def test_sdpa_gqa_rejects_bad_head_counts():
+    with pytest.raises(ValueError):
+        make_sdpa(1, 6, 4, 4, 8, 8, kv_heads=4)
+    f = make_sdpa(1, 4, 4, 4, 8, 8, kv_heads=2)
+    q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError):
+        f(q, q, q)  # k/v with the query's head count
+    torch.testing.assert_close(f(q, k, k), F.scaled_dot_product_attention(q, k, k,
+                                                                          enable_gqa=True), **TOL)
