@@ -8,7 +8,8 @@ bias, ReLU/GELU and residual epilogues), GELU, attention, GEMM+topk and sorting 
 kernels; everything else runs on the inner compiler: plain ATen calls in a flat precomputed list
 (``"eager"``), or Inductor, which sees the kernels as opaque custom ops (``"inductor"``).
 Graphs that need autograd (training) go to the inner compiler unchanged, so gradients are
-eager's. ``last_report()`` tells which nodes became kernels.
+eager's. Graphs in float32 or bfloat16 are lowered, and so are CPU autocast regions to bfloat16
+(see ``lowering/autocast.py``). ``last_report()`` tells which nodes became kernels.
 
 ``backend="kwker"`` resolves through the ``torch_dynamo_backends`` entry point without any
 import; ``register()`` adds it by name for a source checkout that is not installed.
@@ -58,20 +59,14 @@ def _needs_autograd(gm: torch.fx.GraphModule, example_inputs) -> bool:
                for n in gm.graph.nodes)
 
 
-def _autocast(gm: torch.fx.GraphModule) -> bool:
-    """Whether autocast may change dtypes in this graph (kernels are float32 in, float32 out)."""
-    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
-        return True
-    return any(n.op == "call_function" and getattr(n.target, "__name__", "") == "_enter_autocast"
-               for n in gm.graph.nodes)
-
-
 def _leave_to_inner(gm, example_inputs) -> tuple[str, str] | None:
     """(status, reason) when the whole graph goes to the inner compiler unchanged."""
     if _needs_autograd(gm, example_inputs):
         return "training", "inputs require grad; the inner compiler handles autograd"
-    if _autocast(gm):
-        return "autocast", "autocast decides dtypes; Kwker kernels are float32"
+    from .lowering.autocast import regions
+    why = regions(gm.graph)[1]
+    if why is not None:
+        return "autocast", why
     return None
 
 

@@ -115,6 +115,11 @@ def runtime_inputs(m: Match) -> list:
     return nodes
 
 
+def _dtype_kw(dtype: torch.dtype) -> dict:
+    """The factories' ``dtype`` keyword: given only for bf16 (float32 is every default)."""
+    return {} if dtype == torch.float32 else {"dtype": dtype}
+
+
 def _weight(m: Match, consts: dict) -> torch.Tensor:
     w = consts[m.inputs["weight"]].detach()
     return w.t().contiguous() if m.inputs["transposed"] else w
@@ -138,7 +143,7 @@ def _linear(m: Match, metas, consts):
         return None, "empty input"
     bias = consts[m.inputs["bias"]].detach() if m.inputs["bias"] is not None else None
     fn, why = _make("make_linear", w, bias, rows, epilogue=m.params["epilogue"],
-                    residual=res is not None)
+                    residual=res is not None, dtype=xm.dtype)
     if fn is None:
         return None, why
     if len(lead) == 1:
@@ -203,7 +208,8 @@ def _matmul(m: Match, metas, consts):
     # b = c.mT with c contiguous (q @ k.mT): read c as is instead of copying b
     bt = not bm.contiguous and _transposed_contiguous(bm)
     b_shape = (batch, nn, kb) if bt else (batch, kb, nn)
-    fn, why = _make("make_matmul", c_rows, ka, nn, batch=batch, b_transposed=bt)
+    fn, why = _make("make_matmul", c_rows, ka, nn, batch=batch, b_transposed=bt,
+                    **_dtype_kw(am.dtype))
     if fn is None:
         return None, why
     if bt:
@@ -222,7 +228,8 @@ def _gelu(m: Match, metas, consts):
         return None, "non-contiguous or empty input"
     if m.params["approximate"] == "none" and xm.numel > GELU_ERF_MAX:
         return None, f"erf GELU of {xm.numel} elements: ATen's is faster above {GELU_ERF_MAX}"
-    return _make("make_gelu", xm.numel, approximate=m.params["approximate"])
+    return _make("make_gelu", xm.numel, approximate=m.params["approximate"],
+                 **_dtype_kw(xm.dtype))
 
 
 def _sdpa(m: Match, metas, consts):
@@ -252,7 +259,8 @@ def _sdpa(m: Match, metas, consts):
             t.stride[-1] == 1 and min(t.stride) >= 0 for t in (qm, km, vm, om)):
         strides = (qm.stride, km.stride, vm.stride, om.stride)
     fn, why = _make("make_sdpa", b, h, lq, lk, e, ev, m.params["causal"], m.params["scale"],
-                    m.params["mask"], mask_shape=mask_shape, strides=strides)
+                    m.params["mask"], mask_shape=mask_shape, strides=strides,
+                    **_dtype_kw(qm.dtype))
     if fn is None:
         return None, why
     if three:

@@ -109,22 +109,28 @@ def _shape_meta(shape, dtype=torch.float32, stride=None):
 
 
 def _make(kind, inputs: dict, shapes: dict, params: dict, consts: dict | None = None,
-          strides: dict | None = None):
+          strides: dict | None = None, dtype: torch.dtype = torch.float32):
     """Build a kernel for ``kind`` at these shapes (called by kernel_for on a miss only);
-    ``strides`` gives some inputs' layouts (contiguous otherwise; "out" is the result's)."""
+    ``strides`` gives some inputs' layouts (contiguous otherwise; "out" is the result's);
+    ``dtype`` is the activations' (a bool mask keeps its own)."""
     strides = strides or {}
-    metas = {k: _shape_meta(v, stride=strides.get(k)) for k, v in shapes.items()}
+    metas = {k: _shape_meta(v, dtype=dtype, stride=strides.get(k))
+             for k, v in shapes.items()}
     return B.build(Match(kind, "out", [], inputs, params), metas, consts or {})
 
 
 # --------------------------------------------------------- kernels by concrete shapes
-def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed):
-    key = ("linear", x_shape, weight.data_ptr(), _ptr(bias), res_shape, epilogue, transposed)
+def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed,
+                  dtype=torch.float32):
+    """``dtype``: the activations' (x, residual, out); an float32 weight is rounded to it."""
+    key = ("linear", x_shape, weight.data_ptr(), _ptr(bias), res_shape, epilogue, transposed,
+           dtype)
     return kernel_for(key, (weight,) if bias is None else (weight, bias), lambda: _make(
         "linear", {"x": "x", "weight": "w", "transposed": transposed,
                    "bias": "b" if bias is not None else None,
                    "residual": "r" if res_shape is not None else None},
-        {"x": x_shape, "r": res_shape}, {"epilogue": epilogue}, {"w": weight, "b": bias}))
+        {"x": x_shape, "r": res_shape}, {"epilogue": epilogue}, {"w": weight, "b": bias},
+        dtype=dtype))
 
 
 def linear_topk_kernel(x_shape, weight, transposed, k, largest):
@@ -134,27 +140,28 @@ def linear_topk_kernel(x_shape, weight, transposed, k, largest):
         {"k": k, "largest": largest}, {"w": weight}))
 
 
-def matmul_kernel(a_shape, b_shape):
-    return kernel_for(("matmul", a_shape, b_shape), (), lambda: _make(
-        "matmul", {"a": "a", "b": "b"}, {"a": a_shape, "b": b_shape}, {}))
+def matmul_kernel(a_shape, b_shape, dtype=torch.float32):
+    return kernel_for(("matmul", a_shape, b_shape, dtype), (), lambda: _make(
+        "matmul", {"a": "a", "b": "b"}, {"a": a_shape, "b": b_shape}, {}, dtype=dtype))
 
 
-def gelu_kernel(numel, approximate):
-    return kernel_for(("gelu", numel, approximate), (), lambda: _make(
-        "gelu", {"x": "x"}, {"x": (numel,)}, {"approximate": approximate}))
+def gelu_kernel(numel, approximate, dtype=torch.float32):
+    return kernel_for(("gelu", numel, approximate, dtype), (), lambda: _make(
+        "gelu", {"x": "x"}, {"x": (numel,)}, {"approximate": approximate}, dtype=dtype))
 
 
 def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
-                qkv_strides=(None, None, None)):
+                qkv_strides=(None, None, None), dtype=torch.float32):
     """``qkv_strides``: the layouts q, k, v arrive in (read in place); the result is contiguous,
     as the custom op's fake says."""
-    key = ("sdpa", q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale, qkv_strides)
+    key = ("sdpa", q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale, qkv_strides,
+           dtype)
     out_shape = (*q_shape[:-1], v_shape[-1])
     return kernel_for(key, (), lambda: _make(
         "sdpa", {"q": "q", "k": "k", "v": "v", "mask": None if mask_shape is None else "m"},
         {"q": q_shape, "k": k_shape, "v": v_shape, "m": mask_shape, "out": out_shape},
         {"causal": causal, "scale": scale, "mask": mask_kind},
-        strides=dict(zip("qkv", qkv_strides))))
+        strides=dict(zip("qkv", qkv_strides)), dtype=dtype))
 
 
 # ------------------------------------------------------------- real and fake impls
@@ -168,9 +175,11 @@ def _act(out, epilogue):
 
 def _linear(x, weight, bias, residual, epilogue, transposed):
     fn, _ = linear_kernel(x.shape, weight, bias, None if residual is None else residual.shape,
-                          epilogue, transposed)
+                          epilogue, transposed, x.dtype)
     if fn is not None:
         return (fn(x) if residual is None else fn(x, residual)).contiguous()
+    weight = weight.to(x.dtype)  # an autocast region's float32 weight, cast as autocast casts
+    bias = None if bias is None else bias.to(x.dtype)
     out = _act(F.linear(x, weight.t() if transposed else weight, bias), epilogue)
     return (out if residual is None else out + residual).contiguous()
 
@@ -198,7 +207,7 @@ def _linear_topk_fake(x, weight, transposed, k, largest):
 
 
 def _matmul(a, b):
-    fn, _ = matmul_kernel(a.shape, b.shape)
+    fn, _ = matmul_kernel(a.shape, b.shape, a.dtype)
     return (fn(a, b) if fn is not None else torch.matmul(a, b)).contiguous()
 
 
@@ -211,7 +220,7 @@ def _matmul_fake(a, b):
 
 def _gelu(x, approximate):
     if x.is_contiguous():
-        fn, _ = gelu_kernel(x.numel(), approximate)
+        fn, _ = gelu_kernel(x.numel(), approximate, x.dtype)
         if fn is not None:
             return fn(x).contiguous()
     return F.gelu(x, approximate=approximate).contiguous()
@@ -224,7 +233,7 @@ def _gelu_fake(x, approximate):
 def _sdpa(q, k, v, mask, causal, scale):
     kind = None if mask is None else ("bool" if mask.dtype == torch.bool else "float")
     fn, _ = sdpa_kernel(q.shape, k.shape, v.shape, None if mask is None else mask.shape, kind,
-                        causal, scale, (q.stride(), k.stride(), v.stride()))
+                        causal, scale, (q.stride(), k.stride(), v.stride()), q.dtype)
     if fn is not None:
         return (fn(q, k, v) if mask is None else fn(q, k, v, mask)).contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,

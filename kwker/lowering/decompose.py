@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 
+from .autocast import regions
+
 _TEL = torch._transformer_encoder_layer_fwd
 _NATIVE_MHA = torch._native_multi_head_attention
 _MHA = F.multi_head_attention_forward
@@ -54,17 +56,28 @@ def _value(n):
     return n.meta.get("example_value") if isinstance(n, Node) else None
 
 
-def _is_f32_rank(n, rank: int) -> bool:
+def _is_float_rank(n, rank: int) -> bool:
+    """A float32 or bfloat16 (dense) tensor of this rank: the dtypes Kwker's kernels run in."""
     v = _value(n)
-    return isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == rank \
-        and not v.is_nested
+    return isinstance(v, torch.Tensor) and v.dtype in (torch.float32, torch.bfloat16) and \
+        v.dim() == rank and not v.is_nested
+
+
+def _in_result_dtype(e: "_Emit", node: Node, x: Node) -> Node:
+    """``x`` cast to the autocast dtype when ``node`` runs under autocast: the fused ops are on
+    autocast's lower-precision list (they run in bf16 on a float32 input), so the expansion
+    starts with that cast; its own linears then get autocast's casts of their weights."""
+    dtype, src = e.autocast.get(node), _value(x)
+    if dtype is not None and isinstance(src, torch.Tensor) and src.dtype != dtype:
+        return e.meth("to", x, dtype)
+    return x
 
 
 class _Emit:
     """Adds nodes before the node being replaced; reads like the eager code it stands for."""
 
-    def __init__(self, graph: Graph):
-        self.g = graph
+    def __init__(self, graph: Graph, autocast: dict):
+        self.g, self.autocast = graph, autocast
 
     def fn(self, target, *args, **kwargs) -> Node:
         return self.g.call_function(target, args, kwargs)
@@ -89,11 +102,12 @@ class _Emit:
 
 def _encoder_layer(e: _Emit, node: Node) -> Node | None:
     a = _bind(node, TEL_PARAMS, {"mask": None, "mask_type": None})
-    if a is None or a["mask"] is not None or not _is_f32_rank(a["src"], 3):
+    if a is None or a["mask"] is not None or not _is_float_rank(a["src"], 3):
         return None
     src, embed, heads, eps = a["src"], a["embed_dim"], a["num_heads"], a["eps"]
     if not all(isinstance(v, int) for v in (embed, heads)) or embed % heads:
         return None
+    src = _in_result_dtype(e, node, src)
 
     def norm(x, i):
         return e.fn(F.layer_norm, x, (embed,), a[f"norm_weight_{i}"], a[f"norm_bias_{i}"], eps)
@@ -125,20 +139,20 @@ def _native_mha(e: _Emit, node: Node) -> Node | None:
                                         "average_attn_weights": True, "mask_type": None})
     if a is None or a["need_weights"] or a["mask"] is not None or not _pair_users_ok(node):
         return None
-    if not (a["query"] is a["key"] is a["value"]) or not _is_f32_rank(a["query"], 3):
+    if not (a["query"] is a["key"] is a["value"]) or not _is_float_rank(a["query"], 3):
         return None
     embed, heads = a["embed_dim"], a["num_head"]
     if not all(isinstance(v, int) for v in (embed, heads)) or embed % heads:
         return None
-    return e.attention(a["query"], True, embed, heads, a["qkv_weight"], a["qkv_bias"],
-                       a["proj_weight"], a["proj_bias"], False)
+    return e.attention(_in_result_dtype(e, node, a["query"]), True, embed, heads,
+                       a["qkv_weight"], a["qkv_bias"], a["proj_weight"], a["proj_bias"], False)
 
 
 def _mha(e: _Emit, node: Node) -> Node | None:
     a = _bind(node, MHA_PARAMS, _MHA_DEFAULTS)
     if a is None or a["need_weights"] or not _pair_users_ok(node):
         return None
-    if not (a["query"] is a["key"] is a["value"]) or not _is_f32_rank(a["query"], 3):
+    if not (a["query"] is a["key"] is a["value"]) or not _is_float_rank(a["query"], 3):
         return None
     if any(a[k] is not None for k in ("bias_k", "bias_v", "key_padding_mask", "static_k",
                                       "static_v")):
@@ -154,13 +168,15 @@ def _mha(e: _Emit, node: Node) -> Node | None:
     embed, heads = a["embed_dim_to_check"], a["num_heads"]
     if not all(isinstance(v, int) for v in (embed, heads)) or embed % heads:
         return None
-    return e.attention(a["query"], False, embed, heads, a["in_proj_weight"], a["in_proj_bias"],
-                       a["out_proj_weight"], a["out_proj_bias"], causal)
+    return e.attention(_in_result_dtype(e, node, a["query"]), False, embed, heads,
+                       a["in_proj_weight"], a["in_proj_bias"], a["out_proj_weight"],
+                       a["out_proj_bias"], causal)
 
 
 _RULES = {_TEL: _encoder_layer, _NATIVE_MHA: _native_mha, _MHA: _mha}
 _KEPT = {  # why a fused op stays one opaque ATen call
-    _TEL: "kept whole: a mask, nested or non-float32 input, or heads not dividing the width",
+    _TEL: "kept whole: a mask, nested or non-float32/bfloat16 input, or heads not dividing "
+          "the width",
     _NATIVE_MHA: "kept whole: attention weights, a mask, or cross-attention requested",
     _MHA: "kept whole: attention weights, masks (other than a causal hint), dropout, bias_k/v, "
           "separate projections or cross-attention requested",
@@ -174,7 +190,7 @@ def decompose(gm: GraphModule) -> tuple[GraphModule, list]:
         return gm, []  # nothing to expand: no copy
     graph = copy.deepcopy(gm.graph)
     done = []
-    e = _Emit(graph)
+    e = _Emit(graph, regions(graph)[0])
     for node in list(graph.nodes):
         rule = _RULES.get(node.target) if node.op == "call_function" else None
         if rule is None:

@@ -15,11 +15,12 @@ from torch.fx import GraphModule
 from torch.fx.node import map_arg
 
 from . import build as B
+from .autocast import make_explicit
 from . import custom_ops as C
 from . import sorting as S
 from .partition import const_nodes
 from .patterns import Match, Matcher, why_not
-from .report import Report, fill, publish
+from .report import Report, fill, kernel_dtype, publish
 from .shapes import is_concrete, propagate_symbolic
 
 log = logging.getLogger("kwker")
@@ -53,23 +54,25 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> str | None:
     shapes = {k: shape(k) for k in ("x", "residual", "a", "b", "q", "k", "v", "mask")}
     if any(s is False for s in shapes.values()):
         return None  # symbolic: built on first call
+    first = next(i[k] for k in ("x", "a", "q") if i.get(k) is not None)
+    dtype = metas[first].dtype
     if m.kind == "linear":
         bias = consts[i["bias"]] if i["bias"] is not None else None
         fn, why = C.linear_kernel(shapes["x"], consts[i["weight"]], bias, shapes["residual"],
-                                  p["epilogue"], i["transposed"])
+                                  p["epilogue"], i["transposed"], dtype)
     elif m.kind == "linear_topk":
         fn, why = C.linear_topk_kernel(shapes["x"], consts[i["weight"]], i["transposed"],
                                        p["k"], p["largest"])
     elif m.kind == "matmul":
-        fn, why = C.matmul_kernel(shapes["a"], shapes["b"])
+        fn, why = C.matmul_kernel(shapes["a"], shapes["b"], dtype)
     elif m.kind == "gelu":
         n = 1
         for s in shapes["x"]:
             n *= s
-        fn, why = C.gelu_kernel(n, p["approximate"])
+        fn, why = C.gelu_kernel(n, p["approximate"], dtype)
     elif m.kind == "sdpa":
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
-                                p["mask"], p["causal"], p["scale"])
+                                p["mask"], p["causal"], p["scale"], dtype=dtype)
     else:
         return None
     specs.extend(getattr(fn, "kwker_specs", ()))
@@ -97,6 +100,9 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, dec
     nodes = list(gm.graph.nodes)
     try:
         metas = propagate_symbolic(gm)
+        if make_explicit(gm, metas):  # autocast's casts as nodes: kernels see its dtypes
+            nodes = list(gm.graph.nodes)
+            metas = propagate_symbolic(gm)
     except Exception as e:  # an op fake tensors cannot run: Inductor alone, no error
         log.debug("kwker: symbolic propagation failed", exc_info=True)
         report.status, report.reason = "fallback", f"shape propagation failed: {e}"
@@ -124,7 +130,8 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, dec
     for n in nodes:
         if n not in failures and n not in covered:
             failures[n] = why_not(n, metas)
-    fill(report, nodes, [(m.name, m.covers) for m in kept], failures)
+    fill(report, nodes, [(m.name, m.covers, kernel_dtype(B.runtime_inputs(m), metas))
+                         for m in kept], failures)
     graph = gm.graph
     replaced = {}  # outputs of earlier kernels -> their custom-op nodes
     for m in kept:

@@ -17,10 +17,11 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import build as B
+from .autocast import make_explicit
 from . import sorting as S
 from .ops import is_inplace, is_view
 from .patterns import Matcher, why_not
-from .report import Report, fill, publish
+from .report import Report, fill, kernel_dtype, publish
 from .runner import KernelStep, Program, build_program, fetch_attr
 from .shapes import TensorMeta, propagate
 
@@ -104,6 +105,9 @@ def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
     nodes = list(gm.graph.nodes)
     try:
         metas = propagate(gm, args)
+        if make_explicit(gm, metas):  # autocast's casts as nodes: kernels see its dtypes
+            nodes = list(gm.graph.nodes)
+            metas = propagate(gm, args)
     except Exception as e:  # an op fake tensors cannot run: no kernels, no error
         log.debug("kwker: shape propagation failed", exc_info=True)
         report.status, report.reason = "fallback", f"shape propagation failed: {e}"
@@ -139,7 +143,8 @@ def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
     program = build_program(gm, steps, metas)
     index = {n: i for i, n in enumerate(placeholders)}
     guards = tuple((index[n], consts[n], _version(consts[n])) for n in used if n in index)
-    fill(report, nodes, [(s.name, s.covers) for s in steps], failures)
+    fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas)) for s in steps],
+         failures)
     if note:
         report.reason = note
     return Plan(program, guards, publish(report))

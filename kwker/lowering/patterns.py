@@ -17,10 +17,13 @@ import torch
 from torch.fx import Node
 
 from . import sorting as S
+from .autocast import cast_source
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
 _F32 = torch.float32
+# dtypes the compute kernels run in (sorting ops take more, see sorting.py)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -48,14 +51,32 @@ def _meta(metas: dict, n) -> TensorMeta | None:
     return m if isinstance(m, TensorMeta) else None
 
 
-def _f32(metas, *nodes, rank=None) -> bool:
+def _fits(metas, *nodes, rank=None, dtype=None) -> bool:
+    """CPU tensors of one kernel dtype (``dtype`` if given), of a rank in ``rank``."""
     for n in nodes:
         m = _meta(metas, n)
-        if m is None or m.dtype != _F32 or m.device != "cpu":
+        if m is None or m.dtype not in KERNEL_DTYPES or m.device != "cpu":
+            return False
+        if dtype is not None and m.dtype != dtype:
             return False
         if rank is not None and len(m.shape) not in rank:
             return False
     return True
+
+
+def _dtype(metas, n) -> torch.dtype | None:
+    m = _meta(metas, n)
+    return m.dtype if m is not None else None
+
+
+def _through_cast(n, consts, metas=None) -> tuple:
+    """(n, []) or, for an autocast cast of a constant (or, given ``metas``, of a transposed
+    constant), (what it casts, [the cast]): the factory rounds the constant itself, once."""
+    src = cast_source(n)
+    if src is not None and (src in consts or metas is not None and
+                            _transposed_const(src, metas, consts) is not None):
+        return src, [n]
+    return n, []
 
 
 def _sole_user(n: Node) -> Node | None:
@@ -75,7 +96,7 @@ def _transposed_const(y: Node, metas, consts) -> Node | None:
         w = b["input"]
     else:
         return None
-    return w if w in consts and _f32(metas, w, rank=(2,)) else None
+    return w if w in consts and _fits(metas, w, rank=(2,)) else None
 
 
 class Matcher:
@@ -120,7 +141,7 @@ class Matcher:
             return self.gemm(n, kind)
         if kind == "gelu":
             b = bind(n)
-            if b and b["approximate"] in ("none", "tanh") and _f32(self.metas, b["input"]):
+            if b and b["approximate"] in ("none", "tanh") and _fits(self.metas, b["input"]):
                 return Match("gelu", n, [n], {"x": b["input"]}, {"approximate": b["approximate"]})
         if kind == "sdpa":
             return self.sdpa(n)
@@ -144,7 +165,9 @@ class Matcher:
         views, transposed = [], False
         if kind == "linear":
             x, w, bias = b["input"], b["weight"], b["bias"]
-            if w not in self.consts or not _f32(self.metas, w, rank=(2,)):
+            w, casts = _through_cast(w, self.consts)
+            views += casts
+            if w not in self.consts or not _fits(self.metas, w, rank=(2,)):
                 return None
         else:
             if kind == "addmm":
@@ -155,23 +178,31 @@ class Matcher:
                 bias, x, y = None, b["input"], b["other" if kind == "matmul" else "mat2"]
             if not isinstance(y, Node):
                 return None
+            y, casts = _through_cast(y, self.consts, self.metas)
+            views += casts
             w = _transposed_const(y, self.metas, self.consts)
             if w is not None:
-                if all(u is n for u in y.users):
+                if all(u is n or u in views for u in y.users):
                     views.append(y)
-            elif y in self.consts and _f32(self.metas, y, rank=(2,)):
+            elif y in self.consts and _fits(self.metas, y, rank=(2,)):
                 w, transposed = y, True
             else:
                 return None
-        if bias is not None and (bias not in self.consts or not _f32(self.metas, bias, rank=(1,))):
-            return None
+        if bias is not None:
+            bias, casts = _through_cast(bias, self.consts)
+            views += casts
+            if bias not in self.consts or not _fits(self.metas, bias, rank=(1,)):
+                return None
         x_rank = (2,) if kind in ("mm", "addmm") else tuple(range(2, 9))
-        if not isinstance(x, Node) or not _f32(self.metas, x, rank=x_rank):
+        if not isinstance(x, Node) or not _fits(self.metas, x, rank=x_rank):
+            return None
+        dt = _dtype(self.metas, x)
+        if _dtype(self.metas, n) != dt:
             return None
         inputs = {"x": x, "weight": w, "transposed": transposed, "bias": bias, "residual": None}
         covers = views + [n]
         user = _sole_user(n)
-        if bias is None and user is not None and canon(user) == "topk":
+        if bias is None and dt == _F32 and user is not None and canon(user) == "topk":
             m = self._topk_after(n, user, inputs, covers)
             if m is not None:
                 return m
@@ -193,7 +224,7 @@ class Matcher:
             if bu is not None and bu["alpha"] == 1:
                 other = bu["other"] if bu["input"] is cur else bu["input"]
                 if other is not cur and isinstance(other, Node) and \
-                        _f32(self.metas, other) and cur in (bu["input"], bu["other"]):
+                        _fits(self.metas, other, user, dtype=dt) and cur in (bu["input"], bu["other"]):
                     without = Match("linear", cur, list(covers), dict(inputs),
                                     {"epilogue": epilogue}, [plain] if cur is not n else [])
                     inputs["residual"] = other
@@ -230,7 +261,8 @@ class Matcher:
                  "matmul": (tuple(range(2, 9)), tuple(range(2, 9)))}[kind]
         if not (isinstance(a, Node) and isinstance(y, Node)):
             return None
-        if not (_f32(self.metas, a, rank=ranks[0]) and _f32(self.metas, y, rank=ranks[1])):
+        if not (_fits(self.metas, a, rank=ranks[0]) and
+                _fits(self.metas, y, n, rank=ranks[1], dtype=_dtype(self.metas, a))):
             return None
         ra, ry = len(self.metas[a].shape), len(self.metas[y].shape)
         if ry != 2 and ra != ry:
@@ -245,7 +277,7 @@ class Matcher:
         q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
         if not all(isinstance(t, Node) for t in (q, k, v)):
             return None
-        if not _f32(self.metas, q, k, v, rank=(3, 4)):
+        if not _fits(self.metas, q, k, v, rank=(3, 4), dtype=_dtype(self.metas, q)):
             return None
         if b["dropout_p"] != 0 or b["enable_gqa"] or not isinstance(b["is_causal"], bool):
             return None
@@ -257,7 +289,8 @@ class Matcher:
             mm = _meta(self.metas, mask)
             if mm is None or b["is_causal"]:
                 return None
-            mask_kind = {torch.bool: "bool", _F32: "float"}.get(mm.dtype)
+            mask_kind = "bool" if mm.dtype == torch.bool else \
+                "float" if mm.dtype == _dtype(self.metas, q) else None
             if mask_kind is None:
                 return None
         return Match("sdpa", n, [n], {"q": q, "k": k, "v": v, "mask": mask},
@@ -271,8 +304,11 @@ def why_not(node: Node, metas: dict) -> str:
         return node.meta["kwker.decompose"]
     for a in node.all_input_nodes:
         m = _meta(metas, a)
-        if m is not None and m.dtype != _F32 and m.dtype.is_floating_point:
-            return f"{m.dtype} input (Kwker kernels are float32)"
+        if m is not None and m.dtype == torch.float16:
+            return (f"{m.dtype} input (no float16 dot product on x86-64 CPUs without "
+                    "AVX512_FP16; Kwker kernels run in float32 and bfloat16)")
+        if m is not None and m.dtype not in KERNEL_DTYPES and m.dtype.is_floating_point:
+            return f"{m.dtype} input (Kwker kernels run in float32 and bfloat16)"
         if m is not None and m.device != "cpu":
             return f"{m.device} input (Kwker kernels run on the CPU)"
     return "its arguments fit no Kwker kernel (shapes, flags or non-constant weights)"

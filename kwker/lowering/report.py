@@ -32,7 +32,7 @@ class Report:
     status: str = "lowered"      # lowered | training | pending (dynamic) | fallback
     reason: str = ""
     shapes: str = ""
-    kernels: list = field(default_factory=list)      # (kernel name, [node names])
+    kernels: list = field(default_factory=list)      # (kernel name, [node names], dtype)
     inner_nodes: list = field(default_factory=list)  # (node name, op)
     missed: list = field(default_factory=list)       # (node name, op, reason)
     decomposed: list = field(default_factory=list)   # (node name, op) expanded into primitives
@@ -41,18 +41,24 @@ class Report:
 
     @property
     def kernel_names(self) -> list[str]:
-        return [k for k, _ in self.kernels]
+        return [k[0] for k in self.kernels]
+
+    @property
+    def kernel_dtypes(self) -> list[str]:
+        """The dtype each kernel runs in ("float32", "bfloat16"), in ``kernels`` order."""
+        return [k[2] for k in self.kernels]
 
     @property
     def kwker_nodes(self) -> list[str]:
-        return [n for _, nodes in self.kernels for n in nodes]
+        return [n for k in self.kernels for n in k[1]]
 
     def summary(self) -> str:
         where = f" [{self.shapes}]" if self.shapes else ""
         head = f"kwker graph {self.graph}{where}: "
         if self.status != "lowered":
             return head + f"{self.status} ({self.reason}); every node runs on {self.inner}"
-        kinds = ", ".join(self.kernel_names) or "none"
+        kinds = ", ".join(n if d == "float32" else f"{n} {d}"
+                          for n, _, d in self.kernels) or "none"
         miss = f"; missed {len(self.missed)}" if self.missed else ""
         return (head + f"{len(self.kernels)} Kwker kernels ({kinds}) covering "
                 f"{len(self.kwker_nodes)} nodes; {len(self.inner_nodes)} nodes on "
@@ -60,7 +66,7 @@ class Report:
 
     def __str__(self) -> str:
         lines = [self.summary()]
-        lines += [f"  kwker  {k:<22} {', '.join(n)}" for k, n in self.kernels]
+        lines += [f"  kwker  {k:<22} {d:<9} {', '.join(n)}" for k, n, d in self.kernels]
         lines += [f"  {self.inner:<6} {n:<22} {op}" for n, op in self.inner_nodes]
         lines += [f"  missed {n:<22} {op}: {why}" for n, op, why in self.missed]
         lines += [f"  split  {n:<22} {op}" for n, op in self.decomposed]
@@ -77,11 +83,11 @@ def describe(node: Node) -> str:
 def fill(report: Report, nodes: list, kernels: list, failures: dict) -> None:
     """Sort ``nodes`` into kernels and inner nodes; ``failures``: node -> why its match failed.
 
-    ``kernels`` is a list of (kernel name, covered nodes).
+    ``kernels`` is a list of (kernel name, covered nodes, torch dtype it runs in).
     """
     covered = set()
-    for name, cov in kernels:
-        report.kernels.append((name, [c.name for c in cov]))
+    for name, cov, dtype in kernels:
+        report.kernels.append((name, [c.name for c in cov], str(dtype).replace("torch.", "")))
         covered.update(cov)
     report.notes += [(n.name, why) for n, why in failures.items() if n in covered]
     for n in nodes:
@@ -93,6 +99,16 @@ def fill(report: Report, nodes: list, kernels: list, failures: dict) -> None:
         target = getattr(n.target, "__name__", n.target if isinstance(n.target, str) else "")
         if canon(n) in LOWERABLE or target in _FUSED_TARGETS:
             report.missed.append((n.name, describe(n), failures.get(n, "no pattern applies")))
+
+
+def kernel_dtype(inputs: list, metas: dict):
+    """The dtype a kernel runs in: that of its first floating input."""
+    for n in inputs:
+        m = metas.get(n)
+        dtype = getattr(m, "dtype", None)
+        if dtype is not None and dtype.is_floating_point:
+            return dtype
+    return "float32"
 
 
 _lock = threading.Lock()

@@ -33,6 +33,25 @@ def encoder_layer():
                                             batch_first=True, activation="gelu")
 
 
+class DecoderBlock(torch.nn.Module):
+    """A GPT-style pre-LN decoder block: causal self-attention, tanh-GELU MLP, residuals."""
+
+    def __init__(self, d=384, heads=6):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(d, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
 class Attention(torch.nn.Module):
     def __init__(self, causal: bool):
         super().__init__()
@@ -94,6 +113,24 @@ def assert_close(got, expected, rtol=RTOL, atol=ATOL):
 
 def kernels(reports) -> list[str]:
     return sorted(k for r in reports for k in r.kernel_names)
+
+
+def max_error(got, reference) -> float:
+    return (got.double() - reference.double()).abs().max().item()
+
+
+def assert_bf16_contract(got, eager, reference):
+    """Kwker's bf16 result at least as close to the float32 model as eager bf16's: max abs error
+    <= 1.25 x eager's + 1e-3 x max|reference| (the bf16 issue's contract)."""
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    eager = eager if isinstance(eager, (tuple, list)) else (eager,)
+    reference = reference if isinstance(reference, (tuple, list)) else (reference,)
+    for g, e, r in zip(got, eager, reference):
+        if not (isinstance(r, torch.Tensor) and r.is_floating_point()):
+            continue
+        assert g.dtype == e.dtype, (g.dtype, e.dtype)
+        bound = 1.25 * max_error(e, r) + 1e-3 * r.abs().max().item()
+        assert max_error(g, r) <= bound, (max_error(g, r), max_error(e, r), bound)
 
 
 def assert_no_misses(reports):

@@ -1,0 +1,120 @@
+"""bf16 models, both ways users write them (``model.to(torch.bfloat16)`` and autocast regions),
+under both inner compilers: every GEMM/attention/GELU node becomes a bf16 Kwker kernel (counted,
+so a silent fallback fails) and the result keeps the accuracy contract against the float32
+model (``assert_bf16_contract``)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kwker.dynamo as kd
+
+from .models import DecoderBlock, Ranker, assert_bf16_contract, assert_no_misses, encoder_layer
+
+BF16 = torch.bfloat16
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d=256, hidden=1024):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x))) + x
+
+
+class Matmuls(torch.nn.Module):
+    """Products of two activations (kn and transposed B, batched) and a standalone GELU."""
+
+    def forward(self, a, b):
+        s = torch.bmm(a, b.transpose(1, 2))
+        return F.gelu(torch.matmul(s, b) * 0.5, approximate="tanh"), s
+
+
+CASES = {  # name -> (model factory, inputs, expected kernels in either form)
+    "mlp": (lambda: MLP(), lambda: (torch.randn(37, 256),), ["linear_gelu", "linear_residual"]),
+    "mlp_b1": (lambda: MLP(), lambda: (torch.randn(1, 256),), ["linear_gelu", "linear_residual"]),
+    "encoder_layer": (encoder_layer, lambda: (torch.randn(2, 64, 256),),
+                      ["linear", "linear_gelu", "linear_residual", "linear_residual", "sdpa"]),
+    "decoder_block": (lambda: DecoderBlock(), lambda: (torch.randn(1, 128, 384),),
+                      ["linear", "linear_gelu_tanh", "linear_residual", "linear_residual",
+                       "sdpa"]),
+    "ranker": (lambda: Ranker(n_items=3000), lambda: (torch.randn(32, 64),),
+               ["linear", "linear", "linear_gelu", "topk"]),
+    "matmuls": (lambda: Matmuls(), lambda: (torch.randn(3, 17, 33), torch.randn(3, 19, 33)),
+                ["gelu", "matmul", "matmul"]),
+}
+# autocast keeps the float32 residual adds of MLP-like models in float32 (add promotes): there
+# the residual is not fused. A whole encoder layer is one op on autocast's bf16 list, so its
+# expansion is bf16 throughout, residuals included.
+AUTOCAST_KERNELS = {
+    "mlp": ["linear", "linear_gelu"], "mlp_b1": ["linear", "linear_gelu"],
+    "decoder_block": ["linear", "linear", "linear", "linear_gelu_tanh", "sdpa"],
+}
+
+
+def _run(name, form, inner):
+    make, inputs, expected = CASES[name]
+    torch.manual_seed(1)
+    model = make().eval()
+    args = inputs()
+    with torch.no_grad():
+        reference = model(*args)
+        if form == "bf16":
+            low = copy.deepcopy(model).to(BF16)
+            low_args = tuple(a.to(BF16) for a in args)
+            eager = low(*low_args)
+            torch._dynamo.reset()
+            kd.clear_reports()
+            compiled = torch.compile(low, backend="kwker", options={"inner": inner})
+            got = compiled(*low_args)
+        else:
+            with torch.autocast("cpu", dtype=BF16):
+                eager = model(*args)
+            torch._dynamo.reset()
+            kd.clear_reports()
+            compiled = torch.compile(model, backend="kwker", options={"inner": inner})
+            with torch.autocast("cpu", dtype=BF16):
+                got = compiled(*args)
+            expected = AUTOCAST_KERNELS.get(name, expected)
+    return reference, eager, got, kd.all_reports(), expected
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("form", ["bf16", "autocast"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bf16_model(name, form, inner):
+    reference, eager, got, reports, expected = _run(name, form, inner)
+    assert_bf16_contract(got, eager, reference)
+    assert_no_misses(reports)
+    kernels = sorted(k for r in reports for k in r.kernel_names)
+    assert kernels == sorted(expected), [str(r) for r in reports]
+    dtypes = {d for r in reports for (k, _, d) in r.kernels if k != "topk"}
+    assert dtypes == {"bfloat16"}, [str(r) for r in reports]
+
+
+def test_ranker_topk_follows_aten_on_the_bf16_scores():
+    """The top-k of bf16 scores is ATen's, tie order included, on the scores Kwker computed:
+    items repeat, so every score is tied several times."""
+    class Scores(torch.nn.Module):
+        def __init__(self, ranker):
+            super().__init__()
+            self.ranker = ranker
+
+        def forward(self, x):
+            return self.ranker.query(x) @ self.ranker.items.t()
+
+    torch.manual_seed(2)
+    ranker = Ranker(n_items=3000).eval().to(BF16)
+    with torch.no_grad():
+        ranker.items.copy_(ranker.items[:300].repeat(10, 1))
+    x = torch.randn(8, 64, dtype=BF16)
+    torch._dynamo.reset()
+    top = torch.compile(ranker, backend="kwker", options={"inner": "eager"})
+    scores = torch.compile(Scores(ranker), backend="kwker", options={"inner": "eager"})
+    with torch.no_grad():
+        values, indices = top(x)
+        expected = torch.topk(scores(x), 10, dim=-1)
+    assert kd.last_report().kernel_names == ["linear_gelu", "linear", "linear"]
+    assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
