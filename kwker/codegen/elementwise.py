@@ -1,6 +1,8 @@
-"""Elementwise float32 kernels: GELU (erf and tanh forms), ReLU, exp, erf, tanh.
+"""Elementwise kernels: GELU (erf and tanh forms), ReLU, exp, erf, tanh.
 
-Contract: ``out[i] = op(x[i])`` for a contiguous buffer of ``numel`` floats (in place allowed).
+Contract: ``out[i] = op(x[i])`` for a contiguous buffer of ``numel`` elements (in place allowed)
+of ``spec.dtype``: float32, or bfloat16 widened to float32, computed in float32 and rounded once
+to bf16 on store (ATen's round-to-nearest-even, ``codegen/bf16.py``), as ATen computes bf16 GELU.
 Each thread takes a contiguous, vector-aligned share; the body runs ``UNROLL[op]`` vectors per
 iteration (cheap ops are unrolled; the polynomial ones are not: their constants would spill),
 then single vectors, then one masked vector for the tail (no scalar loop). The maths is
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import omp, simd, vmath
+from . import bf16, omp, simd, vmath
 from .irutil import const, i64, new_module, ptr
 
 # elements per thread below which a fork (~1 us) costs more than it saves: the polynomial ops
@@ -29,10 +31,38 @@ OPS = {
 }
 
 
+def _load_f32(b, base, index, lanes, mask=None):
+    if mask is None:
+        return simd.load_vec(b, base, index, lanes)
+    return simd.masked_load(b, base, index, mask, lanes)
+
+
+def _store_f32(b, x, base, index, mask=None):
+    if mask is None:
+        simd.store_vec(b, x, base, index)
+    else:
+        simd.masked_store(b, x, base, index, mask)
+
+
+def _load_bf16(b, base, index, lanes, mask=None):
+    return bf16.load(b, base, index, lanes, mask=mask)
+
+
+def _store_bf16(b, x, base, index, mask=None):
+    bf16.store(b, x, base, index, mask=mask)
+
+
+# (load, store) per element type: float32 lanes in registers either way, bf16 as i16 in memory
+IO = {"f32": (_load_f32, _store_f32), "bf16": (_load_bf16, _store_bf16)}
+
+
 def emit(spec, target) -> ir.Module:
     if spec.op not in OPS:
         raise ValueError(f"kwker: no elementwise op {spec.op!r}; have {sorted(OPS)}")
+    if spec.dtype not in IO:
+        raise ValueError(f"kwker: elementwise dtype {spec.dtype!r}; have {sorted(IO)}")
     op = OPS[spec.op]
+    load, store = IO[spec.dtype]
     lanes = simd.float_lanes(target)
     module = new_module(spec.symbol)
     body = omp.body_fn(module, f"{spec.symbol}.body")
@@ -50,20 +80,18 @@ def emit(spec, target) -> ir.Module:
     step = lanes * unroll
     with body.while_(lambda: b.icmp_signed("<=", b.add(i.get(), const(i64, step)), end)):
         base = i.get()
-        xs = [simd.load_vec(b, src, b.add(base, const(i64, u * lanes)), lanes)
-              for u in range(unroll)]
+        xs = [load(b, src, b.add(base, const(i64, u * lanes)), lanes) for u in range(unroll)]
         for u, x in enumerate(xs):
-            simd.store_vec(b, op(b, x), dst, b.add(base, const(i64, u * lanes)))
+            store(b, op(b, x), dst, b.add(base, const(i64, u * lanes)))
         i.set(b.add(base, const(i64, step)))
     with body.while_(lambda: b.icmp_signed("<=", b.add(i.get(), const(i64, lanes)), end)):
         base = i.get()
-        simd.store_vec(b, op(b, simd.load_vec(b, src, base, lanes)), dst, base)
+        store(b, op(b, load(b, src, base, lanes)), dst, base)
         i.set(b.add(base, const(i64, lanes)))
     rest = b.sub(end, i.get())
     with body.if_(b.icmp_signed(">", rest, const(i64, 0))):
         mask = simd.lane_mask(b, lanes, rest)
-        x = simd.masked_load(b, src, i.get(), mask, lanes)
-        simd.masked_store(b, op(b, x), dst, i.get(), mask)
+        store(b, op(b, load(b, src, i.get(), lanes, mask)), dst, i.get(), mask)
     body.finish()
     max_threads = max(1, spec.numel // GRAIN.get(spec.op, DEFAULT_GRAIN))
     omp.emit_parallel(module, spec.symbol, [ptr, ptr], body.fn, max_threads=max_threads)

@@ -4,11 +4,23 @@ The target is never part of a kernel spec: the same spec compiles to different c
 CPUs, and the cache key carries the target. ``KWKER_CPU`` / ``KWKER_FEATURES`` override the host
 (as numba's NUMBA_CPU_NAME does) so tests can emit AVX-512 code on an AVX2 machine and a fleet
 can be prewarmed for another CPU type.
+
+A CPU named without features (``KWKER_CPU=znver3`` alone, ``make_target("znver3", "")``) gets the
+features LLVM itself gives that CPU name: llvmlite has no call that lists them, so
+``cpu_features`` compiles one tiny probe per feature for that CPU and reads the assembly (AVX2
+probe: a ``<8 x i32>`` add is one ``vpaddd %ymm`` only when LLVM may use AVX2). The probes run in
+a child process (about 0.1 s, once per process and name) because LLVM aborts the process on a
+name it does not know or on a 32-bit CPU; such a name is an error that lists close names.
+Explicit features are taken as given, unchecked.
 """
 from __future__ import annotations
 
+import difflib
 import functools
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import llvmlite.binding as llvm
@@ -42,25 +54,147 @@ _INTERESTING = ("sse4.2", "avx", "avx2", "fma", "bmi", "bmi2", "popcnt", "lzcnt"
                 "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512vbmi",
                 "avx512vbmi2", "avx512vpopcntdq", "avx512bf16", "avx512fp16")
 
+# One probe per feature of _INTERESTING: ``(signature, body, pattern)``, a function in generic IR
+# (never a target intrinsic: LLVM cannot select one without its feature) whose assembly matches
+# ``pattern`` only when LLVM may use that feature. tests/runtime/test_target.py checks each probe
+# both ways (a baseline CPU plus the feature; a CPU that has it minus the feature).
+_SHUFFLE = ", ".join(f"i32 {(i * 37 + 11) % 128}" for i in range(64))
+_PROBES = {
+    # XOP CPUs (bdver*) compare with vpcomgtq, and XOP implies SSE4.2 in LLVM
+    "sse4.2": ("<2 x i64> (<2 x i64> %a, <2 x i64> %b)",
+               "%c = icmp sgt <2 x i64> %a, %b %r = sext <2 x i1> %c to <2 x i64>",
+               r"pcmpgtq|vpcomgtq"),
+    "avx": ("<8 x float> (<8 x float> %a, <8 x float> %b)", "%r = fadd <8 x float> %a, %b",
+            r"vaddps\s[^\n]*%ymm"),
+    "avx2": ("<8 x i32> (<8 x i32> %a, <8 x i32> %b)", "%r = add <8 x i32> %a, %b",
+             r"vpaddd\s[^\n]*%ymm"),
+    # FMA3 (vfmadd213ps); FMA4 (bdver*) would be vfmaddps
+    "fma": ("<4 x float> (<4 x float> %a, <4 x float> %b, <4 x float> %c)",
+            "%r = call <4 x float> @llvm.fma.v4f32(<4 x float> %a, <4 x float> %b, "
+            "<4 x float> %c)", r"vfmadd\d{3}"),
+    "bmi": ("i64 (i64 %a)", "%r = call i64 @llvm.cttz.i64(i64 %a, i1 false)", r"\btzcnt"),
+    "bmi2": ("i64 (i64 %a, i64 %b)", "%r = shl i64 %a, %b", r"\bshlx"),
+    "popcnt": ("i64 (i64 %a)", "%r = call i64 @llvm.ctpop.i64(i64 %a)", r"\bpopcnt"),
+    "lzcnt": ("i64 (i64 %a)", "%r = call i64 @llvm.ctlz.i64(i64 %a, i1 false)", r"\blzcnt"),
+    "f16c": ("<4 x float> (<4 x half> %a)", "%r = fpext <4 x half> %a to <4 x float>",
+             r"vcvtph2ps"),
+    "avx512f": ("<16 x float> (<16 x float> %a, <16 x float> %b)",
+                "%r = fadd <16 x float> %a, %b", r"vaddps\s[^\n]*%zmm"),
+    "avx512bw": ("<64 x i8> (<64 x i8> %a, <64 x i8> %b)", "%r = add <64 x i8> %a, %b",
+                 r"vpaddb\s[^\n]*%zmm"),
+    "avx512dq": ("<8 x i64> (<8 x double> %a)", "%r = fptosi <8 x double> %a to <8 x i64>",
+                 r"vcvttpd2qq\s[^\n]*%zmm"),
+    # ymm vpsravq needs AVX512VL (AVX512F alone widens it to zmm, AVX2 has no vpsravq)
+    "avx512vl": ("<4 x i64> (<4 x i64> %a, <4 x i64> %b)", "%r = ashr <4 x i64> %a, %b",
+                 r"vpsravq\s[^\n]*%ymm"),
+    "avx512cd": ("<16 x i32> (<16 x i32> %a)",
+                 "%r = call <16 x i32> @llvm.ctlz.v16i32(<16 x i32> %a, i1 false)", r"vplzcntd"),
+    "avx512vbmi": ("<64 x i8> (<64 x i8> %a, <64 x i8> %b)",
+                   f"%r = shufflevector <64 x i8> %a, <64 x i8> %b, <64 x i32> <{_SHUFFLE}>",
+                   r"vperm(?:t2|i2)?b\s"),
+    "avx512vbmi2": ("<32 x i16> (<32 x i16> %a, <32 x i16> %b, <32 x i16> %s)",
+                    "%r = call <32 x i16> @llvm.fshl.v32i16(<32 x i16> %a, <32 x i16> %b, "
+                    "<32 x i16> %s)", r"vpshldvw"),
+    "avx512vpopcntdq": ("<16 x i32> (<16 x i32> %a)",
+                        "%r = call <16 x i32> @llvm.ctpop.v16i32(<16 x i32> %a)", r"vpopcntd\s"),
+    "avx512bf16": ("<16 x bfloat> (<16 x float> %a)",
+                   "%r = fptrunc <16 x float> %a to <16 x bfloat>",
+                   r"vcvtneps2bf16\s[^\n]*%zmm"),
+    "avx512fp16": ("<32 x half> (<32 x half> %a, <32 x half> %b)",
+                   "%r = fadd <32 x half> %a, %b", r"vaddph\s[^\n]*%zmm"),
+}
+
+# Run as ``python -c`` with a JSON request on stdin ({"triple", "cpu", "features", "probes"}):
+# prints {name: whether the probe's pattern matched}. LLVM warns on stderr about a CPU name it
+# does not know, then aborts when it compiles for it.
+_CHILD = r"""
+import json, re, sys
+import llvmlite.binding as llvm
+req = json.load(sys.stdin)
+llvm.initialize_native_target()
+llvm.initialize_native_asmprinter()
+tm = llvm.Target.from_triple(req["triple"]).create_target_machine(
+    cpu=req["cpu"], features=req["features"], opt=2)
+found = {}
+for i, (name, (signature, body, pattern)) in enumerate(req["probes"].items()):
+    ret, args = signature.split(" (", 1)
+    ir = f"define {ret} @p{i}({args} {{\n  {body}\n  ret {ret} %r\n}}\n"
+    found[name] = re.search(pattern, tm.emit_assembly(llvm.parse_assembly(ir))) is not None
+print(json.dumps(found))
+"""
+_UNKNOWN = "is not a recognized processor"
+
+
+class UnknownCPU(ValueError):
+    """A CPU name LLVM does not know (or not a 64-bit x86 CPU), and no features given."""
+
+
+def _run_child(cpu: str, features: str, probes: dict) -> subprocess.CompletedProcess:
+    req = {"triple": llvm.get_process_triple(), "cpu": cpu, "features": features,
+           "probes": probes}
+    return subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(req),
+                          capture_output=True, text=True, check=False)
+
+
+def _known_cpus() -> list[str]:
+    """The CPU names LLVM knows (what ``llc -mcpu=help`` lists)."""
+    r = _run_child("help", "", {})
+    return [line.split()[0] for line in r.stderr.splitlines()
+            if line.startswith("  ") and "- Select the" in line]
+
+
+def llvm_features(cpu: str, features: str = "") -> dict[str, bool]:
+    """Which ``_INTERESTING`` features LLVM uses in code for ``cpu`` with ``features`` added
+    (empty: the CPU name's own), found by compiling the probes in a child process."""
+    r = _run_child(cpu, features, _PROBES)
+    if r.returncode == 0 and _UNKNOWN not in r.stderr:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    if _UNKNOWN in r.stderr:
+        why = f"LLVM {llvm.llvm_version_info[0]} does not know the CPU name {cpu!r}"
+        close = difflib.get_close_matches(cpu, _known_cpus(), n=4, cutoff=0.6)
+        if close:
+            why += f" (did you mean {' or '.join(map(repr, close))}?)"
+    else:
+        last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        why = f"LLVM cannot compile x86-64 code for the CPU {cpu!r} ({last})"
+    raise UnknownCPU(
+        f"kwker: {why}. Set KWKER_CPU to an x86-64 CPU name LLVM knows (e.g. x86-64-v3, "
+        f"haswell, skylake-avx512, icelake-server, sapphirerapids, znver3, znver4), or give "
+        f"its features too, e.g. KWKER_FEATURES=+avx,+avx2,+fma,-avx512f")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_features(cpu: str) -> str:
+    """The feature string a CPU name implies, in ``_INTERESTING`` order ("+sse4.2,+avx,+avx2,
+    +fma,...,-avx512f,..."), as LLVM sees it; ``UnknownCPU`` for a name LLVM does not know."""
+    found = llvm_features(cpu)
+    return ",".join(("+" if found[f] else "-") + f for f in _INTERESTING)
+
+
+def _host_features() -> str:
+    host = llvm.get_host_cpu_features()
+    return ",".join(("+" if host.get(f) else "-") + f for f in _INTERESTING if f in host)
+
 
 @functools.lru_cache(maxsize=None)
 def host_target() -> Target:
-    """Host CPU name and features from LLVM, unless overridden by the environment."""
+    """Host CPU name and features from LLVM, unless overridden by the environment.
+
+    ``KWKER_FEATURES`` (non-empty) is used as given; else a ``KWKER_CPU`` name implies the
+    features LLVM gives that CPU (``cpu_features``); else both are the host's."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    cpu = os.environ.get("KWKER_CPU") or llvm.get_host_cpu_name()
+    named = os.environ.get("KWKER_CPU")
+    cpu = named or llvm.get_host_cpu_name()
     features = os.environ.get("KWKER_FEATURES")
     if not features:
-        if os.environ.get("KWKER_CPU"):
-            features = ""  # a named CPU implies its own features
-        else:
-            host = llvm.get_host_cpu_features()
-            features = ",".join(("+" if host.get(f) else "-") + f for f in _INTERESTING if f in host)
+        features = cpu_features(cpu) if named else _host_features()
     return Target(llvm.get_process_triple(), cpu, features)
 
 
-def make_target(cpu: str, features: str) -> Target:
-    """A target for another CPU (cross-prewarming, tests of the AVX-512 path)."""
+def make_target(cpu: str, features: str = "") -> Target:
+    """A target for another CPU (cross-prewarming, tests of the AVX-512 path); empty
+    ``features`` means the CPU name's own (``cpu_features``), as for ``KWKER_CPU``."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    return Target(llvm.get_process_triple(), cpu, features)
+    return Target(llvm.get_process_triple(), cpu, features or cpu_features(cpu))
