@@ -220,14 +220,16 @@ def _matmul(m: Match, metas, consts):
 # Above this many elements ATen's own vectorised erf makes a standalone erf GELU faster than
 # Kwker's (0.8-0.95x measured on a 2-core Zen 4); fused into a GEMM epilogue it still pays.
 GELU_ERF_MAX = 65536
+GELU_ERF_MAX_BF16 = 16384  # bf16: 1.25x at 16384, 0.84x at 65536 (the conversions add up)
 
 
 def _gelu(m: Match, metas, consts):
     xm: TensorMeta = metas[m.inputs["x"]]
     if not xm.contiguous or xm.numel == 0:
         return None, "non-contiguous or empty input"
-    if m.params["approximate"] == "none" and xm.numel > GELU_ERF_MAX:
-        return None, f"erf GELU of {xm.numel} elements: ATen's is faster above {GELU_ERF_MAX}"
+    limit = GELU_ERF_MAX if xm.dtype == torch.float32 else GELU_ERF_MAX_BF16
+    if m.params["approximate"] == "none" and xm.numel > limit:
+        return None, f"erf GELU of {xm.numel} elements: ATen's is faster above {limit}"
     return _make("make_gelu", xm.numel, approximate=m.params["approximate"],
                  **_dtype_kw(xm.dtype))
 
@@ -239,8 +241,8 @@ def _sdpa(m: Match, metas, consts):
         return None, "q, k, v of different ranks"
     q4, k4, v4 = ((1, *t.shape) if three else t.shape for t in (qm, km, vm))
     (b, h, lq, e), (bk, hk, lk, ek), (bv, hv, lv, ev) = q4, k4, v4
-    if (b, h) != (bk, hk) or (b, h) != (bv, hv) or e != ek or lk != lv:
-        return None, "broadcast or grouped-query attention"
+    if b != bk or b != bv or hk != hv or h % hk or e != ek or lk != lv or (three and h != hk):
+        return None, "broadcast batch or heads"
     if 0 in (b, h, lq, lk, e, ev):
         return None, "empty input"
     mask_shape = None
@@ -258,9 +260,10 @@ def _sdpa(m: Match, metas, consts):
     if not three and isinstance(om, TensorMeta) and all(
             t.stride[-1] == 1 and min(t.stride) >= 0 for t in (qm, km, vm, om)):
         strides = (qm.stride, km.stride, vm.stride, om.stride)
+    gqa = {} if hk == h else {"kv_heads": hk}  # grouped-query: kv head h // (H / Hkv)
     fn, why = _make("make_sdpa", b, h, lq, lk, e, ev, m.params["causal"], m.params["scale"],
                     m.params["mask"], mask_shape=mask_shape, strides=strides,
-                    **_dtype_kw(qm.dtype))
+                    **_dtype_kw(qm.dtype), **gqa)
     if fn is None:
         return None, why
     if three:

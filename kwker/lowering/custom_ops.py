@@ -236,11 +236,19 @@ def _sdpa(q, k, v, mask, causal, scale):
                         causal, scale, (q.stride(), k.stride(), v.stride()), q.dtype)
     if fn is not None:
         return (fn(q, k, v) if mask is None else fn(q, k, v, mask)).contiguous()
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                          scale=scale).contiguous()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=_gqa(q, k)).contiguous()
+
+
+def _gqa(q, k) -> bool:
+    """Fewer k/v heads than query heads: grouped-query attention (the op means ATen's
+    ``enable_gqa=True`` then)."""
+    return q.dim() == 4 and k.shape[-3] != q.shape[-3]
 
 
 def _sdpa_fake(q, k, v, mask, causal, scale):
+    if _gqa(q, k):
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     return q.new_empty((*batch, q.shape[-2], v.shape[-1]))
 

@@ -279,8 +279,21 @@ class Matcher:
             return None
         if not _fits(self.metas, q, k, v, rank=(3, 4), dtype=_dtype(self.metas, q)):
             return None
-        if b["dropout_p"] != 0 or b["enable_gqa"] or not isinstance(b["is_causal"], bool):
+        if b["dropout_p"] != 0 or not isinstance(b["is_causal"], bool):
             return None
+        if b["enable_gqa"] is not False and (b["enable_gqa"] is not True or
+                                             len(self.metas[q].shape) != 4):
+            return None
+        covers = [n]
+        # grouped-query attention written as repeated k/v heads: read the unrepeated ones
+        for key in ("k", "v"):
+            rk = _repeated_kv(k if key == "k" else v, self.metas)
+            if rk is not None and all(len(c.users) == 1 for c in rk[1]):
+                covers[:0] = rk[1]
+                if key == "k":
+                    k = rk[0]
+                else:
+                    v = rk[0]
         scale = b["scale"]  # 0.0 would read as "default" to the kernel: leave it to ATen
         if scale is not None and (not isinstance(scale, (int, float)) or scale == 0):
             return None
@@ -293,9 +306,54 @@ class Matcher:
                 "float" if mm.dtype == _dtype(self.metas, q) else None
             if mask_kind is None:
                 return None
-        return Match("sdpa", n, [n], {"q": q, "k": k, "v": v, "mask": mask},
+        return Match("sdpa", n, covers, {"q": q, "k": k, "v": v, "mask": mask},
                      {"causal": b["is_causal"], "scale": None if scale is None else float(scale),
                       "mask": mask_kind})
+
+
+_VIEWS = ("getitem", "unsqueeze", "view", "reshape")
+
+
+def _op_name(n: Node) -> str:
+    return n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+
+
+def _repeated_kv(n: Node, metas) -> tuple[Node, list] | None:
+    """(the (B, Hkv, L, D) source, [the repeat's nodes]) when ``n`` repeats each head of a 4-D
+    k or v ``r`` times in place (head h reads source head h // r, as grouped-query attention):
+    ``x[:, :, None].expand(B, Hkv, r, L, D).reshape(B, Hkv * r, L, D)`` (transformers'
+    ``repeat_kv``) or ``x.repeat_interleave(r, dim=1)``. Shapes decide, from the metas."""
+    def shape(x):
+        m = _meta(metas, x)
+        return m.shape if m is not None else None
+
+    out = shape(n)
+    if out is None or len(out) != 4 or not n.all_input_nodes:
+        return None
+    if _op_name(n) == "repeat_interleave":
+        src = n.args[0]
+        s = shape(src)
+        if s is not None and len(s) == 4 and s[0] == out[0] and s[2:] == out[2:] and \
+                out[1] % s[1] == 0 and (n.kwargs.get("dim", n.args[2] if len(n.args) > 2
+                                                      else None) in (1, -3)):
+            return src, [n]
+        return None
+    if _op_name(n) not in ("reshape", "view"):
+        return None
+    ex = n.args[0]
+    if not isinstance(ex, Node) or _op_name(ex) != "expand":
+        return None
+    un = ex.args[0]
+    es, us = shape(ex), shape(un) if isinstance(un, Node) else None
+    if es is None or us is None or len(es) != 5 or us[2] != 1 or \
+            (es[0], es[1] * es[2], es[3], es[4]) != tuple(out) or \
+            tuple(us) != (es[0], es[1], 1, es[3], es[4]) or _op_name(un) not in _VIEWS:
+        return None
+    src = un.args[0]
+    s = shape(src) if isinstance(src, Node) else None
+    if s is None or tuple(s) != (es[0], es[1], es[3], es[4]):
+        return None
+    return src, [un, ex, n]
 
 
 def why_not(node: Node, metas: dict) -> str:

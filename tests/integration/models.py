@@ -52,6 +52,38 @@ class DecoderBlock(torch.nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
+class GroupedQuery(torch.nn.Module):
+    """Causal grouped-query attention (8 query heads, 2 k/v heads), the k/v heads shared either
+    through ``enable_gqa=True`` or repeated as transformers' ``repeat_kv`` does."""
+
+    def __init__(self, d=256, heads=8, kv_heads=2, repeat="flag"):
+        super().__init__()
+        self.heads, self.kv_heads, self.repeat = heads, kv_heads, repeat
+        self.hd = d // heads
+        self.q = torch.nn.Linear(d, d)
+        self.kv = torch.nn.Linear(d, 2 * kv_heads * self.hd)
+        self.o = torch.nn.Linear(d, d)
+
+    def _repeat(self, x):
+        b, h, n, e = x.shape
+        r = self.heads // h
+        if self.repeat == "interleave":
+            return x.repeat_interleave(r, dim=1)
+        return x[:, :, None, :, :].expand(b, h, r, n, e).reshape(b, h * r, n, e)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q = self.q(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = (t.view(b, n, self.kv_heads, self.hd).transpose(1, 2)
+                for t in self.kv(x).split(self.kv_heads * self.hd, dim=-1))
+        if self.repeat == "flag":
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            a = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v),
+                                               is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, n, d))
+
+
 class Attention(torch.nn.Module):
     def __init__(self, causal: bool):
         super().__init__()

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import kwker.dynamo as kd
 
-from .models import DecoderBlock, Ranker, assert_bf16_contract, assert_no_misses, encoder_layer
+from .models import (DecoderBlock, GroupedQuery, Ranker, assert_bf16_contract, assert_no_misses,
+                     encoder_layer)
 
 BF16 = torch.bfloat16
 
@@ -42,6 +43,10 @@ CASES = {  # name -> (model factory, inputs, expected kernels in either form)
                        "sdpa"]),
     "ranker": (lambda: Ranker(n_items=3000), lambda: (torch.randn(32, 64),),
                ["linear", "linear", "linear_gelu", "topk"]),
+    "gqa": (lambda: GroupedQuery(repeat="flag"), lambda: (torch.randn(2, 45, 256),),
+            ["linear", "linear", "linear", "sdpa"]),
+    "gqa_repeat_kv": (lambda: GroupedQuery(repeat="expand"), lambda: (torch.randn(2, 45, 256),),
+                      ["linear", "linear", "linear", "sdpa"]),
     "matmuls": (lambda: Matmuls(), lambda: (torch.randn(3, 17, 33), torch.randn(3, 19, 33)),
                 ["gelu", "matmul", "matmul"]),
 }

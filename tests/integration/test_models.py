@@ -8,6 +8,7 @@ import torch
 
 from .models import (
     Attention,
+    GroupedQuery,
     OddSizes,
     Ranker,
     assert_close,
@@ -151,3 +152,18 @@ def test_inductor_custom_sdpa_reads_views_in_place():
     fn, _ = C.sdpa_kernel(q.shape, k.shape, v.shape, None, None, True, None,
                           (q.stride(), k.stride(), v.stride()))
     assert [s.strides[0] for s in fn.kwker_specs] == [q.stride()[:3]]
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("repeat", ["flag", "expand", "interleave"])
+def test_grouped_query_attention(repeat, inner):
+    """enable_gqa=True and the repeat-kv spellings run as one attention kernel on the unrepeated
+    k/v heads (the repeats are not executed)."""
+    torch.manual_seed(11)
+    model = GroupedQuery(repeat=repeat).eval()
+    ref, out, reports = compile_run(model, (torch.randn(2, 37, 256),), inner)
+    assert_close(out, ref)
+    assert_no_misses(reports)
+    assert kernels(reports) == ["linear", "linear", "linear", "sdpa"]
+    sdpa = next(nodes for name, nodes, _ in reports[-1].kernels if name == "sdpa")
+    assert len(sdpa) == (1 if repeat == "flag" else 3 if repeat == "interleave" else 7), sdpa
