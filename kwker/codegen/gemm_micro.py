@@ -135,18 +135,24 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
         with then:
             bias_v = [simd.load_any(b, bias, v * L, L, min(L, mk.cols - v * L)) if mk.bias
                       else None for v in range(nv)]
-            fused = mk.epilogue != "none" or mk.residual
+            # an activation goes through the tile once more (see _epilogue_pass); bias and
+            # residual are added in the registers and the result stored (rounded) once
+            act = mk.epilogue != "none"
+            dtype = "bf16" if mk.bf16 else "f32"
             for r in range(mr):
                 for v in range(nv):
                     x = total[r][v]
+                    active = last_active if v == nv - 1 else L
                     if mk.bias:
                         x = b.fadd(x, bias_v[v])
-                    if mk.bf16 and not fused:   # round once, straight from the registers
-                        active = last_active if v == nv - 1 else L
-                        bf16.store(b, x, out, const(i64, r * mk.ldo + v * L), active)
-                    else:
+                    if act:
                         _store_c(b, x, c, r * mk.ldc + v * L, last_active, v == nv - 1)
-            if fused:
+                        continue
+                    oidx = const(i64, r * (mk.ldo if mk.bf16 else mk.ldc) + v * L)
+                    if mk.residual:
+                        x = b.fadd(x, bf16.load_as(b, dtype, res, oidx, L, active))
+                    bf16.store_as(b, dtype, x, out, oidx, active)
+            if act:
                 _epilogue_pass(f, mk, c, res, out, last_active)
         with otherwise:
             for r in range(mr):
