@@ -78,3 +78,35 @@ def test_topk_bf16_screening_uses_vdpbf16ps():
     _, asm = compile_assembly(str(emit(spec, target)), target)
     assert re.search(r"vdpbf16ps\s+[^\n]*%zmm", asm)
     assert re.search(r"vfmadd\d{3}ps\s+[^\n]*%zmm", asm)  # the float32 rescoring
+
+
+BF16_TARGETS = {  # name -> (target, register, instruction of the k step)
+    "avx512bf16": (make_target("znver4", AVX512.features + ",+avx512bf16"), "zmm", "vdpbf16ps"),
+    "avx512f": (AVX512, "zmm", "vfmadd231ps"),
+    "avx2": (AVX2, "ymm", "vfmadd231ps"),
+}
+
+
+@pytest.mark.parametrize("isa", sorted(BF16_TARGETS))
+@pytest.mark.parametrize("shape", [(240, 256, 512), (3, 300, 400)], ids=["tiles", "small_m"])
+def test_bf16_gemm_instructions(isa, shape):
+    """bf16 GEMMs step over k pairs with vdpbf16ps where the CPU has it, else widen to float32
+    FMAs of the target's width; the accumulators of the big tile stay in registers."""
+    target, reg, step = BF16_TARGETS[isa]
+    m, n, k = shape
+    blk = blocking.choose(m, n, k // 2, target, dtype="bf16").as_kwargs()
+    spec = GemmSpec(m, n, k, 1, "packed", True, "gelu", True, **blk, dtype="bf16")
+    _, asm = compile_assembly(str(emit(spec, target)), target)
+    lines = [ln for ln in asm.splitlines() if re.search(rf"{step}\s+[^\n]*%{reg}", ln)]
+    assert lines, f"no {step} on {reg} in {spec.symbol}"
+    if isa != "avx512bf16":
+        assert "vdpbf16ps" not in asm
+    if isa == "avx2":
+        assert "zmm" not in asm
+    if shape[0] > 8:
+        accs = {ln.split(",")[-1].strip() for ln in lines}
+        assert len(accs) >= (24 if reg == "zmm" else 8), accs
+        # without the erf epilogue (whose constants may spill, outside the k loop): no spills
+        plain = GemmSpec(m, n, k, 1, "packed", True, **blk, dtype="bf16")
+        _, asm = compile_assembly(str(emit(plain, target)), target)
+        assert not re.search(rf"vmovups\s+%{reg}\d+, -?\d*\(%rsp\)", asm), "accumulator spills"

@@ -1,0 +1,150 @@
+"""bf16 GEMMs (make_linear, make_matmul) against a float32 reference under the accuracy contract:
+Kwker's max abs error <= 1.25 x eager bf16's + 1e-3 x max|reference|. Odd sizes everywhere (odd
+K, M and N off the tile, K not a multiple of the K block), every epilogue, the residual, both
+runtime-B layouts, batches; the vdpbf16ps path on this CPU and the widened paths (AVX-512F
+without AVX512_BF16, AVX2) run in subprocesses through the target override."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kwker.kernels.linear import make_linear
+from kwker.kernels.matmul import make_matmul
+from kwker.runtime.target import host_target
+
+BF16 = torch.bfloat16
+ACT = {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu,
+       "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+LINEAR_CASES = [  # m, n, k, epilogue, residual, bias
+    (1, 64, 32, "none", False, True), (1, 4096, 1024, "none", False, True),
+    (3, 37, 17, "gelu", False, True), (5, 33, 2, "relu", True, False),
+    (8, 200, 1031, "gelu_tanh", True, True), (13, 100, 64, "none", True, True),
+    (37, 77, 3, "none", False, True), (64, 256, 512, "gelu", False, True),
+    (200, 300, 1030, "none", True, True), (131, 521, 4097, "relu", False, True),
+]
+MATMUL_CASES = [  # m, k, n, batch, b transposed
+    (5, 17, 33, 1, False), (5, 17, 33, 1, True), (64, 64, 128, 4, False), (64, 64, 128, 4, True),
+    (130, 300, 70, 2, False), (130, 301, 70, 2, True), (1, 32, 37, 3, False),
+    (300, 1001, 500, 1, False),
+]
+
+
+def max_error(a, ref):
+    return (a.double() - ref.double()).abs().max().item()
+
+
+def within_contract(got, eager, ref) -> tuple[bool, str]:
+    bound = 1.25 * max_error(eager, ref) + 1e-3 * ref.abs().max().item()
+    return max_error(got, ref) <= bound, f"kwker {max_error(got, ref)} eager " \
+        f"{max_error(eager, ref)} bound {bound}"
+
+
+def check_linear(m, n, k, epilogue, residual, bias):
+    w = (torch.randn(n, k) / k ** 0.5).to(BF16)
+    b = torch.randn(n).to(BF16) if bias else None
+    x, r = torch.randn(m, k).to(BF16), torch.randn(m, n).to(BF16)
+    fn = make_linear(w, b, m, epilogue, residual)
+    got = fn(x, r) if residual else fn(x)
+    ref = ACT[epilogue](F.linear(x.float(), w.float(), None if b is None else b.float()))
+    eager = ACT[epilogue](F.linear(x, w, b))
+    if residual:
+        ref, eager = ref + r.float(), eager + r
+    assert got.dtype == BF16 and got.shape == (m, n)
+    return within_contract(got, eager, ref)
+
+
+def check_matmul(m, k, n, batch, transposed):
+    a = torch.randn(batch, m, k).to(BF16)
+    b = torch.randn(batch, n, k).to(BF16) if transposed else torch.randn(batch, k, n).to(BF16)
+    got = make_matmul(m, k, n, batch, transposed, dtype=BF16)(a, b)
+    bb = b.mT if transposed else b
+    return within_contract(got, a @ bb, a.float() @ bb.float())
+
+
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
+def test_linear_bf16(case):
+    ok, why = check_linear(*case)
+    assert ok, why
+
+
+@pytest.mark.parametrize("case", MATMUL_CASES, ids=str)
+def test_matmul_bf16(case):
+    ok, why = check_matmul(*case)
+    assert ok, why
+
+
+def test_autocast_weights_are_rounded_as_autocast_rounds_them():
+    """A float32 weight and bias with bf16 activations: autocast's linear, exactly what eager
+    computes from the rounded weights (F.linear in float32 of the bf16 values, one rounding)."""
+    torch.manual_seed(3)
+    w, b, x = torch.randn(96, 80), torch.randn(96), torch.randn(24, 80).to(BF16)
+    got = make_linear(w, b, 24, dtype=BF16)(x)
+    ref = F.linear(x.float(), w.to(BF16).float(), b.to(BF16).float())
+    assert torch.equal(got, ref.to(BF16)) or max_error(got, ref) <= 2 ** -7 * ref.abs().max()
+
+
+def test_nan_and_inf_propagate():
+    w = torch.randn(40, 16).to(BF16)
+    x = torch.randn(6, 16).to(BF16)
+    x[1, 3], x[2, 5] = float("nan"), float("inf")
+    got = make_linear(w, None, 6)(x)
+    ref = F.linear(x.float(), w.float())
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
+    assert (got.view(torch.int16)[got.isnan()] == 0x7FC0).all()  # ATen's rounding of a NaN
+
+
+def test_bad_inputs():
+    fn = make_linear(torch.randn(8, 6).to(BF16), None, 4)
+    with pytest.raises(NotImplementedError):
+        fn(torch.randn(4, 6))  # float32 into a bf16 kernel
+    with pytest.raises(ValueError):
+        fn(torch.randn(5, 6).to(BF16))
+    with pytest.raises(NotImplementedError):
+        make_linear(torch.randn(8, 6).half(), None, 4)
+
+
+ISA_PATHS = {  # name -> (KWKER_CPU, KWKER_FEATURES ("" = the CPU's own), what must run)
+    "avx512-bf16": ("znver4", "", "avx512bf16"),
+    "avx512f": ("skylake-avx512", "", "avx512f"),
+    "avx2": ("znver3", "", "avx2"),
+}
+
+
+@pytest.mark.parametrize("isa", sorted(ISA_PATHS))
+def test_isa_paths_run(isa, tmp_path):
+    """Each ISA's bf16 micro-kernel (vdpbf16ps, widened AVX-512, widened AVX2) on this machine."""
+    cpu, features, needs = ISA_PATHS[isa]
+    if not host_target().has(needs):
+        pytest.skip(f"this CPU cannot run {needs} code ({host_target().describe()}); its "
+                    "assembly is checked in tests/codegen/test_isa.py")
+    env = dict(os.environ, KWKER_CPU=cpu, KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("KWKER_FEATURES", None)
+    r = subprocess.run([sys.executable, __file__, "worker"], env=env, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all ok" in r.stdout, r.stdout
+
+
+def _worker() -> int:
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    print(host_target().describe(), "avx512bf16" if host_target().has("avx512bf16") else "")
+    bad = 0
+    for case in LINEAR_CASES:
+        ok, why = check_linear(*case)
+        bad += not ok
+        print("linear", case, "ok" if ok else "FAIL " + why)
+    for case in MATMUL_CASES:
+        ok, why = check_matmul(*case)
+        bad += not ok
+        print("matmul", case, "ok" if ok else "FAIL " + why)
+    if not bad:
+        print("all ok")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
+    sys.exit(_worker())
