@@ -33,6 +33,8 @@ import math
 from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
+from .attention_bf16 import emit_pack_k_pairs, emit_pack_v_pairs, emit_pair_rows, emit_widen, \
+    pair_rows_padded
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
 from .irutil import Fn, const, defined, f32, i1, i8, i16, i32, i64, intrinsic, new_module, ptr, \
@@ -49,7 +51,8 @@ def _cdiv(a: int, b: int) -> int:
 def emit(spec, target) -> ir.Module:
     L = simd.float_lanes(target)
     module = new_module(spec.symbol)
-    body = _Emitter(module, spec, L, target.has("avx512f")).body()
+    dpbf16 = target.has("avx512bf16") and L == 16
+    body = _Emitter(module, spec, L, target.has("avx512f"), dpbf16).body()
     flops = 4 * spec.batch * spec.heads * spec.lq * spec.lk * max(spec.e, spec.ev)
     items = spec.batch * spec.heads * _cdiv(spec.lq, spec.bq)
     max_threads = max(1, min(items, flops // (1 << 18)))  # ~2.5 us of FMAs per fork
@@ -58,7 +61,7 @@ def emit(spec, target) -> ir.Module:
 
 
 class _Emitter:
-    def __init__(self, module, spec, lanes, avx512: bool):
+    def __init__(self, module, spec, lanes, avx512: bool, dpbf16: bool = False):
         self.m, self.s, self.L, self.avx512 = module, spec, lanes, avx512
         s = spec
         self.bk = min(s.bk, _cdiv(s.lk, s.nr) * s.nr)
@@ -79,6 +82,12 @@ class _Emitter:
         self.et = i16 if self.bf else f32
         self.q_ld = s.e if self.bf and not self.direct else self.qs[2]
         self.v_ld = self.ev_pad if self.bf else self.vs[2]
+        # bf16 on AVX512_BF16: both products with vdpbf16ps on k pairs (attention_bf16.py);
+        # Q rows of ``ep`` words, K panels of ``ep_pad`` word rows, P rounded over its S row
+        self.pairs = self.bf and dpbf16
+        if self.pairs:
+            self.ep, self.ep_pad = _cdiv(s.e, 2), pair_rows_padded(s.e, lanes)
+            self.q_ld = self.ep  # words of the Q pair rows (blocked path)
 
     def head_off(self, head, strides, heads: int | None = None):
         """Element offset of head ``head`` (= batch * heads + h) for these strides."""
@@ -98,11 +107,18 @@ class _Emitter:
     # -- micro-kernel variants --------------------------------------------------------------
     def s_kernel(self, rows: int, cols: int) -> ir.Function:
         s, L = self.s, self.L
+        if self.pairs:  # float32 S (FIRST only: never the bf16 store of the LAST block)
+            return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, self.q_ld, 1, s.nr,
+                                            False, self.bk, dot="dpbf16", ldo=self.bk))
         return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, self.q_ld, 1, s.nr,
                                         False, self.bk))
 
     def o_kernel(self, rows: int) -> ir.Function:
         s, L = self.s, self.L
+        if self.pairs:  # A: the P pairs over each S row (bk words apart); B: V key pairs
+            return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1,
+                                            self.ev_pad, False, self.ev_pad, dot="dpbf16",
+                                            ldo=self.ev_pad))
         return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1, self.v_ld,
                                         not self.bf and s.ev % L != 0, self.ev_pad))
 
@@ -118,15 +134,18 @@ class _Emitter:
 
         malloc = intrinsic(self.m, "malloc", ptr, [i64])
         free = intrinsic(self.m, "free", ir.VoidType(), [ptr])
-        kp_floats = 0 if self.direct else _cdiv(s.lk, s.nr) * s.nr * s.e
+        blocked = not self.direct
+        kp_floats = blocked * _cdiv(s.lk, s.nr) * s.nr * (self.ep_pad if self.pairs else s.e)
         sizes = [kp_floats, s.bq * self.bk, s.bq * self.ev_pad, s.bq, s.bq]
-        if self.bf:  # float32 V of one kv head; K of one kv head and one Q block (blocked path)
-            blocked = not self.direct
+        if self.pairs:  # words: V key pairs of one kv head, Q pairs of one block (blocked path)
+            sizes += [_cdiv(s.lk, 2) * self.ev_pad, 0, s.bq * self.ep * blocked]
+        elif self.bf:  # float32 V of one kv head; K of one kv head and one Q block (blocked path)
             sizes += [s.lk * self.ev_pad, s.lk * s.e * blocked, s.bq * s.e * blocked]
         raws = [b.call(malloc, [const(i64, 4 * n + 64)]) for n in sizes]
         kp, sbuf, obuf, mrow, lrow, *wide = (_align64(b, r) for r in raws)
         vf, kf, self.qf = wide or (None, None, None)
-        pack_k = emit_pack_rows(self.m, s.nr, s.e if self.bf else self.ks[2], self.L)
+        pack_k = None if self.pairs else \
+            emit_pack_rows(self.m, s.nr, s.e if self.bf else self.ks[2], self.L)
 
         items = s.batch * s.heads * self.nqb
         cur_kv = f.var(i64, const(i64, -1), "kvhead")
@@ -140,13 +159,19 @@ class _Emitter:
             vh = simd.gep(b, v_all, self.head_off(kv, self.vs, self.kvh), self.et)
             if self.bf or not self.direct:  # once per kv head on this thread
                 with f.if_(b.icmp_signed("!=", kv, cur_kv.get())):
-                    if self.bf:
-                        widen = _emit_widen(self.m, self.L, s.ev, self.vs[2], self.ev_pad)
+                    if self.pairs:
+                        b.call(emit_pack_v_pairs(self.m, self.L, s.ev, self.ev_pad, self.vs[2],
+                                                 s.lk), [vh, vf])
+                        if not self.direct:
+                            b.call(emit_pack_k_pairs(self.m, self.L, s.nr, s.e, self.ks[2]),
+                                   [kh, const(i64, s.lk), kp])
+                    elif self.bf:
+                        widen = emit_widen(self.m, self.L, s.ev, self.vs[2], self.ev_pad)
                         b.call(widen, [vh, const(i64, s.lk), vf])
-                    if not self.direct:
+                    if not self.direct and not self.pairs:
                         src = kh
                         if self.bf:
-                            widen = _emit_widen(self.m, self.L, s.e, self.ks[2], s.e)
+                            widen = emit_widen(self.m, self.L, s.e, self.ks[2], s.e)
                             b.call(widen, [kh, const(i64, s.lk), kf])
                             src = kf
                         b.call(pack_k, [src, const(i64, s.lk), const(i64, s.e), kp])
@@ -168,8 +193,11 @@ class _Emitter:
         rows = b.sub(i1, i0)
         qh = simd.gep(b, q_all, b.add(self.head_off(head, self.qs),
                                       b.mul(i0, const(i64, self.qs[2]))), self.et)
-        if self.bf and not self.direct:  # the block's query rows in float32, row stride e
-            b.call(_emit_widen(self.m, self.L, s.e, self.qs[2], s.e), [qh, rows, self.qf])
+        if self.pairs and not self.direct:  # the block's query rows as pairs, ep words each
+            b.call(emit_pair_rows(self.m, self.L, s.e, self.qs[2]), [qh, rows, self.qf])
+            qh = self.qf
+        elif self.bf and not self.direct:  # the block's query rows in float32, row stride e
+            b.call(emit_widen(self.m, self.L, s.e, self.qs[2], s.e), [qh, rows, self.qf])
             qh = self.qf
         with f.for_range(0, s.bq, name="init") as r:
             simd.store_scalar(b, ir.Constant(f32, NEG_INF), mrow, r)
@@ -207,8 +235,11 @@ class _Emitter:
             return self.scores_direct(qh, kp, sbuf, j0, kv, rows)
         s, f = self.s, self.f
         b = f.b
-        mode = const(i64, FIRST | LAST)
+        mode = const(i64, FIRST if self.pairs else FIRST | LAST)
         nullp = ir.Constant(ptr, None)
+        # K panel words per key and contraction steps: e floats, or ep pairs of ep_pad rows
+        kw, kc = (self.ep_pad, self.ep) if self.pairs else (s.e, s.e)
+        extra = [nullp] if self.pairs else []
 
         def tile(r0, nrows):
             a = simd.gep(b, qh, b.mul(r0, const(i64, self.q_ld)))
@@ -216,19 +247,20 @@ class _Emitter:
             full_panels = b.sdiv(kv, const(i64, s.nr))
             with f.for_range(0, full_panels, name="sp") as p:
                 col = b.mul(p, const(i64, s.nr))
-                bp = simd.gep(b, kp, b.mul(b.add(j0, col), const(i64, s.e)))
+                bp = simd.gep(b, kp, b.mul(b.add(j0, col), const(i64, kw)))
                 c = simd.gep(b, sbuf, b.add(c_row, col))
-                b.call(self.s_kernel(nrows, s.nr), [a, bp, c, const(i64, s.e), mode, nullp, nullp])
+                b.call(self.s_kernel(nrows, s.nr), [a, bp, c, const(i64, kc), mode, nullp,
+                                                    nullp] + extra)
             rest = b.srem(kv, const(i64, s.nr))
             col = b.mul(full_panels, const(i64, s.nr))
-            bp = simd.gep(b, kp, b.mul(b.add(j0, col), const(i64, s.e)))
+            bp = simd.gep(b, kp, b.mul(b.add(j0, col), const(i64, kw)))
             c = simd.gep(b, sbuf, b.add(c_row, col))
             # the last panel of the sequence is the only partial one; lk is compile-time
             edge = s.lk % s.nr
             if edge:
                 with f.if_(b.icmp_signed(">", rest, const(i64, 0))):
-                    b.call(self.s_kernel(nrows, edge), [a, bp, c, const(i64, s.e), mode,
-                                                        nullp, nullp])
+                    b.call(self.s_kernel(nrows, edge), [a, bp, c, const(i64, kc), mode,
+                                                        nullp, nullp] + extra)
 
         self._row_tiles(rows, s.mrs, tile)
 
@@ -264,14 +296,20 @@ class _Emitter:
         s, f = self.s, self.f
         b = f.b
         nullp = ir.Constant(ptr, None)
-        vb = simd.gep(b, vh, b.mul(j0, const(i64, self.v_ld)))
+        extra = [nullp] if self.pairs else []
+        if self.pairs:  # key pairs: j0 is even (a multiple of bk), an odd kv ends on a 0 half
+            vb = simd.gep(b, vh, b.mul(b.sdiv(j0, const(i64, 2)), const(i64, self.ev_pad)))
+            kc = b.sdiv(b.add(kv, const(i64, 1)), const(i64, 2))
+        else:
+            vb = simd.gep(b, vh, b.mul(j0, const(i64, self.v_ld)))
+            kc = kv
 
         def tile(r0, nrows):
             a = simd.gep(b, sbuf, b.mul(r0, const(i64, self.bk)))
             c = simd.gep(b, obuf, b.mul(r0, const(i64, self.ev_pad)))
             mode = b.select(b.icmp_signed("==", j0, const(i64, 0)), const(i64, FIRST),
                             const(i64, 0))
-            b.call(self.o_kernel(nrows), [a, vb, c, kv, mode, nullp, nullp])
+            b.call(self.o_kernel(nrows), [a, vb, c, kc, mode, nullp, nullp] + extra)
 
         self._row_tiles(rows, s.mro, tile)
 
@@ -327,7 +365,10 @@ class _Emitter:
                 t = vmath.fma(b, x, vmath.splat(vt, c), b.fsub(vmath.splat(vt, 0.0), refv)) \
                     if raw else b.fsub(x, refv)
                 p = vmath.exp2_softmax(b, t, self.avx512)
-                simd.store_vec(b, p, row, col)
+                if self.pairs:  # bf16 P over the row's first half (read already), as pairs
+                    bf16.store(b, p, row, col)
+                else:
+                    simd.store_vec(b, p, row, col)
                 acc.set(b.fadd(acc.get(), p))
 
             with f.for_range(0, full, step=L, name="c2") as col:
@@ -342,7 +383,11 @@ class _Emitter:
                 start = b.mul(b.sdiv(b.add(vis, const(i64, L - 1)), const(i64, L)),
                               const(i64, L))
                 with f.for_range(start, kv, step=L, name="cz") as col:
-                    simd.store_vec(b, vmath.splat(vt, 0.0), row, col)
+                    if self.pairs:
+                        b.store(ir.Constant(ir.VectorType(i16, L), [ir.Constant(i16, 0)] * L),
+                                simd.gep(b, row, col, i16), align=2)
+                    else:
+                        simd.store_vec(b, vmath.splat(vt, 0.0), row, col)
             l_old = simd.load_scalar(b, lrow, r)
             alpha = vmath.exp2_softmax(b, b.fsub(m_old, ref), False)
             simd.store_scalar(b, vmath.fma(b, l_old, alpha, simd.hsum(b, acc.get())), lrow, r)
@@ -413,30 +458,6 @@ class _Emitter:
                 active = min(L, s.ev - v * L)
                 bf16.store_as(b, self.dt, b.fmul(x, iv), oh,
                               b.add(b.mul(r, const(i64, self.os[2])), const(i64, v * L)), active)
-
-
-def _emit_widen(module: ir.Module, L: int, cols: int, src_ld: int, dst_ld: int) -> ir.Function:
-    """``void widen(ptr src, i64 rows, ptr dst)``: ``rows`` x ``cols`` bf16 (row stride
-    ``src_ld``) to float32 (row stride ``dst_ld``); when ``dst_ld`` reaches past ``cols`` to a
-    whole vector, the padding lanes are written as 0."""
-    name = f"widen_rows.{L}.{cols}.{src_ld}.{dst_ld}"
-    existing = defined(module, name)
-    if existing is not None:
-        return existing
-    f = Fn(module, name, void, [ptr, i64, ptr], ["src", "rows", "dst"])
-    f.fn.attributes.add("noinline")
-    src, rows, dst = f.args
-    b = f.b
-    full = cols // L * L
-    with f.for_range(0, rows, name="r") as r:
-        s0, d0 = b.mul(r, const(i64, src_ld)), b.mul(r, const(i64, dst_ld))
-        with f.for_range(0, full, step=L, name="c") as c:
-            simd.store_vec(b, bf16.load(b, src, b.add(s0, c), L), dst, b.add(d0, c))
-        if cols > full:
-            x = bf16.load(b, src, b.add(s0, const(i64, full)), L, cols - full)
-            simd.store_any(b, x, dst, b.add(d0, const(i64, full)),
-                           L if dst_ld >= full + L else cols - full)
-    return f.finish()
 
 
 def transpose_add(b: ir.IRBuilder, vecs: list) -> ir.Value:

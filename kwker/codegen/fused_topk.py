@@ -18,12 +18,18 @@ entered them, and after the join the logs are replayed per row, in index order, 
 heap. That is exact because an element its thread's heap rejected cannot enter the global heap
 either (the global root is at least as strict), and the replay runs ATen's own step sequence on
 the rest.
+
+bf16 (``dtype="bf16"``): x and W hold bf16 (K even, in k-pair words as in gemm.py), the tile is
+computed by the bf16 GEMM micro-kernel (``vdpbf16ps`` or widened FMAs, float32 sums) and rounded
+to bf16 as the unfused linear rounds it, into a bf16 tile; the heap compares those rounded scores
+widened to float32 (exact), which is how ATen's top-k compares bf16 values, so the indices are
+``torch.topk``'s on the bf16 scores. Values are written as bf16.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from . import simd, vmath
+from . import bf16 as bf, simd, vmath
 from .gemm_bf16 import bound_factor, emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
@@ -51,6 +57,13 @@ class _Emitter:
         self.mr_edge = s.m - (self.mt - 1) * s.mr
         self.nr_edge = s.n - (self.np - 1) * s.nr
         self.bf16 = s.approx == "bf16"
+        self.half = s.dtype == "bf16"  # bf16 operands and scores (not the bf16 screening)
+        if self.half and (self.bf16 or s.k_dim % 2):
+            raise ValueError("kwker topk: bf16 scores need an even K and no screening")
+        self.dot = "fma"
+        if self.half:
+            self.dot = "dpbf16" if self.L == 16 and target.has("avx512bf16") else "widen"
+        self.kw = s.k_dim // 2 if self.half else s.k_dim  # k steps (words) of x and W
         if self.bf16 and not (target.has("avx512bf16") and self.L == 16 and s.nr % 16 == 0):
             raise ValueError("kwker topk: bf16 screening needs AVX512_BF16 and 16-lane panels")
         self.heap = Heap(self.module, s.largest)
@@ -63,7 +76,8 @@ class _Emitter:
     def micro(self, rows, cols):
         s = self.s
         return emit_micro(self.module, Micro(rows, _cdiv(cols, self.L), self.L, cols, 1, s.mr,
-                                             s.nr, False, s.nr))
+                                             s.nr, False, s.nr, dot=self.dot,
+                                             ldo=s.nr if self.half else 0))
 
     # -- parallel body: ctx = x, w, vals, idx, split_cols, hv, hi, cnt, logv, logi, logn --------
     def emit_body(self) -> ir.Function:
@@ -103,24 +117,26 @@ class _Emitter:
             simd.store_scalar(b, const(i64, 0), nlog, r)
 
         kp = (s.k_dim + 1) // 2
-        a_floats = (s.m + s.mr) * (kp if self.bf16 else s.k_dim)
+        a_floats = (s.m + s.mr) * (kp if self.bf16 else self.kw)
         raw_a = b.call(self.malloc, [const(i64, a_floats * 4 + s.m * 4 + 128)])
-        raw_t = b.call(self.malloc, [const(i64, s.mr * s.nr * 4 + 64)])
+        # the float32 tile, and after it the bf16 tile of rounded scores (bf16 operands)
+        raw_t = b.call(self.malloc, [const(i64, s.mr * s.nr * 6 + 128)])
         ap, tile = _align64(b, raw_a), _align64(b, raw_t)
+        scores = simd.gep(b, tile, const(i64, s.mr * s.nr + 16)) if self.half else tile
         qnorm = simd.gep(b, ap, const(i64, a_floats + 16))  # |x_row|, bf16 screening only
-        x_rows = simd.gep(b, x, b.mul(row0, const(i64, s.k_dim)))
+        x_rows = simd.gep(b, x, b.mul(row0, const(i64, self.kw)))
         if self.bf16:
             b.call(emit_pack_bf16(self.module, s.mr, s.k_dim),
                    [x_rows, b.sub(row1, row0), ap, qnorm])
-        else:
-            b.call(emit_pack_rows(self.module, s.mr, s.k_dim, self.L),
-                   [x_rows, b.sub(row1, row0), const(i64, s.k_dim), ap])
+        else:  # bf16 operands: rows of k-pair words, packed as words
+            b.call(emit_pack_rows(self.module, s.mr, self.kw, self.L),
+                   [x_rows, b.sub(row1, row0), const(i64, self.kw), ap])
         nullp = ir.Constant(ptr, None)
         log_base = b.mul(q0.get(), const(i64, s.nr))
         state = (hv, hi, cnt, nlog, logv, logi, b.zext(split_cols, i64), log_base)
-        a_tile_size = s.mr * (kp if self.bf16 else s.k_dim)
+        a_tile_size = s.mr * (kp if self.bf16 else self.kw)
         with f.for_range(q0.get(), q1.get(), name="q") as q:
-            wq = simd.gep(b, w, b.mul(q, const(i64, (kp if self.bf16 else s.k_dim) * s.nr)))
+            wq = simd.gep(b, w, b.mul(q, const(i64, (kp if self.bf16 else self.kw) * s.nr)))
             with f.for_range(t0.get(), t1.get(), name="t") as t:
                 a_tile = simd.gep(b, ap, b.mul(b.sub(t, t0.get()), const(i64, a_tile_size)))
                 row_t = b.mul(t, const(i64, s.mr))
@@ -134,7 +150,8 @@ class _Emitter:
                                                           const(i64, s.k_dim))),
                                      simd.load_scalar(b, qnorm, i_rel), w_exact, evec]
                         b.call(self.filter_row, [
-                            simd.gep(b, tile, b.mul(r, const(i64, s.nr))),
+                            simd.gep(b, scores, b.mul(r, const(i64, s.nr)),
+                                     ir.IntType(16) if self.half else f32),
                             b.add(row_t, r), b.mul(q, const(i64, s.nr)), cols, *state, *extra])
 
                 last_q = b.icmp_signed("==", q, const(i64, self.np - 1))
@@ -161,8 +178,9 @@ class _Emitter:
                                     qc = const(i1, 1)
                                 with f.if_(qc):
                                     b.call(self.micro(rows, ncols),
-                                           [a_tile, wq, tile, const(i64, s.k_dim),
-                                            const(i64, FIRST | LAST), nullp, nullp])
+                                           [a_tile, wq, tile, const(i64, self.kw),
+                                            const(i64, FIRST | LAST), nullp, nullp]
+                                           + ([scores] if self.half else []))
                                     filter_rows(const(i64, rows), const(i64, ncols))
         # row mode: this thread's rows are final
         with f.if_(b.not_(split_cols)):
@@ -206,6 +224,8 @@ class _Emitter:
             j = b.add(col0, c)
             if self.bf16:
                 v = b.call(dot, [xrow, simd.gep(b, wx, b.mul(j, const(i64, s.k_dim)))])
+            elif self.half:
+                v = bf.widen_scalar(b, simd.load_scalar(b, row, c, ir.IntType(16)))
             else:
                 v = simd.load_scalar(b, row, c)
             self.push(f, i, rhv, rhi, rcnt, v, j, log)
@@ -215,7 +235,8 @@ class _Emitter:
             with fast:
                 for v in range(s.nr // L):
                     live = simd.lane_mask(b, L, b.sub(cols, const(i64, v * L)))
-                    xv = simd.load_vec(b, row, const(i64, v * L), L)
+                    xv = bf.load(b, row, const(i64, v * L), L, mask=live) if self.half else \
+                        simd.load_vec(b, row, const(i64, v * L), L)
                     thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
                     if self.bf16:
                         e = vmath.fma(b, simd.masked_load(b, ev, b.add(col0, const(i64, v * L)),
@@ -256,7 +277,8 @@ class _Emitter:
         b.call(self.heap.sort, [rhv, rhi, const(i64, s.k)])
         with f.for_range(0, s.k, name="o") as j:
             pos = b.add(b.mul(r, const(i64, s.k)), j)
-            simd.store_scalar(b, simd.load_scalar(b, rhv, j), vals, pos)
+            v = simd.load_scalar(b, rhv, j)
+            simd.store_scalar(b, bf.narrow_scalar(b, v) if self.half else v, vals, pos)
             simd.store_scalar(b, b.sext(simd.load_scalar(b, rhi, j, i32), i64), idx, pos)
 
     def emit_main(self, body):

@@ -165,7 +165,8 @@ def _linear_topk(m: Match, metas, consts):
     rows = _prod(lead)
     if rows == 0:
         return None, "empty input"
-    fn, why = _make("make_linear_topk", w, rows, k, largest=m.params["largest"])
+    fn, why = _make("make_linear_topk", w, rows, k, largest=m.params["largest"],
+                    **_dtype_kw(xm.dtype))
     if fn is None:
         return None, why
     wrap = torch.return_types.topk

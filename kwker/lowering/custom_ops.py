@@ -133,11 +133,11 @@ def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed,
         dtype=dtype))
 
 
-def linear_topk_kernel(x_shape, weight, transposed, k, largest):
-    key = ("linear_topk", x_shape, weight.data_ptr(), transposed, k, largest)
+def linear_topk_kernel(x_shape, weight, transposed, k, largest, dtype=torch.float32):
+    key = ("linear_topk", x_shape, weight.data_ptr(), transposed, k, largest, dtype)
     return kernel_for(key, (weight,), lambda: _make(
         "linear_topk", {"x": "x", "weight": "w", "transposed": transposed}, {"x": x_shape},
-        {"k": k, "largest": largest}, {"w": weight}))
+        {"k": k, "largest": largest}, {"w": weight}, dtype=dtype))
 
 
 def matmul_kernel(a_shape, b_shape, dtype=torch.float32):
@@ -193,9 +193,10 @@ def _linear_fake(x, weight, bias, residual, epilogue, transposed):
 
 
 def _linear_topk(x, weight, transposed, k, largest):
-    fn, _ = linear_topk_kernel(x.shape, weight, transposed, k, largest)
+    fn, _ = linear_topk_kernel(x.shape, weight, transposed, k, largest, x.dtype)
     if fn is not None:
         return tuple(t.contiguous() for t in fn(x))
+    weight = weight.to(x.dtype)  # an autocast region's float32 weight, cast as autocast casts
     scores = torch.matmul(x, weight if transposed else weight.t())
     v, i = torch.topk(scores, k, -1, largest, True)
     return v.contiguous(), i.contiguous()

@@ -62,7 +62,7 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> str | None:
                                   p["epilogue"], i["transposed"], dtype)
     elif m.kind == "linear_topk":
         fn, why = C.linear_topk_kernel(shapes["x"], consts[i["weight"]], i["transposed"],
-                                       p["k"], p["largest"])
+                                       p["k"], p["largest"], dtype)
     elif m.kind == "matmul":
         fn, why = C.matmul_kernel(shapes["a"], shapes["b"], dtype)
     elif m.kind == "gelu":

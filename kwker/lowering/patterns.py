@@ -202,7 +202,7 @@ class Matcher:
         inputs = {"x": x, "weight": w, "transposed": transposed, "bias": bias, "residual": None}
         covers = views + [n]
         user = _sole_user(n)
-        if bias is None and dt == _F32 and user is not None and canon(user) == "topk":
+        if bias is None and user is not None and canon(user) == "topk":
             m = self._topk_after(n, user, inputs, covers)
             if m is not None:
                 return m

@@ -1,7 +1,8 @@
-"""bf16 GEMMs (make_linear, make_matmul) against a float32 reference under the accuracy contract:
+"""bf16 GEMMs (make_linear, make_matmul, make_linear_topk) against a float32 reference under the accuracy contract:
 Kwker's max abs error <= 1.25 x eager bf16's + 1e-3 x max|reference|. Odd sizes everywhere (odd
 K, M and N off the tile, K not a multiple of the K block), every epilogue, the residual, both
-runtime-B layouts, batches; the vdpbf16ps path on this CPU and the widened paths (AVX-512F
+runtime-B layouts, batches. The fused GEMM + top-k must equal ``torch.topk`` of the unfused
+linear's bf16 scores exactly (tie order included, on tie-heavy scores). The vdpbf16ps path on this CPU and the widened paths (AVX-512F
 without AVX512_BF16, AVX2) run in subprocesses through the target override."""
 import os
 import subprocess
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from kwker.kernels.linear import make_linear
 from kwker.kernels.matmul import make_matmul
+from kwker.kernels.topk import make_linear_topk
 from kwker.runtime.target import host_target
 
 BF16 = torch.bfloat16
@@ -29,6 +31,12 @@ MATMUL_CASES = [  # m, k, n, batch, b transposed
     (5, 17, 33, 1, False), (5, 17, 33, 1, True), (64, 64, 128, 4, False), (64, 64, 128, 4, True),
     (130, 300, 70, 2, False), (130, 301, 70, 2, True), (1, 32, 37, 3, False),
     (300, 1001, 500, 1, False),
+]
+
+TOPK_CASES = [  # m, n, K, k, largest, tied (items repeat)
+    (32, 20000, 128, 10, True, False), (1, 5000, 64, 50, True, True),
+    (7, 3001, 33, 5, False, True), (100, 4096, 256, 20, True, True),
+    (3, 1000, 17, 15, True, False), (2, 700, 40, 30, True, False),  # k * 64 > n: torch.topk
 ]
 
 
@@ -62,6 +70,23 @@ def check_matmul(m, k, n, batch, transposed):
     got = make_matmul(m, k, n, batch, transposed, dtype=BF16)(a, b)
     bb = b.mT if transposed else b
     return within_contract(got, a @ bb, a.float() @ bb.float())
+
+
+def check_topk(m, n, kd, k, largest, tied):
+    w = torch.randn(n, kd).to(BF16)
+    if tied:
+        w = torch.cat([w[: n // 10].repeat(10, 1), w[: n - n // 10 * 10]])
+    x = torch.randn(m, kd).to(BF16)
+    values, indices = make_linear_topk(w, m, k, largest)(x)
+    expected = torch.topk(make_linear(w, None, m, dtype=BF16)(x), k, dim=-1, largest=largest)
+    ok = torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+    return ok, "differs from torch.topk of the unfused scores"
+
+
+@pytest.mark.parametrize("case", TOPK_CASES, ids=str)
+def test_linear_topk_bf16(case):
+    ok, why = check_topk(*case)
+    assert ok, why
 
 
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
@@ -141,6 +166,10 @@ def _worker() -> int:
         ok, why = check_matmul(*case)
         bad += not ok
         print("matmul", case, "ok" if ok else "FAIL " + why)
+    for case in TOPK_CASES:
+        ok, why = check_topk(*case)
+        bad += not ok
+        print("linear_topk", case, "ok" if ok else "FAIL " + why)
     if not bad:
         print("all ok")
     return 1 if bad else 0

@@ -1,0 +1,174 @@
+"""bfloat16 operand layouts of the attention kernel (codegen/attention.py).
+
+Two ways to feed bf16 q/k/v to the GEMM micro-kernel (gemm_micro.py):
+
+- widened (every ISA): K and V widened once per kv head per thread into float32 scratch
+  (``emit_widen``), the rows of a Q block once per block; the float32 micro-kernel (FMA) runs
+  on them.
+- k pairs (CPUs with AVX512_BF16): the micro-kernel's ``dpbf16`` mode, whose A and B hold 32-bit
+  words of two bf16 along the contraction axis, the even index in the low half.
+
+  S = Q K^T contracts over e: a Q block is copied as rows of ``ep = ceil(e/2)`` words
+  (``emit_pair_rows``, a zero high half past an odd e), K is packed once per kv head into
+  ``nr``-key panels of word rows, ``panel[p][j] = (K[j][2p], K[j][2p+1])`` (``emit_pack_k_pairs``,
+  in-register transposes of L x L words).
+  O += P V contracts over keys: P (float32 after the exp) is rounded to bf16 in place over the
+  first half of its own score row, so row r of the S buffer read as words is
+  ``(P[r][2j], P[r][2j+1])``; V is packed once per kv head into rows of key pairs,
+  ``vp[j][c] = (V[2j][c], V[2j+1][c])``, ``ev_pad`` words wide (``emit_pack_v_pairs``). An odd
+  key count gets a zero high half in V, and P is 0 past the block's keys (the softmax stores
+  whole vectors), so pairs that straddle the end add nothing.
+
+Rounding P to bf16 is what ATen's own bf16 flash attention does for its bf16 GEMM (the softmax
+sum stays the float32 sum of the unrounded exponentials, as there).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import bf16, simd
+from .gemm_pack import emit_pack_cols_pairs, transpose
+from .irutil import Fn, const, defined, i1, i16, i32, i64, intrinsic, ptr, void
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _load_i16(b: ir.IRBuilder, base, index, lanes: int, mask) -> ir.Value:
+    """``lanes`` raw bf16 (i16) at ``base[index]``, lanes off in ``mask`` read as 0."""
+    vt = ir.VectorType(i16, lanes)
+    fn = intrinsic(b.module, f"llvm.masked.load.v{lanes}i16.p0", vt,
+                   [ptr, i32, ir.VectorType(i1, lanes), vt])
+    return b.call(fn, [simd.gep(b, base, index, i16), const(i32, 2), mask,
+                       ir.Constant(vt, [ir.Constant(i16, 0)] * lanes)])
+
+
+def _splat_bit(b: ir.IRBuilder, bit: ir.Value, lanes: int) -> ir.Value:
+    vt = ir.VectorType(i1, lanes)
+    v = b.insert_element(ir.Constant(vt, ir.Undefined), bit, const(i32, 0))
+    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
+                            ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+
+
+def emit_widen(module: ir.Module, L: int, cols: int, src_ld: int, dst_ld: int) -> ir.Function:
+    """``void widen(ptr src, i64 rows, ptr dst)``: ``rows`` x ``cols`` bf16 (row stride
+    ``src_ld``) to float32 (row stride ``dst_ld``); when ``dst_ld`` reaches past ``cols`` to a
+    whole vector, the padding lanes are written as 0."""
+    name = f"widen_rows.{L}.{cols}.{src_ld}.{dst_ld}"
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
+    f = Fn(module, name, void, [ptr, i64, ptr], ["src", "rows", "dst"])
+    f.fn.attributes.add("noinline")
+    src, rows, dst = f.args
+    b = f.b
+    full = cols // L * L
+    with f.for_range(0, rows, name="r") as r:
+        s0, d0 = b.mul(r, const(i64, src_ld)), b.mul(r, const(i64, dst_ld))
+        with f.for_range(0, full, step=L, name="c") as c:
+            simd.store_vec(b, bf16.load(b, src, b.add(s0, c), L), dst, b.add(d0, c))
+        if cols > full:
+            x = bf16.load(b, src, b.add(s0, const(i64, full)), L, cols - full)
+            simd.store_any(b, x, dst, b.add(d0, const(i64, full)),
+                           L if dst_ld >= full + L else cols - full)
+    return f.finish()
+
+
+def emit_pair_rows(module: ir.Module, L: int, e: int, src_ld: int) -> ir.Function:
+    """``void pair_rows(ptr src, i64 rows, ptr dst)``: ``rows`` x ``e`` bf16 (row stride
+    ``src_ld``) into rows of ``ceil(e/2)`` words (a copy; an odd ``e`` gets a zero last half)."""
+    name = f"pair_rows.{L}.{e}.{src_ld}"
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
+    f = Fn(module, name, void, [ptr, i64, ptr], ["src", "rows", "dst"])
+    f.fn.attributes.add("noinline")
+    src, rows, dst = f.args
+    b = f.b
+    H = 2 * L                       # bf16 per vector
+    dst_ld = 2 * _cdiv(e, 2)        # in bf16
+    with f.for_range(0, rows, name="r") as r:
+        s0, d0 = b.mul(r, const(i64, src_ld)), b.mul(r, const(i64, dst_ld))
+        for c in range(0, e, H):
+            x = _load_i16(b, src, b.add(s0, const(i64, c)), H, simd.const_mask(H, e - c))
+            n = min(H, dst_ld - c)
+            addr = simd.gep(b, dst, b.add(d0, const(i64, c)), i16)
+            if n == H:
+                b.store(x, addr, align=2)
+            else:
+                st = intrinsic(module, f"llvm.masked.store.v{H}i16.p0", ir.VoidType(),
+                               [x.type, ptr, i32, ir.VectorType(i1, H)])
+                b.call(st, [x, addr, const(i32, 2), simd.const_mask(H, n)])
+    return f.finish()
+
+
+def emit_pack_k_pairs(module: ir.Module, L: int, nr: int, e: int, ld: int) -> ir.Function:
+    """``void pack_k_pairs(ptr src, i64 rows, ptr dst)``: K (``rows`` keys x ``e`` bf16, row
+    stride ``ld``) into ``nr``-key panels of ``ep_pad`` word rows (``ep = ceil(e/2)`` rounded up
+    to whole vectors; the micro-kernel reads ``ep``): ``dst[t][p][j] = (K[t nr + j][2p],
+    K[t nr + j][2p + 1])``, zero past ``rows`` keys and past ``e``. Per block of L keys x L
+    words: L row loads of 2L bf16, one L x L transpose of words, L stores."""
+    name = f"pack_k_pairs.{L}.{nr}.{e}.{ld}"
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
+    f = Fn(module, name, void, [ptr, i64, ptr], ["src", "rows", "dst"])
+    f.fn.attributes.add("noinline")
+    src, rows, dst = f.args
+    b = f.b
+    H, wt = 2 * L, ir.VectorType(i32, L)
+    ep_pad = pair_rows_padded(e, L)
+    tiles = b.sdiv(b.add(rows, const(i64, nr - 1)), const(i64, nr))
+    with f.for_range(0, tiles, name="t") as t:
+        tile_dst = b.mul(t, const(i64, nr * ep_pad))
+        for rg in range(0, nr, L):
+            first = b.add(b.mul(t, const(i64, nr)), const(i64, rg))
+            live = [_splat_bit(b, b.icmp_signed("<", b.add(first, const(i64, j)), rows), H)
+                    for j in range(L)]
+            for p0 in range(0, ep_pad, L):    # compile-time: a few blocks per head dim
+                cmask = simd.const_mask(H, e - 2 * p0)
+                words = []
+                for j in range(L):
+                    idx = b.add(b.mul(b.add(first, const(i64, j)), const(i64, ld)),
+                                const(i64, 2 * p0))
+                    words.append(b.bitcast(_load_i16(b, src, idx, H, b.and_(cmask, live[j])),
+                                           wt))
+                for kk, col in enumerate(transpose(b, words)):
+                    idx = b.add(tile_dst, const(i64, (p0 + kk) * nr + rg))
+                    b.store(col, simd.gep(b, dst, idx, i32), align=4)
+    return f.finish()
+
+
+def pair_rows_padded(e: int, L: int) -> int:
+    """Word rows per K panel: ``ceil(e/2)`` rounded up to whole vectors."""
+    return _cdiv(_cdiv(e, 2), L) * L
+
+
+def emit_pack_v_pairs(module: ir.Module, L: int, ev: int, ev_pad: int, ld: int,
+                      lk: int) -> ir.Function:
+    """``void pack_v_pairs(ptr src, ptr dst)``: V (``lk`` x ``ev`` bf16, row stride ``ld``) into
+    ``ceil(lk/2)`` rows of ``ev_pad`` words, ``dst[j][c] = (V[2j][c], V[2j+1][c])``, zero past
+    ``ev``; an odd ``lk`` gets a zero high half in its last row."""
+    name = f"pack_v_pairs.{L}.{ev}.{ev_pad}.{ld}.{lk}"
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
+    f = Fn(module, name, void, [ptr, ptr], ["src", "dst"])
+    f.fn.attributes.add("noinline")
+    src, dst = f.args
+    b = f.b
+    if lk >= 2:
+        b.call(emit_pack_cols_pairs(module, ev_pad, ld, L), [src, const(i64, ev), const(i64, lk // 2),
+                                                             dst])
+    if lk % 2:
+        wt = ir.VectorType(i32, L)
+        for c in range(0, ev_pad, L):
+            x = _load_i16(b, src, const(i64, (lk - 1) * ld + c), L, simd.const_mask(L, ev - c))
+            idx = const(i64, (lk // 2) * ev_pad + c)
+            b.store(b.zext(x, wt), simd.gep(b, dst, idx, i32), align=4)
+    return f.finish()
+
+
+__all__ = ["emit_pack_k_pairs", "emit_pack_v_pairs", "emit_pair_rows", "emit_widen",
+           "pair_rows_padded"]
