@@ -8,11 +8,15 @@ does). Rows with no visible key give 0, as torch does. Grouped-query attention: 
 ``kv_heads`` heads and query head h reads kv head ``h // (heads // kv_heads)`` (the head offset
 comes from the strides, nothing is copied).
 
-bfloat16: the softmax and both products run in float32 on widened inputs (widening is exact),
-and the output is rounded once (round to nearest even, as ATen). K and V are widened once per kv
-head per thread into float32 scratch (K then packed as below, V read from there as the B
-operand, zero-padded to whole vectors), the rows of a Q block once per block; the few-query path
-reads Q and K in place with widening loads.
+bfloat16: the softmax runs in float32 and the output is rounded once (round to nearest even,
+as ATen). The products, on CPUs with AVX512_BF16: ``vdpbf16ps`` on bf16 pairs, float32 sums
+(attention_bf16.py has the layouts): S = Q K^T on Q rows and K panels of pairs along e; O += P V
+on P rounded to bf16 (as ATen's flash kernel rounds it) and V packed in key pairs, when e == ev.
+When e != ev ATen computes in float32 (its flash kernel wants equal head sizes), so P stays
+float32 and V is widened, as everywhere on other CPUs: K and V widened once per kv head per
+thread into float32 scratch (K then packed as below, V read from there as the B operand,
+zero-padded to whole vectors), the rows of a Q block once per block, float32 FMAs. The
+few-query path reads Q and K in place with widening loads.
 
 Per work item (one head, one block of ``bq`` query rows) and per block of ``bk`` keys:
 1. ``S = Q_blk K_blk^T`` with the GEMM micro-kernel: Q rows broadcast straight from Q, K packed
@@ -34,7 +38,7 @@ from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
 from .attention_bf16 import emit_pack_k_pairs, emit_pack_v_pairs, emit_pair_rows, emit_widen, \
-    pair_rows_padded
+    exp2_p, pair_rows_padded, store_p
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
 from .irutil import Fn, const, defined, f32, i1, i8, i16, i32, i64, intrinsic, new_module, ptr, \
@@ -82,12 +86,17 @@ class _Emitter:
         self.et = i16 if self.bf else f32
         self.q_ld = s.e if self.bf and not self.direct else self.qs[2]
         self.v_ld = self.ev_pad if self.bf else self.vs[2]
-        # bf16 on AVX512_BF16: both products with vdpbf16ps on k pairs (attention_bf16.py);
-        # Q rows of ``ep`` words, K panels of ``ep_pad`` word rows, P rounded over its S row
-        self.pairs = self.bf and dpbf16
-        if self.pairs:
+        # bf16 with vdpbf16ps (module doc): S from Q rows of ``ep`` words and K panels of
+        # ``ep_pad`` word rows; O from P rounded over its own S row and V in key pairs
+        self.dot = self.bf and dpbf16
+        self.qk_pairs = self.dot and not self.direct
+        self.pv_pairs = self.dot and s.e == s.ev
+        if self.qk_pairs:
             self.ep, self.ep_pad = _cdiv(s.e, 2), pair_rows_padded(s.e, lanes)
-            self.q_ld = self.ep  # words of the Q pair rows (blocked path)
+            self.q_ld = self.ep
+        # softmax: independent max/sum accumulators per score row and a shorter exp2 for bf16 on
+        # AVX512_BF16; float32 and the other ISAs keep theirs (same sums, same results)
+        self.chains = 4 if self.dot else 1
 
     def head_off(self, head, strides, heads: int | None = None):
         """Element offset of head ``head`` (= batch * heads + h) for these strides."""
@@ -107,7 +116,7 @@ class _Emitter:
     # -- micro-kernel variants --------------------------------------------------------------
     def s_kernel(self, rows: int, cols: int) -> ir.Function:
         s, L = self.s, self.L
-        if self.pairs:  # float32 S (FIRST only: never the bf16 store of the LAST block)
+        if self.qk_pairs:  # float32 S (FIRST only: never the bf16 store of the LAST block)
             return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, self.q_ld, 1, s.nr,
                                             False, self.bk, dot="dpbf16", ldo=self.bk))
         return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, self.q_ld, 1, s.nr,
@@ -115,7 +124,7 @@ class _Emitter:
 
     def o_kernel(self, rows: int) -> ir.Function:
         s, L = self.s, self.L
-        if self.pairs:  # A: the P pairs over each S row (bk words apart); B: V key pairs
+        if self.pv_pairs:  # A: the P pairs over each S row (bk words apart); B: V key pairs
             return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1,
                                             self.ev_pad, False, self.ev_pad, dot="dpbf16",
                                             ldo=self.ev_pad))
@@ -135,16 +144,18 @@ class _Emitter:
         malloc = intrinsic(self.m, "malloc", ptr, [i64])
         free = intrinsic(self.m, "free", ir.VoidType(), [ptr])
         blocked = not self.direct
-        kp_floats = blocked * _cdiv(s.lk, s.nr) * s.nr * (self.ep_pad if self.pairs else s.e)
+        kp_floats = blocked * _cdiv(s.lk, s.nr) * s.nr * (self.ep_pad if self.qk_pairs else s.e)
         sizes = [kp_floats, s.bq * self.bk, s.bq * self.ev_pad, s.bq, s.bq]
-        if self.pairs:  # words: V key pairs of one kv head, Q pairs of one block (blocked path)
-            sizes += [_cdiv(s.lk, 2) * self.ev_pad, 0, s.bq * self.ep * blocked]
-        elif self.bf:  # float32 V of one kv head; K of one kv head and one Q block (blocked path)
-            sizes += [s.lk * self.ev_pad, s.lk * s.e * blocked, s.bq * s.e * blocked]
+        if self.bf:  # V of one kv head: key pairs (words) or float32
+            sizes.append(_cdiv(s.lk, 2) * self.ev_pad if self.pv_pairs else s.lk * self.ev_pad)
+        if self.qk_pairs:  # Q pairs of one block
+            sizes += [0, s.bq * self.ep]
+        elif self.bf:  # float32 K of one kv head and one Q block (blocked path)
+            sizes += [s.lk * s.e * blocked, s.bq * s.e * blocked]
         raws = [b.call(malloc, [const(i64, 4 * n + 64)]) for n in sizes]
         kp, sbuf, obuf, mrow, lrow, *wide = (_align64(b, r) for r in raws)
         vf, kf, self.qf = wide or (None, None, None)
-        pack_k = None if self.pairs else \
+        pack_k = None if self.qk_pairs else \
             emit_pack_rows(self.m, s.nr, s.e if self.bf else self.ks[2], self.L)
 
         items = s.batch * s.heads * self.nqb
@@ -159,16 +170,16 @@ class _Emitter:
             vh = simd.gep(b, v_all, self.head_off(kv, self.vs, self.kvh), self.et)
             if self.bf or not self.direct:  # once per kv head on this thread
                 with f.if_(b.icmp_signed("!=", kv, cur_kv.get())):
-                    if self.pairs:
+                    if self.pv_pairs:
                         b.call(emit_pack_v_pairs(self.m, self.L, s.ev, self.ev_pad, self.vs[2],
                                                  s.lk), [vh, vf])
-                        if not self.direct:
-                            b.call(emit_pack_k_pairs(self.m, self.L, s.nr, s.e, self.ks[2]),
-                                   [kh, const(i64, s.lk), kp])
                     elif self.bf:
                         widen = emit_widen(self.m, self.L, s.ev, self.vs[2], self.ev_pad)
                         b.call(widen, [vh, const(i64, s.lk), vf])
-                    if not self.direct and not self.pairs:
+                    if self.qk_pairs:
+                        b.call(emit_pack_k_pairs(self.m, self.L, s.nr, s.e, self.ks[2]),
+                               [kh, const(i64, s.lk), kp])
+                    elif not self.direct:
                         src = kh
                         if self.bf:
                             widen = emit_widen(self.m, self.L, s.e, self.ks[2], s.e)
@@ -193,7 +204,7 @@ class _Emitter:
         rows = b.sub(i1, i0)
         qh = simd.gep(b, q_all, b.add(self.head_off(head, self.qs),
                                       b.mul(i0, const(i64, self.qs[2]))), self.et)
-        if self.pairs and not self.direct:  # the block's query rows as pairs, ep words each
+        if self.qk_pairs:  # the block's query rows as pairs, ep words each
             b.call(emit_pair_rows(self.m, self.L, s.e, self.qs[2]), [qh, rows, self.qf])
             qh = self.qf
         elif self.bf and not self.direct:  # the block's query rows in float32, row stride e
@@ -235,11 +246,11 @@ class _Emitter:
             return self.scores_direct(qh, kp, sbuf, j0, kv, rows)
         s, f = self.s, self.f
         b = f.b
-        mode = const(i64, FIRST if self.pairs else FIRST | LAST)
+        mode = const(i64, FIRST if self.qk_pairs else FIRST | LAST)
         nullp = ir.Constant(ptr, None)
         # K panel words per key and contraction steps: e floats, or ep pairs of ep_pad rows
-        kw, kc = (self.ep_pad, self.ep) if self.pairs else (s.e, s.e)
-        extra = [nullp] if self.pairs else []
+        kw, kc = (self.ep_pad, self.ep) if self.qk_pairs else (s.e, s.e)
+        extra = [nullp] if self.qk_pairs else []
 
         def tile(r0, nrows):
             a = simd.gep(b, qh, b.mul(r0, const(i64, self.q_ld)))
@@ -296,8 +307,8 @@ class _Emitter:
         s, f = self.s, self.f
         b = f.b
         nullp = ir.Constant(ptr, None)
-        extra = [nullp] if self.pairs else []
-        if self.pairs:  # key pairs: j0 is even (a multiple of bk), an odd kv ends on a 0 half
+        extra = [nullp] if self.pv_pairs else []
+        if self.pv_pairs:  # key pairs: j0 is even (a multiple of bk), an odd kv ends on a 0 half
             vb = simd.gep(b, vh, b.mul(b.sdiv(j0, const(i64, 2)), const(i64, self.ev_pad)))
             kc = b.sdiv(b.add(kv, const(i64, 1)), const(i64, 2))
         else:
@@ -334,24 +345,24 @@ class _Emitter:
                 vis = b.select(b.icmp_signed("<", v0, kv), v0, kv)
             full = b.mul(b.sdiv(vis, const(i64, L)), const(i64, L))
             tail = b.sub(vis, full)
-            mx = f.var(vt, ninf, "mx")
+            mx = [f.var(vt, ninf, "mx") for _ in range(self.chains)]
 
-            def pass1(col, x, live):
+            def pass1(col, x, live, ch=0):
                 if not raw:
                     x = b.fmul(x, vmath.splat(vt, self.scale))
                     x = self.apply_mask(head, i, b.add(j0, col), x, live, L)
                     x = b.fmul(x, vmath.splat(vt, 1.4426950408889634))
                     simd.store_vec(b, x, row, col)
-                mx.set(_vmax(b, mx.get(), x))
+                mx[ch].set(_vmax(b, mx[ch].get(), x))
 
-            with f.for_range(0, full, step=L, name="c1") as col:
-                pass1(col, simd.load_vec(b, row, col, L), simd.const_mask(L, L))
+            self.vectors(full, "c1", lambda col, ch: pass1(
+                col, simd.load_vec(b, row, col, L), simd.const_mask(L, L), ch))
             with f.if_(b.icmp_signed(">", tail, const(i64, 0))):
                 live = simd.lane_mask(b, L, tail)
                 x = simd.masked_load(b, row, full, live, L, passthru=NEG_INF)
                 pass1(full, x, live)
                 # masked-out lanes of the tail vector stay -inf
-            blk = simd.hmax(b, mx.get())
+            blk = simd.hmax(b, _combine(lambda x, y: _vmax(b, x, y), [v.get() for v in mx]))
             if raw:
                 blk = b.fmul(blk, ir.Constant(f32, c))
             m_old = simd.load_scalar(b, mrow, r)
@@ -359,20 +370,20 @@ class _Emitter:
             ref = b.select(b.fcmp_ordered("==", m_new, ir.Constant(f32, NEG_INF)),
                            ir.Constant(f32, 0.0), m_new)
             refv = simd.broadcast(b, ref, L)
-            acc = f.var(vt, vmath.splat(vt, 0.0), "sum")
+            acc = [f.var(vt, vmath.splat(vt, 0.0), "sum") for _ in range(self.chains)]
 
-            def pass2(col, x):
+            def pass2(col, x, ch=0):
                 t = vmath.fma(b, x, vmath.splat(vt, c), b.fsub(vmath.splat(vt, 0.0), refv)) \
                     if raw else b.fsub(x, refv)
-                p = vmath.exp2_softmax(b, t, self.avx512)
-                if self.pairs:  # bf16 P over the row's first half (read already), as pairs
-                    bf16.store(b, p, row, col)
+                p = exp2_p(b, t) if self.dot else vmath.exp2_softmax(b, t, self.avx512)
+                if self.pv_pairs:  # bf16 P over the row's first half (read already), as pairs
+                    store_p(b, p, row, col)
                 else:
                     simd.store_vec(b, p, row, col)
-                acc.set(b.fadd(acc.get(), p))
+                acc[ch].set(b.fadd(acc[ch].get(), p))
 
-            with f.for_range(0, full, step=L, name="c2") as col:
-                pass2(col, simd.load_vec(b, row, col, L))
+            self.vectors(full, "c2", lambda col, ch: pass2(col, simd.load_vec(b, row, col, L),
+                                                           ch))
             with f.if_(b.icmp_signed(">", tail, const(i64, 0))):
                 x = simd.masked_load(b, row, full, simd.lane_mask(b, L, tail), L,
                                      passthru=NEG_INF)
@@ -383,14 +394,15 @@ class _Emitter:
                 start = b.mul(b.sdiv(b.add(vis, const(i64, L - 1)), const(i64, L)),
                               const(i64, L))
                 with f.for_range(start, kv, step=L, name="cz") as col:
-                    if self.pairs:
+                    if self.pv_pairs:
                         b.store(ir.Constant(ir.VectorType(i16, L), [ir.Constant(i16, 0)] * L),
                                 simd.gep(b, row, col, i16), align=2)
                     else:
                         simd.store_vec(b, vmath.splat(vt, 0.0), row, col)
             l_old = simd.load_scalar(b, lrow, r)
             alpha = vmath.exp2_softmax(b, b.fsub(m_old, ref), False)
-            simd.store_scalar(b, vmath.fma(b, l_old, alpha, simd.hsum(b, acc.get())), lrow, r)
+            total = simd.hsum(b, _combine(b.fadd, [v.get() for v in acc]))
+            simd.store_scalar(b, vmath.fma(b, l_old, alpha, total), lrow, r)
             simd.store_scalar(b, m_new, mrow, r)
             # the first block writes O (FIRST mode), later ones rescale it when the max moved
             moved = b.and_(b.icmp_signed("!=", j0, const(i64, 0)),
@@ -401,6 +413,22 @@ class _Emitter:
                 with f.for_range(0, self.ev_pad, step=L, name="oc") as col:
                     idx = b.add(orow, col)
                     simd.store_vec(b, b.fmul(simd.load_vec(b, obuf, idx, L), av), obuf, idx)
+
+    def vectors(self, full, name: str, body) -> None:
+        """``body(col, chain)`` for the whole vectors ``col`` < ``full`` of a score row, in
+        order; with ``chains`` > 1, that many vectors per iteration, each on its own
+        accumulator (the row's max and sum are dependency chains otherwise)."""
+        f, b, L, n = self.f, self.f.b, self.L, self.chains
+        if n == 1:
+            with f.for_range(0, full, step=L, name=name) as col:
+                body(col, 0)
+            return
+        main = b.mul(b.sdiv(full, const(i64, n * L)), const(i64, n * L))
+        with f.for_range(0, main, step=n * L, name=name) as col:
+            for ch in range(n):
+                body(b.add(col, const(i64, ch * L)), ch)
+        with f.for_range(main, full, step=L, name=name + "t") as col:
+            body(col, 0)
 
     def apply_mask(self, head, i, j, x, live, L):
         """Add the float mask / apply the bool mask at (head, row i, keys j..j+L)."""
@@ -491,6 +519,14 @@ def _align64(b: ir.IRBuilder, raw: ir.Value) -> ir.Value:
     addr = b.ptrtoint(raw, i64)
     pad = b.and_(b.sub(const(i64, 64), b.and_(addr, const(i64, 63))), const(i64, 63))
     return b.gep(raw, [pad], inbounds=True, source_etype=i8)
+
+
+def _combine(op, values: list):
+    """Pairwise ``op`` of the chains' accumulators (one value: itself)."""
+    while len(values) > 1:
+        values = [op(values[k], values[k + 1]) if k + 1 < len(values) else values[k]
+                  for k in range(0, len(values), 2)]
+    return values[0]
 
 
 def _vmax(b, x, y):

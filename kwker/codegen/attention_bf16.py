@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import bf16, simd
+from . import bf16, simd, vmath
 from .gemm_pack import emit_pack_cols_pairs, transpose
 from .irutil import Fn, const, defined, i1, i16, i32, i64, intrinsic, ptr, void
 
@@ -140,6 +140,53 @@ def emit_pack_k_pairs(module: ir.Module, L: int, nr: int, e: int, ld: int) -> ir
     return f.finish()
 
 
+class _BFloat(ir.types.Type):
+    """LLVM's ``bfloat`` (llvmlite.ir has no such type): only to name the result of
+    ``vcvtneps2bf16``, which is bitcast to i16 lanes at once."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+def store_p(b: ir.IRBuilder, p: ir.Value, base: ir.Value, index) -> None:
+    """Round 16 float32 probabilities to bf16 with ``vcvtneps2bf16`` (round to nearest even,
+    as ``bf16.narrow``, except that a P below FLT_MIN becomes 0: nothing next to the row's
+    max of 1) and store them at bf16 index ``index``."""
+    lanes = p.type.count
+    cvt = intrinsic(b.module, f"llvm.x86.avx512bf16.cvtneps2bf16.{lanes * 32}",
+                    ir.VectorType(_BFloat(), lanes), [p.type])
+    h = b.bitcast(b.call(cvt, [p]), ir.VectorType(i16, lanes))
+    b.store(h, simd.gep(b, base, index, i16), align=2)
+
+
+# 2**f = 1 + f (c1 + f (c2 + f (c3 + f c4))) on [0, 1): relative error 2.9e-6 (a minimax fit),
+# far below the 2**-9 of the bf16 rounding that follows
+EXP2_P4 = (0.013426697252383789, 0.05224245112338989, 0.24128021744647005, 0.6930448428013725)
+
+
+def exp2_p(b: ir.IRBuilder, t: ir.Value) -> ir.Value:
+    """2**t for softmax arguments in log2 units (t <= 0 or -inf), 16 lanes, AVX-512: the
+    probabilities that are rounded to bf16 next. ``vreduceps`` splits off f = t - floor(t),
+    ``vscalefps`` multiplies by 2**floor(t): six vector ops (ten in vmath.exp2_softmax). No
+    clamp: -inf reduces to f = 0 and scales 1 to exactly 0; t = 0 gives exactly 1."""
+    ty = t.type
+    i16t = ir.IntType(16)
+    reduce = intrinsic(b.module, "llvm.x86.avx512.mask.reduce.ps.512", ty,
+                       [ty, i32, ty, i16t, i32])
+    # imm 9: keep 0 fraction bits, round down, no precision exception; rounding: current
+    frac = b.call(reduce, [t, const(i32, 9), t, ir.Constant(i16t, -1), const(i32, 4)])
+    p = vmath.fma(b, vmath.horner(b, EXP2_P4, frac), frac, vmath.splat(ty, 1.0))
+    scalef = intrinsic(b.module, "llvm.x86.avx512.mask.scalef.ps.512", ty,
+                       [ty, ty, ty, i16t, i32])
+    return b.call(scalef, [p, t, p, ir.Constant(i16t, -1), const(i32, 4)])
+
+
 def pair_rows_padded(e: int, L: int) -> int:
     """Word rows per K panel: ``ceil(e/2)`` rounded up to whole vectors."""
     return _cdiv(_cdiv(e, 2), L) * L
@@ -171,4 +218,4 @@ def emit_pack_v_pairs(module: ir.Module, L: int, ev: int, ev_pad: int, ld: int,
 
 
 __all__ = ["emit_pack_k_pairs", "emit_pack_v_pairs", "emit_pair_rows", "emit_widen",
-           "pair_rows_padded"]
+           "exp2_p", "pair_rows_padded", "store_p"]

@@ -184,6 +184,11 @@ _KEPT = {  # why a fused op stays one opaque ATen call
 KEPT_NOTE = "kwker.decompose"  # node.meta key holding that reason
 
 
+def _keep_value(old: Node, new: Node) -> None:
+    if "example_value" in old.meta and "example_value" not in new.meta:
+        new.meta["example_value"] = old.meta["example_value"]
+
+
 def decompose(gm: GraphModule) -> tuple[GraphModule, list]:
     """A copy of ``gm`` with the fused blocks expanded; also [(node name, op)] of those expanded."""
     if not any(n.op == "call_function" and n.target in _RULES for n in gm.graph.nodes):
@@ -201,10 +206,14 @@ def decompose(gm: GraphModule) -> tuple[GraphModule, list]:
             node.meta[KEPT_NOTE] = _KEPT[node.target]
             continue
         done.append((node.name, getattr(node.target, "__name__", str(node.target))))
+        # the expansion's result stands for the node's value: keep dynamo's metadata on it, so
+        # a following fused block (the next layer of an nn.TransformerEncoder) still matches
         if node.target is _TEL:
+            _keep_value(node, out)
             node.replace_all_uses_with(out)
         else:
             for u in list(node.users):
+                _keep_value(u, out)
                 u.replace_all_uses_with(out)
                 graph.erase_node(u)
         graph.erase_node(node)

@@ -167,3 +167,17 @@ def test_grouped_query_attention(repeat, inner):
     assert kernels(reports) == ["linear", "linear", "linear", "sdpa"]
     sdpa = next(nodes for name, nodes, _ in reports[-1].kernels if name == "sdpa")
     assert len(sdpa) == (1 if repeat == "flag" else 3 if repeat == "interleave" else 7), sdpa
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_stacked_encoder_layers_all_lowered(inner):
+    """nn.TransformerEncoder runs its layers as fused ops one after another: each is expanded,
+    the second reading the first's expansion."""
+    torch.manual_seed(12)
+    model = torch.nn.TransformerEncoder(encoder_layer(), 3).eval()
+    with torch.no_grad():
+        ref, out, reports = compile_run(model, (torch.randn(2, 40, 256),), inner)
+    assert_close(out, ref)
+    assert_no_misses(reports)
+    assert kernels(reports) == sorted(["linear", "linear_gelu", "linear_residual",
+                                       "linear_residual", "sdpa"] * 3)
