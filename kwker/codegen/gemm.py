@@ -20,9 +20,9 @@ on the last K block.
 bfloat16 (``dtype="bf16"``): A, B, the residual and C are bf16, the bias float32. The loop nest
 is the float32 one over k *pairs* (32-bit words of two bf16, see gemm_micro.py), so blocking,
 packing of A and of a transposed B are the float32 routines moving words; a row-major runtime B
-is interleaved in pairs while it is packed (``pack_cols_pairs``); K must be even (the factories
-pad an odd K with one zero column). Partial sums of earlier K blocks live in a float32 scratch
-chunk per thread, so C is written once, rounded once.
+is interleaved in pairs while it is packed (``pack_cols(pairs=True)``). K must be even (the
+factories pad an odd K with one zero column). Partial sums of earlier K blocks live in a float32
+scratch chunk per thread, so C is written once, rounded once.
 
 ``a_pack=False`` broadcasts A in place and does not block K. The factory picks it for small M
 (decode shapes: one tile holds all rows, the weights stream once at memory bandwidth, with
@@ -35,7 +35,7 @@ from llvmlite import ir
 
 from . import omp, simd
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
-from .gemm_pack import emit_pack_cols, emit_pack_cols_pairs, emit_pack_rows
+from .gemm_pack import emit_pack_cols, emit_pack_rows
 from .irutil import Fn, const, i8, i16, i64, intrinsic, new_module, ptr
 
 MIN_FLOPS_PER_THREAD = 1 << 18  # ~2.5 us of FMAs: a fork (~1 us) pays off above it
@@ -165,7 +165,7 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
     if s.b_layout == "nk":
         pack_b = emit_pack_rows(module, s.nr, kw, L)
     elif p.pack_b:
-        pack_b = (emit_pack_cols_pairs if p.bf16 else emit_pack_cols)(module, s.nr, s.n, L)
+        pack_b = emit_pack_cols(module, s.nr, s.n, L, pairs=p.bf16)
     else:
         pack_b = None
 

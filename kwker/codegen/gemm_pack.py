@@ -8,10 +8,10 @@
 - ``B`` panels from a row-major ``(k, n)`` matrix (``pack_cols``): ``nr``-wide column strips,
   ``dst[q][k][j]``, zero-padded past column ``cols``; whole-vector copies, masked at the edge.
 
-- bf16 ``B`` panels from a row-major ``(k, n)`` matrix (``pack_cols_pairs``): the same panels of
-  32-bit words, each the bf16 pair (row 2p, row 2p + 1) of one column (the layout ``vdpbf16ps``
-  multiplies). A bf16 A, or a bf16 B given transposed, is already made of such pairs along its
-  rows: ``pack_rows`` moves them as words.
+- bf16 ``B`` panels from a row-major ``(k, n)`` matrix (``pack_cols(pairs=True)``): the same
+  panels of 32-bit words, each the bf16 pair (row 2p, row 2p + 1) of one column (the layout
+  ``vdpbf16ps`` multiplies). A bf16 A, or a bf16 B given transposed, is already made of such
+  pairs along its rows: ``pack_rows`` moves them as words.
 
 Weights of ``linear`` are packed once, at build time, by the factory in the same panel layout.
 """
@@ -59,12 +59,15 @@ def emit_pack_rows(module: ir.Module, mr: int, ld: int, lanes: int = 0) -> ir.Fu
     return f.finish()
 
 
-def emit_pack_cols(module: ir.Module, nr: int, ld: int, lanes: int) -> ir.Function:
+def emit_pack_cols(module: ir.Module, nr: int, ld: int, lanes: int,
+                   pairs: bool = False) -> ir.Function:
     """``void pack_cols(ptr src, i64 cols, i64 kc, ptr dst)``: ``nr``-wide panels, k-major.
 
     ``src`` points at element (k0, 0) of a row-major ``(k, n)`` matrix with row stride ``ld``.
+    With ``pairs`` the matrix is bf16 and ``kc`` counts k pairs: ``dst[q][p][j]`` is the word
+    (src[2p][j], src[2p+1][j]), and ``src`` points at element (2 p0, 0).
     """
-    name = f"pack_cols.{nr}.{ld}.{lanes}"
+    name = f"pack_cols{'_pairs' if pairs else ''}.{nr}.{ld}.{lanes}"
     existing = defined(module, name)
     if existing is not None:
         return existing
@@ -73,59 +76,33 @@ def emit_pack_cols(module: ir.Module, nr: int, ld: int, lanes: int) -> ir.Functi
     src, cols, kc, dst = f.args
     b = f.b
     nv = nr // lanes
+    if pairs:
+        ht = ir.VectorType(i16, lanes)
+        load16 = intrinsic(module, f"llvm.masked.load.v{lanes}i16.p0", ht,
+                           [ptr, i32, ir.VectorType(ir.IntType(1), lanes), ht])
+        zero = ir.Constant(ht, [ir.Constant(i16, 0)] * lanes)
+        zip_lanes = ir.Constant(ir.VectorType(i32, 2 * lanes),
+                                [j // 2 + (lanes if j % 2 else 0) for j in range(2 * lanes)])
     panels = b.sdiv(b.add(cols, const(i64, nr - 1)), const(i64, nr))
     with f.for_range(0, panels, name="q") as q:
         col0 = b.mul(q, const(i64, nr))
         pdst = b.mul(q, b.mul(kc, const(i64, nr)))
-        masks = []
-        for v in range(nv):
-            masks.append(simd.lane_mask(b, lanes, b.sub(cols, b.add(col0, const(i64, v * lanes)))))
-        with f.for_range(0, kc, name="k") as k:
-            sbase = b.add(b.mul(k, const(i64, ld)), col0)
-            dbase = b.add(pdst, b.mul(k, const(i64, nr)))
-            for v in range(nv):
-                x = simd.masked_load(b, src, b.add(sbase, const(i64, v * lanes)), masks[v], lanes)
-                simd.store_vec(b, x, dst, b.add(dbase, const(i64, v * lanes)))
-    return f.finish()
-
-
-def emit_pack_cols_pairs(module: ir.Module, nr: int, ld: int, lanes: int) -> ir.Function:
-    """``void pack_cols_pairs(ptr src, i64 cols, i64 kp, ptr dst)``: bf16 ``nr``-wide panels of
-    ``kp`` k pairs, ``dst[q][p][j]`` = word (src[2p][j], src[2p+1][j]), zero past ``cols``.
-
-    ``src`` points at bf16 element (2 p0, 0) of a row-major ``(k, n)`` matrix, row stride ``ld``.
-    """
-    name = f"pack_cols_pairs.{nr}.{ld}.{lanes}"
-    existing = defined(module, name)
-    if existing is not None:
-        return existing
-    f = Fn(module, name, void, [ptr, i64, i64, ptr], ["src", "cols", "kp", "dst"])
-    f.fn.attributes.add("noinline")
-    src, cols, kp, dst = f.args
-    b = f.b
-    nv = nr // lanes
-    ht = ir.VectorType(i16, lanes)
-    load = intrinsic(module, f"llvm.masked.load.v{lanes}i16.p0", ht,
-                     [ptr, i32, ir.VectorType(ir.IntType(1), lanes), ht])
-    zero = ir.Constant(ht, [ir.Constant(i16, 0)] * lanes)
-    zip_lanes = ir.Constant(ir.VectorType(i32, 2 * lanes),
-                            [j // 2 + (lanes if j % 2 else 0) for j in range(2 * lanes)])
-    panels = b.sdiv(b.add(cols, const(i64, nr - 1)), const(i64, nr))
-    with f.for_range(0, panels, name="q") as q:
-        col0 = b.mul(q, const(i64, nr))
-        pdst = b.mul(q, b.mul(kp, const(i64, nr)))
         masks = [simd.lane_mask(b, lanes, b.sub(cols, b.add(col0, const(i64, v * lanes))))
                  for v in range(nv)]
-        with f.for_range(0, kp, name="p") as p:
-            even = b.add(b.mul(b.mul(p, const(i64, 2)), const(i64, ld)), col0)
-            odd = b.add(even, const(i64, ld))
-            dbase = b.add(pdst, b.mul(p, const(i64, nr)))
+        with f.for_range(0, kc, name="k") as k:
+            row = b.mul(k, const(i64, 2 * ld if pairs else ld))
+            sbase = b.add(row, col0)
+            dbase = b.add(pdst, b.mul(k, const(i64, nr)))
             for v in range(nv):
-                def row(start):
-                    addr = simd.gep(b, src, b.add(start, const(i64, v * lanes)), i16)
-                    return b.call(load, [addr, const(i32, 2), masks[v], zero])
-                pair = b.shuffle_vector(row(even), row(odd), zip_lanes)
-                words = b.bitcast(pair, ir.VectorType(i32, lanes))
+                at = b.add(sbase, const(i64, v * lanes))
+                if not pairs:
+                    x = simd.masked_load(b, src, at, masks[v], lanes)
+                    simd.store_vec(b, x, dst, b.add(dbase, const(i64, v * lanes)))
+                    continue
+                even, odd = (b.call(load16, [simd.gep(b, src, i, i16), const(i32, 2), masks[v],
+                                             zero]) for i in (at, b.add(at, const(i64, ld))))
+                words = b.bitcast(b.shuffle_vector(even, odd, zip_lanes),
+                                  ir.VectorType(i32, lanes))
                 b.store(words, simd.gep(b, dst, b.add(dbase, const(i64, v * lanes)), i32),
                         align=4)
     return f.finish()

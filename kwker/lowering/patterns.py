@@ -224,7 +224,8 @@ class Matcher:
             if bu is not None and bu["alpha"] == 1:
                 other = bu["other"] if bu["input"] is cur else bu["input"]
                 if other is not cur and isinstance(other, Node) and \
-                        _fits(self.metas, other, user, dtype=dt) and cur in (bu["input"], bu["other"]):
+                        _fits(self.metas, other, user, dtype=dt) and \
+                        cur in (bu["input"], bu["other"]):
                     without = Match("linear", cur, list(covers), dict(inputs),
                                     {"epilogue": epilogue}, [plain] if cur is not n else [])
                     inputs["residual"] = other

@@ -1,9 +1,10 @@
-"""bf16 GEMMs (make_linear, make_matmul, make_linear_topk) against a float32 reference under the accuracy contract:
-Kwker's max abs error <= 1.25 x eager bf16's + 1e-3 x max|reference|. Odd sizes everywhere (odd
-K, M and N off the tile, K not a multiple of the K block), every epilogue, the residual, both
-runtime-B layouts, batches. The fused GEMM + top-k must equal ``torch.topk`` of the unfused
-linear's bf16 scores exactly (tie order included, on tie-heavy scores). The vdpbf16ps path on this CPU and the widened paths (AVX-512F
-without AVX512_BF16, AVX2) run in subprocesses through the target override."""
+"""bf16 GEMMs (make_linear, make_matmul, make_linear_topk) against a float32 reference under
+the accuracy contract: Kwker's max abs error <= 1.25 x eager bf16's + 1e-3 x max|reference|.
+Odd sizes everywhere (odd K, M and N off the tile, K not a multiple of the K block), every
+epilogue, the residual, both runtime-B layouts, batches. The fused GEMM + top-k must equal
+``torch.topk`` of the unfused linear's bf16 scores exactly (tie order included, on tie-heavy
+scores). The vdpbf16ps path on this CPU and the widened paths (AVX-512F without AVX512_BF16,
+AVX2) run in subprocesses through the target override."""
 import os
 import subprocess
 import sys
