@@ -41,8 +41,7 @@ from .attention_bf16 import emit_pack_k_pairs, emit_pack_v_pairs, emit_pair_rows
     exp2_p, pair_rows_padded, store_p
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
-from .irutil import Fn, const, defined, f32, i1, i8, i16, i32, i64, intrinsic, new_module, ptr, \
-    void
+from .irutil import Fn, const, f32, i1, i8, i16, i32, i64, intrinsic, new_module, ptr
 
 NEG_INF = -math.inf
 DIRECT_MAX_LQ = 4  # packing K costs ~0.4 op per element, more than a few dot products save
@@ -94,8 +93,8 @@ class _Emitter:
         if self.qk_pairs:
             self.ep, self.ep_pad = _cdiv(s.e, 2), pair_rows_padded(s.e, lanes)
             self.q_ld = self.ep
-        # softmax: independent max/sum accumulators per score row and a shorter exp2 for bf16 on
-        # AVX512_BF16; float32 and the other ISAs keep theirs (same sums, same results)
+        # softmax (bf16 on AVX512_BF16): independent max/sum accumulators per score row, and a
+        # shorter exp2 for the P that is rounded; float32 and the other ISAs keep their code
         self.chains = 4 if self.dot else 1
 
     def head_off(self, head, strides, heads: int | None = None):
@@ -375,7 +374,7 @@ class _Emitter:
             def pass2(col, x, ch=0):
                 t = vmath.fma(b, x, vmath.splat(vt, c), b.fsub(vmath.splat(vt, 0.0), refv)) \
                     if raw else b.fsub(x, refv)
-                p = exp2_p(b, t) if self.dot else vmath.exp2_softmax(b, t, self.avx512)
+                p = exp2_p(b, t) if self.pv_pairs else vmath.exp2_softmax(b, t, self.avx512)
                 if self.pv_pairs:  # bf16 P over the row's first half (read already), as pairs
                     store_p(b, p, row, col)
                 else:

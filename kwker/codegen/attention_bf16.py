@@ -20,14 +20,17 @@ Two ways to feed bf16 q/k/v to the GEMM micro-kernel (gemm_micro.py):
   whole vectors), so pairs that straddle the end add nothing.
 
 Rounding P to bf16 is what ATen's own bf16 flash attention does for its bf16 GEMM (the softmax
-sum stays the float32 sum of the unrounded exponentials, as there).
+sum stays the float32 sum of the unrounded exponentials, as there); its mean error then equals
+ATen's. ATen takes that kernel only for e == ev (else its math path, in float32), so P is
+rounded only then; otherwise O += P V stays widened (float32 P, FMAs). The probabilities that are
+rounded come from ``exp2_p`` (six vector ops) and are rounded by ``vcvtneps2bf16`` (``store_p``).
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
 from . import bf16, simd, vmath
-from .gemm_pack import emit_pack_cols_pairs, transpose
+from .gemm_pack import emit_pack_cols, transpose
 from .irutil import Fn, const, defined, i1, i16, i32, i64, intrinsic, ptr, void
 
 
@@ -174,7 +177,8 @@ def exp2_p(b: ir.IRBuilder, t: ir.Value) -> ir.Value:
     """2**t for softmax arguments in log2 units (t <= 0 or -inf), 16 lanes, AVX-512: the
     probabilities that are rounded to bf16 next. ``vreduceps`` splits off f = t - floor(t),
     ``vscalefps`` multiplies by 2**floor(t): six vector ops (ten in vmath.exp2_softmax). No
-    clamp: -inf reduces to f = 0 and scales 1 to exactly 0; t = 0 gives exactly 1."""
+    clamp: -inf reduces to a finite f and ``vscalefps`` by -inf gives exactly 0 (fully masked
+    rows stay 0); t = 0 gives exactly 1."""
     ty = t.type
     i16t = ir.IntType(16)
     reduce = intrinsic(b.module, "llvm.x86.avx512.mask.reduce.ps.512", ty,
@@ -206,8 +210,8 @@ def emit_pack_v_pairs(module: ir.Module, L: int, ev: int, ev_pad: int, ld: int,
     src, dst = f.args
     b = f.b
     if lk >= 2:
-        b.call(emit_pack_cols_pairs(module, ev_pad, ld, L), [src, const(i64, ev), const(i64, lk // 2),
-                                                             dst])
+        pack = emit_pack_cols(module, ev_pad, ld, L, pairs=True)
+        b.call(pack, [src, const(i64, ev), const(i64, lk // 2), dst])
     if lk % 2:
         wt = ir.VectorType(i32, L)
         for c in range(0, ev_pad, L):

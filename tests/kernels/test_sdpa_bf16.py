@@ -4,8 +4,12 @@ bf16 contract: the inputs (bf16) are upcast and run through ATen's SDPA in float
 abs error against that reference must be within 1.25x eager bf16 SDPA's own max abs error, plus
 1e-3 * max|reference|. The same checks run on the AVX2 and AVX-512-without-BF16 code paths in a
 subprocess whose target is overridden (this file is its worker: ``python test_sdpa_bf16.py``).
+
+On a CPU with AVX512_BF16 the tests in this process run the vdpbf16ps kernel (P rounded to bf16
+as ATen's flash kernel rounds it, when e == ev); the assembly checks below hold anywhere.
 """
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +160,75 @@ def test_bf16_gqa_strided_in_place(lq):
 def test_bf16_gqa_mask():
     run((2, 4, 33, 65, 24, 40), kvh=2, mask="float", mask_shape=(2, 4, 33, 65), seed=12)
     run((2, 4, 33, 65, 24, 40), kvh=2, mask="bool", mask_shape=(1, 4, 1, 65), seed=12)
+
+
+# edges of the bf16 pairs (vdpbf16ps path): odd e (a zero high half in Q and K), e past one
+# vector of pairs (33: 17 pairs; 128: 4 blocks of K words), odd key counts in the last key block
+# (517 = 256 + 256 + 5), a query block tail, causal diagonals crossing key blocks
+PAIR_EDGES = [(1, 2, 45, 517, 33, 33), (2, 1, 30, 64, 128, 128), (1, 3, 61, 259, 64, 64),
+              (2, 2, 26, 27, 2, 2), (1, 2, 300, 300, 1, 1)]
+
+
+@pytest.mark.parametrize("shape", PAIR_EDGES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_pair_edges(shape, causal, threads):
+    run(shape, causal, seed=22)
+
+
+def test_bf16_transformer_shape():
+    """TransformerEncoderLayer's attention (8 heads of 32, 128 tokens), in place."""
+    g = torch.Generator().manual_seed(17)
+    b, h, lq, e = 8, 8, 128, 32
+    qkv = torch.randn(b, lq, 3, h, e, generator=g).to(BF).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    f = make_sdpa(b, h, lq, lq, e, e, dtype=BF,
+                  strides=(q.stride(), k.stride(), v.stride(), (lq * h * e, e, h * e, 1)))
+    check(f(q, k, v), q, k, v)
+    run((8, 8, 128, 128, 32, 32), True, seed=17)
+
+
+def _sdpa_asm(spec_args, features):
+    from kwker.kernels.specs import AttentionSpec
+    from kwker.kernels.sdpa import _blocking
+    from kwker.runtime.compiler import compile_assembly
+    from kwker.runtime.kernel import emit
+    from kwker.runtime.target import make_target
+    target = make_target("znver4", features)
+    b, h, lq, lk, e, ev, causal = spec_args
+    spec = AttentionSpec(b, h, lq, lk, e, ev, causal, 0.0, "none", (),
+                         **_blocking(lq, lk, e, ev), dtype="bf16")
+    ir_text = str(emit(spec, target))
+    return ir_text, compile_assembly(ir_text, target)[1]
+
+
+AVX512_FEATURES = "+avx,+avx2,+fma,+f16c,+bmi2,+avx512f,+avx512bw,+avx512vl,+avx512dq"
+
+
+@pytest.mark.parametrize("args", [(2, 4, 100, 100, 32, 32, True), (1, 2, 300, 517, 17, 17, False),
+                                  (2, 3, 1, 70, 64, 64, False)])
+def test_bf16_avx512bf16_build_uses_vdpbf16ps(args):
+    """Both products on vdpbf16ps (S = Q K^T, then O += P V on bf16 P), the probabilities rounded
+    with vcvtneps2bf16; the decode path (lq = 1) still takes P V there."""
+    ir_text, asm = _sdpa_asm(args, AVX512_FEATURES + ",+avx512bf16")
+    assert re.search(r"vdpbf16ps\s+[^\n]*%zmm", asm)
+    assert re.search(r"vcvtneps2bf16\s+%zmm", asm)
+    kernels = set(re.findall(r'define internal void @"(uk\.[^"]*\.dpbf16[^"]*)"', ir_text))
+    assert len(kernels) >= (1 if args[2] == 1 else 2), kernels  # O tiles; S tiles past decode
+
+
+def test_bf16_unequal_head_sizes_keep_float32_p():
+    """e != ev: ATen computes those in float32, so P stays float32 (FMAs on widened V) and only
+    S = Q K^T takes vdpbf16ps."""
+    ir_text, asm = _sdpa_asm((1, 2, 49, 49, 24, 40, False), AVX512_FEATURES + ",+avx512bf16")
+    assert re.search(r"vdpbf16ps\s+[^\n]*%zmm", asm)
+    assert "vcvtneps2bf16" not in asm
+    assert re.search(r"vfmadd\d{3}ps\s+[^\n]*%zmm", asm)
+
+
+def test_bf16_avx512_without_bf16_build_widens():
+    _, asm = _sdpa_asm((2, 4, 100, 100, 32, 32, True), AVX512_FEATURES + ",-avx512bf16")
+    assert "vdpbf16ps" not in asm and "vcvtneps2bf16" not in asm
+    assert re.search(r"vfmadd\d{3}ps\s+[^\n]*%zmm", asm)
 
 
 def test_bf16_rejects_wrong_inputs():
