@@ -7,11 +7,17 @@ alternately in one process (the ratio is the number to read on a shared, noisy m
 rows also give GFLOP/s and the fraction of the FMA peak measured by a JIT'd probe (12 independent
 chains of vector ``llvm.fma`` per thread). Prints a table and writes
 benchmarks/results/kernels.{md,json,png}; ``--quick`` writes files only with ``--out DIR``.
+
+The bf16 section (kernels_bf16.py; ``--section bf16`` alone) times the bf16 kernels against eager
+bf16 (oneDNN), with a ``vdpbf16ps`` peak probe and an L3 bandwidth probe as roofs, and writes
+kernels_bf16.png beside the table.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import json
 import platform
 import sys
 import time
@@ -34,6 +40,7 @@ from kwker.runtime.target import host_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import kernels_bf16
 
 GEMM_SHAPES = [(512, 512, 512), (1024, 1024, 1024), (32, 20000, 128), (8, 4096, 1024),
                (1, 4096, 1024), (64, 4096, 1024)]
@@ -252,41 +259,80 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     return common.save_plot(fig, path, title)
 
 
-def main(argv=None) -> None:
+def _old_header(data: dict) -> str:
+    """The float32 table's header from a results file written before headers were stored."""
+    m = data.get("machine", {})
+    d_k, d_t = data.get("gelu_call_us") or (float("nan"),) * 2
+    return (f"# Kwker kernels vs torch {m.get('torch', '?')}\n\n{m.get('cpu', '?')}, "
+            f"{m.get('threads', '?')} threads, best of {data.get('reps', '?')}; FMA peak probe "
+            f"{data.get('fma_peak_gflops', float('nan')):.0f} GFLOP/s; parallel kernel call with "
+            f"no work (ctypes + fork/join) {data.get('fork_join_us', float('nan')):.1f} us; "
+            f"GELU 65536 call {d_k:.1f} us (ATen {d_t:.1f} us)")
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, no results files")
+    ap.add_argument("--section", choices=("all", "f32", "bf16"), default="all",
+                    help="float32 kernels, bf16 kernels or both (a subset updates only its "
+                         "part of the results files)")
     ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS})")
     args = ap.parse_args(argv)
     reps = 8 if args.quick else args.reps
     torch.set_num_threads(args.threads)
     info = common.machine_info()
-    peak = fma_peak(args.threads)
-    d_k, d_t = dispatch_overhead(reps)
-    fork = fork_join_us(args.threads)
-    rows = as_dicts(gemm_rows(reps, peak) + mlp_rows(reps) + sdpa_rows(reps)
-                    + ranker_rows(reps) + gelu_rows(reps))
-    target = host_target()
-    header = (f"# Kwker kernels vs torch {torch.__version__}\n\n"
-              f"{target.describe()}, {args.threads} threads, best of {reps}, "
-              f"{platform.node()}; FMA peak probe {peak:.0f} GFLOP/s; "
-              f"parallel kernel call with no work (ctypes + fork/join) {fork:.1f} us; "
-              f"GELU 65536 call {d_k:.1f} us (ATen {d_t:.1f} us)")
-    text = render(rows, header)
-    print(text)
     out = args.out or (None if args.quick else common.RESULTS)
+    data = {}
+    if out is not None and args.section != "all":  # keep the section not run this time
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads((out / "kernels.json").read_text())
+    data.update({"benchmark": "kernels", "script": "bench_kernels.py"})
+    data.setdefault("machine", info)
+    if args.section in ("all", "f32"):
+        peak = fma_peak(args.threads)
+        d_k, d_t = dispatch_overhead(reps)
+        fork = fork_join_us(args.threads)
+        rows = as_dicts(gemm_rows(reps, peak) + mlp_rows(reps) + sdpa_rows(reps)
+                        + ranker_rows(reps) + gelu_rows(reps))
+        header = (f"# Kwker kernels vs torch {torch.__version__}\n\n"
+                  f"{host_target().describe()}, {args.threads} threads, best of {reps}, "
+                  f"{platform.node()}; FMA peak probe {peak:.0f} GFLOP/s; "
+                  f"parallel kernel call with no work (ctypes + fork/join) {fork:.1f} us; "
+                  f"GELU 65536 call {d_k:.1f} us (ATen {d_t:.1f} us)")
+        data.update({"machine": info, "reps": reps, "fma_peak_gflops": peak,
+                     "fork_join_us": fork, "gelu_call_us": [d_k, d_t], "header": header,
+                     "rows": rows})
+        print(render(rows, header))
+    if args.section in ("all", "bf16"):
+        sec = kernels_bf16.run(best_pair, reps, args.threads)
+        data["bf16"] = {"machine": info, "reps": reps, **sec}
+        print()
+        print(kernels_bf16.render(data["bf16"]))
+    rows, sec = data.get("rows", []), data.get("bf16")
+    broken = [r["kernel"] for r in (sec or {}).get("rows", []) if r["check"].startswith("BROKEN")]
+    for name in broken:
+        print(f"ACCURACY CONTRACT BROKEN (bug): {name}", file=sys.stderr)
     if out is None:
-        return
+        return 1 if broken else 0
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels.md").write_text(text + "\n\nPlot: [kernels.png](kernels.png)\n")
-    common.write_json(out / "kernels.json", {
-        "benchmark": "kernels", "script": "bench_kernels.py", "machine": info, "reps": reps,
-        "fma_peak_gflops": peak, "fork_join_us": fork, "gelu_call_us": [d_k, d_t],
-        "headline": headline(rows), "rows": rows})
-    plot(rows, out / "kernels.png", f"Kwker kernels vs torch; {common.machine_line(info)}")
-    print(f"wrote {out / 'kernels.md'}, kernels.json, kernels.png")
+    text = render(rows, data.get("header") or _old_header(data)) + \
+        "\n\nPlot: [kernels.png](kernels.png)\n"
+    if sec:
+        text += "\n" + kernels_bf16.render(sec) + "\n"
+    (out / "kernels.md").write_text(text)
+    data["headline"] = headline(rows) + (kernels_bf16.headline(sec) if sec else [])
+    common.write_json(out / "kernels.json", data)
+    title = common.machine_line(data.get("machine", info))
+    if rows:
+        plot(rows, out / "kernels.png", f"Kwker kernels vs torch; {title}")
+    if sec:
+        title = f"Kwker bf16 kernels vs eager bf16; {common.machine_line(sec['machine'])}"
+        kernels_bf16.plot(sec, out / "kernels_bf16.png", title)
+    print(f"wrote {out / 'kernels.md'}, kernels.json, kernels.png, kernels_bf16.png")
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

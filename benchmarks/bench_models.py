@@ -13,104 +13,52 @@ since every backend pays it.
     python benchmarks/bench_models.py            # writes results/models.{md,json,png}
     python benchmarks/bench_models.py --quick    # fewer reps, prints only
     python benchmarks/bench_models.py --compile-times all   # cold/warm compile of every model
+    python benchmarks/bench_models.py --sections bf16 avx2  # only the bf16 sections
+    python benchmarks/bench_models.py --isa avx2 --quick    # the AVX2 rows alone (prints JSON)
 
 Compile times are measured for the tutorial model unless ``--compile-times all`` (each costs two
 fresh processes per compiler, minutes for all models with cold Inductor caches).
+
+Sections (``--sections``, default all): ``f32`` (the above), ``bf16`` (models_bf16.py: each
+model as ``.to(bfloat16)`` and under CPU autocast, against eager bf16, Inductor and OpenVINO bf16,
+with an accuracy contract against the float32 model) and ``avx2`` (the bf16 rows without
+AVX512_BF16, in a child process; see isa_env.py). Running a subset updates only those sections of
+the results files.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
-import importlib.util
 import json
-import logging
 import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
+if __name__ == "__main__":  # before torch is imported: --isa avx2 needs its environment first
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import isa_env
+    isa_env.ensure(sys.argv)
+
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import isa_env
+import models_bf16
+from model_defs import MODELS, TUTORIAL, Attention, Ranker, build  # noqa: F401 - re-exported
+from models_overhead import (OVERHEAD_METHOD, OVERHEAD_ROWS,  # noqa: F401 - re-exported
+                             OVERHEAD_TARGET_US, overhead, overhead_table)
+from peers import (NOT_INSTALLED, PEER_BUILDERS, PEER_MODULES, PEERS, SETTLE,  # noqa: F401
+                   _quiet, export_onnx, onnxruntime_call, openvino_call, peer_missing)
 
 VARIANTS = ("eager", "inductor", "kwker_eager", "kwker")
-PEERS = ("onnxruntime", "openvino")
 LABELS = {"eager": "PyTorch eager", "inductor": "Inductor", "kwker_eager": "Kwker inner=eager",
           "kwker": "Kwker (default)", "onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
-# what each peer needs importable (ONNX Runtime runs the torch.onnx export, which needs onnx and
-# onnxscript; OpenVINO converts the torch module itself, the ONNX file only as a fallback)
-PEER_MODULES = {"onnxruntime": ("onnxruntime", "onnx", "onnxscript"), "openvino": ("openvino",)}
-NOT_INSTALLED = 'not installed: pip install -e ".[bench]"'
-SETTLE = 0.04  # s between samples when peers run: ONNX Runtime's idle workers spin ~30 ms
-OVERHEAD_TARGET_US = 20.0  # issue 4: per-call cost over the kernels, tutorial model, inner=eager
-
-
-# --------------------------------------------------------------------------------- models
-class Ranker(torch.nn.Module):
-    def __init__(self, n_items=20_000, dim=128):
-        super().__init__()
-        self.query = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
-                                         torch.nn.Linear(256, dim))
-        self.items = torch.nn.Parameter(torch.randn(n_items, dim) / dim**0.5)
-
-    def forward(self, x):
-        scores = self.query(x) @ self.items.t()
-        return torch.topk(scores, 10, dim=-1)
-
-
-class Attention(torch.nn.Module):
-    def __init__(self, causal):
-        super().__init__()
-        self.causal = causal
-
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-
-
-def _ranker(b):
-    return Ranker(), (torch.randn(b, 64),)
-
-
-def _mlp(b):
-    m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
-                            torch.nn.Linear(4096, 1024))
-    return m, (torch.randn(b, 1024),)
-
-
-def _encoder():
-    m = torch.nn.TransformerEncoderLayer(d_model=256, nhead=8, dim_feedforward=1024,
-                                         batch_first=True, activation="gelu")
-    return m, (torch.randn(8, 128, 256),)
-
-
-def _sdpa(causal):
-    return Attention(causal), tuple(torch.randn(8, 8, 128, 32) for _ in range(3))
-
-
-MODELS = {
-    "tutorial Ranker b1": lambda: _ranker(1),
-    "tutorial Ranker b32": lambda: _ranker(32),
-    "tutorial Ranker b256": lambda: _ranker(256),
-    "MLP 1024-4096-1024 b1": lambda: _mlp(1),
-    "MLP 1024-4096-1024 b64": lambda: _mlp(64),
-    "TransformerEncoderLayer (8,128,256)": _encoder,
-    "SDPA (8,8,128,32)": lambda: _sdpa(False),
-    "SDPA causal (8,8,128,32)": lambda: _sdpa(True),
-}
-TUTORIAL = "tutorial Ranker b32"
-
-
-def build(name: str):
-    torch.manual_seed(0)
-    model, inputs = MODELS[name]()
-    return model.eval(), inputs
 
 
 def compile_variant(model, variant: str):
@@ -172,16 +120,7 @@ def check(name, expected, got) -> str:
     return "ok"
 
 
-def _timed(sides, reps: int, rounds: int, settle: float = 0.0) -> list[float]:
-    """Best seconds per call of each side over a few interleaved rounds, a second apart (on a
-    shared machine one round can be disturbed)."""
-    best = [float("inf")] * len(sides)
-    for r in range(rounds):
-        if r:
-            time.sleep(1.0)
-        best = [min(b, t) for b, t in zip(best, common.compare(sides, reps=reps, warmup=3,
-                                                                settle=settle))]
-    return best
+_timed = common.best_of_rounds
 
 
 def speed(name: str, reps: int, rounds: int, peers=PEERS) -> dict:
@@ -222,244 +161,6 @@ def speed(name: str, reps: int, rounds: int, peers=PEERS) -> dict:
         for side, t in zip(sides, _timed(sides, reps, rounds, settle)):
             row["ms"][side.name] = t * 1e3
     return row
-
-
-# ------------------------------------------------------------------------------- peers
-def peer_missing(peer: str) -> str | None:
-    """Why ``peer`` cannot run here (a package it needs is not importable), or None."""
-    absent = [m for m in PEER_MODULES[peer] if importlib.util.find_spec(m) is None]
-    return f"{NOT_INSTALLED} ({', '.join(absent)} missing)" if absent else None
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Silence the converters' warnings and log lines (torchvision absent, deprecations)."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
-
-
-def export_onnx(model, inputs, path: str) -> str:
-    """Write ``model`` to ``path`` as ONNX; return which exporter did it: torch's dynamo-based
-    exporter (its recommended one) or, when that fails, the TorchScript one."""
-    with _quiet():
-        try:
-            torch.onnx.export(model, inputs, path, dynamo=True, verbose=False)
-            return "torch.onnx dynamo export"
-        except Exception as e:  # noqa: BLE001 - any failure: the legacy exporter may still work
-            why = type(e).__name__
-        torch.onnx.export(model, inputs, path, dynamo=False)
-    return f"torch.onnx TorchScript export (the dynamo exporter failed: {why})"
-
-
-def _to_torch(outs):
-    """The peers' numpy outputs as torch tensors (zero-copy), a tuple when there are several."""
-    out = tuple(torch.from_numpy(o) for o in outs)
-    return out if len(out) > 1 else out[0]
-
-
-def onnxruntime_call(model, inputs, onnx_file):
-    """(call, how): an ONNX Runtime session on the exported model, CPU execution provider, all
-    graph optimisations, sequential execution, torch's thread count."""
-    import onnxruntime as ort
-
-    path, how = onnx_file()
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.inter_op_num_threads = 1
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    names = [i.name for i in sess.get_inputs()]
-
-    def run():
-        return _to_torch(sess.run(None, {n: t.numpy() for n, t in zip(names, inputs)}))
-    return run, how
-
-
-def openvino_call(model, inputs, onnx_file):
-    """(call, how): OpenVINO's CPU plugin on the converted torch module (the ONNX file when the
-    module does not convert), latency hint, torch's thread count, float32 inference. OpenVINO's
-    default on a CPU with AVX-512 BF16 is bf16, whose results differ from eager's by ~1e-3."""
-    import openvino as ov
-
-    with _quiet():
-        try:
-            converted, how = ov.convert_model(model, example_input=inputs), "convert_model(module)"
-        except Exception as e:  # noqa: BLE001 - e.g. TorchScript tracing fails: use ONNX
-            path, exported = onnx_file()
-            converted = ov.convert_model(path)
-            how = (f"convert_model(ONNX file from {exported}); the module did not convert: "
-                   f"{type(e).__name__}")
-    compiled = ov.Core().compile_model(converted, "CPU", {
-        "INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY",
-        "INFERENCE_PRECISION_HINT": "f32"})
-    request = compiled.create_infer_request()
-
-    def run():
-        res = request.infer([t.numpy() for t in inputs], share_inputs=True)
-        return _to_torch(res.to_tuple())
-    return run, how + ", f32"
-
-
-PEER_BUILDERS = {"onnxruntime": onnxruntime_call, "openvino": openvino_call}
-
-
-# --------------------------------------------------------------------- per-call overhead
-def overhead(name: str, reps: int, rounds: int) -> dict:
-    """Microseconds per call of the compiled graph (inner=eager) and of its parts.
-
-    (a) the ``torch.compile``'d model; (b) the callable Kwker handed dynamo, called directly with
-    dynamo's example inputs; (c) its kernel steps alone, back to back on a filled slot list.
-    (b)-(c) is Kwker's own cost over its kernels, (a)-(b) dynamo's frame evaluation and guards,
-    which every backend pays (compared with a do-nothing backend returning ``gm.forward``). Both
-    shares are also timed directly, which a difference of two ~1 ms times cannot do to the µs:
-    Kwker's as its program with each kernel step replaced by storing that kernel's result,
-    dynamo's as a backend whose graph returns stored outputs.
-    """
-    import kwker.dynamo as kd
-    from kwker.lowering.runner import Program
-
-    model, inputs = build(name)
-    got = {}
-
-    def keep(key, make):
-        def backend(gm, example_inputs):
-            got[key] = (gm, make(gm, example_inputs), list(example_inputs))
-            return got[key][1]
-        return backend
-
-    def stored(gm, example_inputs):
-        out = gm.forward(*example_inputs)
-        return lambda *args: out
-
-    with torch.no_grad():
-        torch._dynamo.reset()
-        compiled = {key: torch.compile(model, backend=keep(key, make)) for key, make in (
-            ("kwker", lambda gm, ex: kd.backend(gm, ex, options={"inner": "eager"})),
-            ("noop", lambda gm, ex: gm.forward), ("stored", stored))}
-        for fn in compiled.values():
-            fn(*inputs)
-        _, graph, args = got["kwker"]
-        plan = getattr(graph, "plan", None)
-        if plan is None or not plan.valid(args):
-            return {"model": name, "error": f"no static Kwker plan ({type(graph).__name__})"}
-        program = plan.program
-        # run every step once without freeing slots: each step's inputs stay available, and the
-        # slot each step writes is found by comparing the slot list before and after it
-        env = program.template.copy()
-        env[:program.n_inputs] = args
-        writes = []
-        for step, _ in program.steps:
-            before = list(env)
-            step(env)
-            writes.append(next((i for i, (a, b) in enumerate(zip(before, env)) if a is not b),
-                               None))
-        kernels = [s for s, _ in program.steps if getattr(s, "kernel", None)]
-
-        def store(slot, value):
-            def step(e):
-                e[slot] = value
-            return step
-
-        stubbed = Program(program.n_inputs, program.template, [
-            (store(slot, env[slot]) if getattr(s, "kernel", None) else s, dead)
-            for (s, dead), slot in zip(program.steps, writes)], program.output)
-
-        def kernels_only():
-            for s in kernels:
-                s(env)
-
-        gm_noop, _, args_noop = got["noop"]
-        groups = [  # sides of similar cost, interleaved within a group
-            [("compiled", lambda: compiled["kwker"](*inputs)), ("graph", lambda: graph(*args)),
-             ("kernels", kernels_only)],
-            [("own_direct", lambda: stubbed(args)),
-             ("dynamo_direct", lambda: compiled["stored"](*inputs))],
-            [("noop_compiled", lambda: compiled["noop"](*inputs)),
-             ("noop_forward", lambda: gm_noop.forward(*args_noop))]]
-        us = {}
-        for group in groups:
-            sides = [common.Side(k, fn, torch.no_grad) for k, fn in group]
-            us.update({s.name: t * 1e6 for s, t in zip(sides, _timed(sides, reps, rounds))})
-        us["inside"] = _dynamo_inside_us(compiled["kwker"], inputs, type(graph), reps * rounds)
-    return {
-        "model": name, "steps": len(program.steps), "kernel_steps": len(kernels),
-        "compiled_us": us["compiled"], "graph_us": us["graph"], "kernels_us": us["kernels"],
-        "kwker_own_us": us["graph"] - us["kernels"], "kwker_own_direct_us": us["own_direct"],
-        "dynamo_us": us["compiled"] - us["graph"], "dynamo_direct_us": us["dynamo_direct"],
-        "noop_dynamo_us": us["noop_compiled"] - us["noop_forward"],
-        "total_us": us["compiled"] - us["kernels"], "dynamo_inside_us": us["inside"],
-        "total_inside_us": us["inside"] + us["own_direct"], "target_us": OVERHEAD_TARGET_US}
-
-
-def _dynamo_inside_us(compiled, inputs, graph_type, calls: int) -> float:
-    """Dynamo's share timed inside real calls: from the compiled call's start to Kwker's graph
-    being entered, plus from the graph's return to the call's end (the least over ``calls``);
-    a difference of two separately timed ~0.5 ms calls cannot resolve it."""
-    stamps = []
-    call = graph_type.__call__
-
-    def stamped(self, *args):
-        t1 = time.perf_counter_ns()
-        out = call(self, *args)
-        stamps.append((t1, time.perf_counter_ns()))
-        return out
-    graph_type.__call__ = stamped
-    try:
-        best = float("inf")
-        for _ in range(max(calls, 50)):
-            stamps.clear()
-            t0 = time.perf_counter_ns()
-            compiled(*inputs)
-            t3 = time.perf_counter_ns()
-            t1, t2 = stamps[0]
-            best = min(best, (t1 - t0) + (t3 - t2))
-    finally:
-        graph_type.__call__ = call
-    return best / 1e3
-
-
-OVERHEAD_ROWS = (  # (label, key, checked against the issue's target)
-    ("(a) compiled model call: torch.compile(model, backend='kwker', inner='eager')",
-     "compiled_us", False),
-    ("(b) Kwker's compiled graph called directly (parameter guards, then its {steps} steps)",
-     "graph_us", False),
-    ("(c) its {kernel_steps} kernel steps alone, back to back", "kernels_us", False),
-    ("(b) - (c): Kwker's graph overhead over the kernels", "kwker_own_us", True),
-    ("  timed directly: the program with each kernel step replaced by storing its result",
-     "kwker_own_direct_us", True),
-    ("(a) - (b): dynamo frame + guards (every torch.compile backend pays it)", "dynamo_us",
-     False),
-    ("  same for a do-nothing backend (gm.forward): its compiled call - gm.forward",
-     "noop_dynamo_us", False),
-    ("  timed directly: a backend whose graph returns stored outputs", "dynamo_direct_us",
-     False),
-    ("(a) - (c): total per-call cost over the kernels", "total_us", False),
-    ("dynamo's share timed inside each call (start to graph entry, graph return to end)",
-     "dynamo_inside_us", False),
-    ("total per-call cost over the kernels: dynamo's share inside the call + Kwker's own "
-     "(directly timed)", "total_inside_us", True),
-)
-
-
-def overhead_table(o: dict, markdown: bool = True) -> str:
-    if "error" in o:
-        return f"Per-call overhead of {o['model']} not measured: {o['error']}"
-    rows = []
-    for label, key, checked in OVERHEAD_ROWS:
-        mark = ""
-        if checked:
-            met = "met" if o[key] < o["target_us"] else "NOT met"
-            mark = f"target < {o['target_us']:g} µs: {met}"
-        rows.append([label.format(**o), f"{o[key]:.1f}", mark])
-    return (common.md_table if markdown else common.text_table)(["", "µs", ""], rows)
 
 
 # ------------------------------------------------------------------------------ output
@@ -548,18 +249,7 @@ PEER_METHOD = (
     "pause and one untimed call: ONNX Runtime's idle workers spin ~30 ms after a call and "
     "torch's OpenMP workers a few ms, which on 2 cores would slow whichever side runs "
     "next.")
-OVERHEAD_METHOD = (
-    "What a call costs beyond the kernels: Kwker's share (its step list, slot "
-    "handling, the non-kernel ATen calls such as unpacking a tuple) and dynamo's "
-    "(frame evaluation and guards), which every `torch.compile` backend pays. "
-    "Best of interleaved samples. The directly timed rows run that code alone, "
-    "with warm caches and idle threads; the differences also include what it "
-    "costs to run it right after the kernels (caches emptied by their data, the "
-    "OpenMP workers still spinning, which matters on a loaded machine) and are "
-    "noisy to a few µs.")
-
-
-def markdown(rows, info, reps, over=None, rounds=3) -> str:
+def markdown(rows, info, reps, over=None, rounds=3, bf16: dict | None = None) -> str:
     dyn = [r["compile"][v]["dynamo_import_s"] for r in rows for v in r.get("compile", {})
            if r["compile"][v].get("dynamo_import_s")]
     lines = [
@@ -587,6 +277,8 @@ def markdown(rows, info, reps, over=None, rounds=3) -> str:
                   overhead_table(over), ""]
     lines += ["Kernels chosen by Kwker (inner=eager) per model:", "",
               *[f"- {r['model']}: {r['kernels'] or 'none'}" for r in rows], ""]
+    if bf16:
+        lines += [models_bf16.markdown(bf16)]
     return "\n".join(lines)
 
 
@@ -662,12 +354,21 @@ def plot(rows, path: Path, info: dict) -> bool:
     return common.save_plot(fig, path, f"Models vs PyTorch eager; {common.machine_line(info)}")
 
 
+SECTIONS = ("f32", "bf16", "avx2")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer reps, no results files")
     ap.add_argument("--compile-times", choices=("tutorial", "all", "none"), default="tutorial")
-    ap.add_argument("--models", nargs="*", help="subset of model names")
+    ap.add_argument("--models", nargs="*", help="subset of model names (of any section)")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="f32: float32 models; bf16: bf16 and autocast models; avx2: bf16 "
+                         "without AVX512_BF16 (child process)")
     ap.add_argument("--no-peers", action="store_true", help="skip ONNX Runtime and OpenVINO")
+    ap.add_argument("--isa", choices=tuple(isa_env.ISA_ENVS),
+                    help="run only the bf16 rows of this ISA in this process and print them "
+                         "as JSON (re-executes with its environment)")
     ap.add_argument("--probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS})")
     args = ap.parse_args(argv)
@@ -678,19 +379,81 @@ def main(argv=None) -> int:
     info = common.machine_info()
     reps = 5 if args.quick else 20
     rounds = 1 if args.quick else 3
-    names = args.models or list(MODELS)
-    unknown = [n for n in names if n not in MODELS]
+    bf16_all = list(models_bf16.BF16_MODELS)
+    unknown = [n for n in args.models or () if n not in MODELS and n not in bf16_all]
     if unknown:
-        ap.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+        ap.error(f"unknown model(s) {unknown}; choose from {list(MODELS)} (float32) or "
+                 f"{bf16_all} (bf16)")
+    if args.isa:
+        models_bf16.avx2_child(args.models or bf16_all, reps, rounds)
+        return 0
+    sections = set(args.sections)
+    names = [n for n in args.models or MODELS if n in MODELS]
+    bf16_names = [n for n in args.models or bf16_all if n in bf16_all]
+    peer_list = () if args.no_peers else PEERS
+    out = args.out or (None if args.quick else common.RESULTS)
+    old = {}
+    if out is not None and sections != set(SECTIONS):  # keep the sections not run this time
+        with contextlib.suppress(OSError, ValueError):
+            old = json.loads((out / "models.json").read_text())
+    data = {"benchmark": "models", "script": "bench_models.py", "machine": info, "reps": reps,
+            "rounds": rounds, "rows": [], "overhead": None,
+            **{k: v for k, v in old.items() if k != "headline"}}
+    if "f32" in sections:
+        data.update(machine=info, reps=reps, rounds=rounds,
+                    rows=run_f32(names, reps, rounds, peer_list, args.compile_times))
+        data["overhead"] = over = (overhead(TUTORIAL, reps, rounds) if TUTORIAL in names
+                                   else None)
+        print_f32(data["rows"], over)
+    bf16 = data.setdefault("bf16", {}) if sections & {"bf16", "avx2"} else data.get("bf16")
+    if "bf16" in sections:
+        bf16.update(machine=info, reps=reps, rounds=rounds,
+                    rows=models_bf16.run(bf16_names, reps, rounds, peer_list))
+    if "avx2" in sections:
+        bf16["avx2"] = models_bf16.run_avx2(bf16_names, args.quick, Path(__file__))
+    if bf16:
+        for text in (models_bf16.speed_table, models_bf16.accuracy_table):
+            print()
+            print(text(bf16.get("rows", []), markdown=False))
+        print("\n".join(models_bf16.notes(bf16.get("rows", []))))
+        if bf16.get("avx2") is not None:
+            print()
+            print(models_bf16.avx2_table(bf16["avx2"], markdown=False))
+    data["headline"] = headline(data["rows"], data["overhead"]) + models_bf16.headline(
+        bf16 or {})
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "models.md").write_text(markdown(data["rows"], data["machine"], data["reps"],
+                                                data["overhead"], data["rounds"], bf16))
+        common.write_json(out / "models.json", data)
+        if data["rows"]:
+            plot(data["rows"], out / "models.png", data["machine"])
+        if bf16:
+            models_bf16.plot(bf16, out / "models_bf16.png", bf16.get("machine", info))
+        print(f"wrote {out / 'models.md'}, models.json, models.png, models_bf16.png")
+    wrong = [r["model"] for r in data["rows"] if "f32" in sections
+             and any(c != "ok" for v, c in r["check"].items() if v in VARIANTS)]
+    bad = models_bf16.broken(bf16.get("rows", []) if "bf16" in sections else [],
+                             bf16.get("avx2") if "avx2" in sections else None) if bf16 else []
+    for b in bad:
+        print(f"ACCURACY CONTRACT BROKEN (bug): {b}", file=sys.stderr)
+    return 1 if wrong or bad else 0
+
+
+def run_f32(names, reps, rounds, peer_list, which: str) -> list[dict]:
+    """The float32 rows; compile times for ``which`` models ("tutorial", "all", "none")."""
     rows = []
     for name in names:
-        row = speed(name, reps, rounds, () if args.no_peers else PEERS)
-        if args.compile_times == "all" or (args.compile_times == "tutorial" and name == TUTORIAL):
+        row = speed(name, reps, rounds, peer_list)
+        if which == "all" or (which == "tutorial" and name == TUTORIAL):
             row["compile"] = {v: compile_times(name, v) for v in ("inductor", "kwker_eager",
                                                                   "kwker")}
         rows.append(row)
         print(table([row], markdown=False).splitlines()[-1], flush=True)
-    over = overhead(TUTORIAL, reps, rounds) if TUTORIAL in names else None
+    return rows
+
+
+def print_f32(rows, over) -> None:
     print()
     print(table(rows, markdown=False))
     print()
@@ -699,18 +462,6 @@ def main(argv=None) -> int:
     if over:
         print()
         print(overhead_table(over, markdown=False))
-    out = args.out or (None if args.quick else common.RESULTS)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "models.md").write_text(markdown(rows, info, reps, over, rounds))
-        common.write_json(out / "models.json", {
-            "benchmark": "models", "script": "bench_models.py", "machine": info, "reps": reps,
-            "rows": rows, "overhead": over, "headline": headline(rows, over)})
-        plot(rows, out / "models.png", info)
-        print(f"wrote {out / 'models.md'}, models.json, models.png")
-    wrong = [r["model"] for r in rows
-             if any(c != "ok" for v, c in r["check"].items() if v in VARIANTS)]
-    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

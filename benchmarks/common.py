@@ -157,6 +157,30 @@ def compare(sides: Sequence[Side], reps: int = 20, warmup: int = 3,
     return [s.best for s in sides]
 
 
+def best_of_rounds(sides: Sequence[Side], reps: int, rounds: int,
+                   settle: float = 0.0) -> list[float]:
+    """Best seconds per call of each side over a few interleaved rounds (``compare``), a second
+    apart (on a shared machine one round can be disturbed)."""
+    best = [float("inf")] * len(sides)
+    for r in range(rounds):
+        if r:
+            time.sleep(1.0)
+        best = [min(b, t) for b, t in zip(best, compare(sides, reps=reps, warmup=3,
+                                                         settle=settle))]
+    return best
+
+
+def contexts(*makers: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:
+    """One context factory entering every ``makers()`` in order (e.g. no_grad + autocast)."""
+    @contextlib.contextmanager
+    def both():
+        with contextlib.ExitStack() as stack:
+            for make in makers:
+                stack.enter_context(make())
+            yield
+    return both
+
+
 # ------------------------------------------------------------------------------------ output
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub markdown table (no dependency on tabulate)."""

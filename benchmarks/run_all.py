@@ -93,6 +93,8 @@ def build_index(results: Path = RESULTS, scripts_dir: Path = HERE,
         data = _load(results / f"{stem}.json") or {}
         links = [f"[{stem}.{ext}]({stem}.{ext})" for ext in ("md", "json", "png")
                  if (results / f"{stem}.{ext}").exists()]
+        links += [f"[{p.name}]({p.name})" for p in sorted(results.glob(f"{stem}_*.png"))
+                  if p.stem not in stems]  # a section's own plot, e.g. models_bf16.png
         script = data.get("script") or f"bench_{data.get('benchmark', stem)}.py"
         listed.add(script)
         run = status.get(script, {})

@@ -1,0 +1,289 @@
+"""The bfloat16 section of bench_kernels.py: Kwker's bf16 kernels against eager bf16 (oneDNN).
+
+Two probes give the roofs: the ``vdpbf16ps`` peak (a JIT'd kernel of 12 independent chains of
+``llvm.x86.avx512bf16.dpbf16ps.512`` per thread: 32 multiply-adds, 64 FLOP, per instruction) and
+the L3 read bandwidth (a JIT'd kernel summing a 16 MB buffer, half per thread, which stays in the
+32 MB L3 between passes). Linear rows give GFLOP/s and % of the bf16 peak; the two memory-bound
+ones (m <= 8) also give the weight traffic (n*k*2 bytes per call) in GB/s against the L3 figure.
+Each row's result is checked against the float32 computation with the models' contract: Kwker's
+max abs error <= 1.25 x eager bf16's + 1e-3 x max|reference|.
+"""
+from __future__ import annotations
+
+import copy
+import ctypes
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from llvmlite import ir
+
+import common
+from kwker.codegen import omp, simd, vmath
+from kwker.codegen.irutil import f32, i16, i32, i64, intrinsic, ptr
+from kwker.kernels.linear import make_linear
+from kwker.kernels.sdpa import make_sdpa
+from kwker.runtime.compiler import compile_object
+from kwker.runtime.loader import load_symbols
+from kwker.runtime.target import host_target
+
+BF16 = torch.bfloat16
+# (m, n, k): x (m, k) @ W.T, W (n, k), + bias
+LINEARS = [(1024, 1024, 1024), (1024, 3072, 768), (128, 768, 768), (8, 4096, 1024),
+           (1, 4096, 1024)]
+# ratio target, and the fraction of the bf16 peak the two large GEMMs must reach
+TARGETS = {(1024, 1024, 1024): (1.0, 0.9), (1024, 3072, 768): (1.0, 0.9),
+           (128, 768, 768): (1.05, None), (8, 4096, 1024): (1.5, None),
+           (1, 4096, 1024): (1.5, None), (8, 8, 128, 32): (1.5, None),
+           (1, 16, 1024, 64): (1.3, None)}
+MEMORY_BOUND = {(8, 4096, 1024), (1, 4096, 1024)}
+CHAINS = 12
+L3_BYTES = 16 << 20
+
+
+# ---------------------------------------------------------------------------------- probes
+def _dp_probe(iters: int):
+    """A JIT'd kernel: ``CHAINS`` independent ``vdpbf16ps`` chains of ``iters`` steps per thread."""
+    target = host_target()
+    module = ir.Module("bf16peak")
+    body = omp.body_fn(module, "bf16peak.body")
+    b = body.b
+    vf, vh = ir.VectorType(f32, 16), ir.VectorType(i16, 32)
+    dp = intrinsic(module, "llvm.x86.avx512bf16.dpbf16ps.512", vf, [vf, vh, vh])
+    accs = [body.var(vf, vmath.splat(vf, 0.0)) for _ in range(CHAINS)]
+    x = ir.Constant(vh, [ir.Constant(i16, 0x3F80)] * 32)    # bf16 1.0
+    y = ir.Constant(vh, [ir.Constant(i16, 0x3A83)] * 32)    # bf16 ~1e-3
+    with body.for_range(0, iters):
+        for a in accs:
+            a.set(b.call(dp, [a.get(), x, y]))
+    total = accs[0].get()
+    for a in accs[1:]:
+        total = b.fadd(total, a.get())
+    out = omp.Context(body, body.args[0]).ptr(0)
+    b.store(b.extract_element(total, ir.Constant(i32, 0)),
+            b.gep(out, [body.args[1]], source_etype=f32))
+    body.finish()
+    symbol = f"kw_bf16_probe_{iters}"
+    omp.emit_parallel(module, symbol, [ptr], body.fn)
+    addr = load_symbols(compile_object(str(module), target), [symbol])[symbol]
+    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(addr), CHAINS * 64 * iters
+
+
+def bf16_peak(threads: int, iters: int = 1 << 19, samples: int = 40) -> tuple[float | None, str]:
+    """(GFLOP/s of the vdpbf16ps chains on ``threads`` threads, "") or (None, why skipped).
+
+    Best of many short samples (~2 ms each): on a shared machine one of them falls in a quiet
+    moment, when both threads run undisturbed."""
+    target = host_target()
+    if not target.has("avx512bf16"):
+        return None, f"skipped: the target CPU ({target.describe()}) has no AVX512_BF16"
+    fn, flops = _dp_probe(iters)
+    sink = torch.zeros(64)
+    return flops * threads / _best(lambda: fn(sink.data_ptr(), threads), samples) / 1e9, ""
+
+
+def _best(call, samples: int, min_seconds: float = 0.5) -> float:
+    """Least seconds of ``call`` over at least ``samples`` calls and ``min_seconds``."""
+    call()
+    best, start, n = float("inf"), time.perf_counter(), 0
+    while n < samples or time.perf_counter() - start < min_seconds:
+        t = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t)
+        n += 1
+    return best
+
+
+def _read_probe(lanes: int):
+    """A JIT'd kernel ``read(buf, n, passes, out, nthreads)``: each thread sums its contiguous
+    share of ``n`` floats ``passes`` times with 8 independent vector accumulators."""
+    module = ir.Module("l3read")
+    body = omp.body_fn(module, "l3read.body")
+    b = body.b
+    ctx = omp.Context(body, body.args[0])
+    buf, n, passes, out = ctx.ptr(0), ctx.i64(1), ctx.i64(2), ctx.ptr(3)
+    begin, end = omp.split(body, b.udiv(n, ir.Constant(i64, 8 * lanes)), body.args[1],
+                           body.args[2])
+    vt = ir.VectorType(f32, lanes)
+    accs = [body.var(vt, vmath.splat(vt, 0.0)) for _ in range(8)]
+    with body.for_range(0, passes):
+        with body.for_range(begin, end, name="blk") as blk:
+            base = b.mul(blk, ir.Constant(i64, 8 * lanes))
+            for j, a in enumerate(accs):
+                v = simd.load_vec(b, buf, b.add(base, ir.Constant(i64, j * lanes)), lanes)
+                a.set(b.fadd(a.get(), v))
+    total = accs[0].get()
+    for a in accs[1:]:
+        total = b.fadd(total, a.get())
+    b.store(b.extract_element(total, ir.Constant(i32, 0)),
+            b.gep(out, [body.args[1]], source_etype=f32))
+    body.finish()
+    symbol = f"kw_l3_read_{lanes}"
+    omp.emit_parallel(module, symbol, [ptr, i64, i64, ptr], body.fn)
+    addr = load_symbols(compile_object(str(module), host_target()), [symbol])[symbol]
+    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_void_p, ctypes.c_int64)(addr)
+
+
+def l3_bandwidth(threads: int, nbytes: int = L3_BYTES, passes: int = 4,
+                 samples: int = 40) -> float:
+    """GB/s of reading a ``nbytes`` float32 buffer (fits the L3; warmed by a first pass) on
+    ``threads`` threads, best of ``samples`` short samples (as ``bf16_peak``)."""
+    fn = _read_probe(simd.float_lanes(host_target()))
+    buf = torch.ones(nbytes // 4)
+    sink = torch.zeros(64)
+    args = (buf.data_ptr(), buf.numel(), passes, sink.data_ptr(), threads)
+    return nbytes * passes / _best(lambda: fn(*args), samples) / 1e9
+
+
+# ------------------------------------------------------------------------------------ rows
+def _check(kw, eager, ref) -> str:
+    """The accuracy contract against the float32 result ``ref``."""
+    ref = ref.double()
+    ek = (kw.double() - ref).abs().max().item()
+    ee = (eager.double() - ref).abs().max().item()
+    bound = 1.25 * ee + 1e-3 * ref.abs().max().item()
+    return ("ok" if ek <= bound else "BROKEN") + f" ({ek:.1e} vs eager {ee:.1e})"
+
+
+def _row(name, tk, te, check, target=None, peak_target=None, **extra) -> dict:
+    return {"kernel": name, "kwker_ms": tk * 1e3, "torch_ms": te * 1e3, "ratio": te / tk,
+            "target": target, "peak_target": peak_target, "check": check, **extra}
+
+
+def linear_rows(best_pair, reps: int, peak: float | None, l3: float | None) -> list[dict]:
+    rows = []
+    for m, n, k in LINEARS:
+        torch.manual_seed(0)
+        w, bias, x = torch.randn(n, k) / k**0.5, torch.randn(n), torch.randn(m, k)
+        wb, bb, xb = w.to(BF16), bias.to(BF16), x.to(BF16)
+        f = make_linear(wb, bb, m, dtype=BF16)
+        check = _check(f(xb), F.linear(xb, wb, bb), F.linear(xb.float(), wb.float(), bb.float()))
+        tk, te = best_pair(lambda: f(xb), lambda: F.linear(xb, wb, bb),
+                           max(3, reps // (4 if m * n * k > 1 << 28 else 1)))
+        gf = 2 * m * n * k / tk / 1e9
+        target, peak_target = TARGETS[(m, n, k)]
+        extra = {"gflops": gf, "peak_frac": gf / peak if peak else None}
+        if (m, n, k) in MEMORY_BOUND:
+            extra["weight_gbps"] = n * k * 2 / tk / 1e9
+            extra["l3_frac"] = extra["weight_gbps"] / l3 if l3 else None
+        rows.append(_row(f"bf16 linear {m}x{n}x{k}", tk, te, check, target, peak_target,
+                         **extra))
+    return rows
+
+
+def sdpa_rows(best_pair, reps: int) -> list[dict]:
+    rows = []
+    for shape in [(8, 8, 128, 32), (1, 16, 1024, 64)]:
+        b, h, seq, e = shape
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(*shape).to(BF16) for _ in range(3))
+        f = make_sdpa(b, h, seq, seq, e, e, True, dtype=BF16)
+
+        def eager():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        check = _check(f(q, k, v), eager(), ref)
+        tk, te = best_pair(lambda: f(q, k, v), eager, max(3, reps // (10 if seq > 512 else 1)))
+        rows.append(_row(f"bf16 SDPA {shape} causal", tk, te, check, TARGETS[shape][0]))
+    return rows
+
+
+def mlp_rows(best_pair, reps: int) -> list[dict]:
+    """Linear(1024, 4096) + GELU fused, then Linear(4096, 1024), chained as Kwker runs them."""
+    rows = []
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                              torch.nn.Linear(4096, 1024)).eval()
+    mlp_b = copy.deepcopy(mlp).to(BF16)
+    for batch in (64, 1):
+        x = torch.randn(batch, 1024).to(BF16)
+        l1 = make_linear(mlp_b[0].weight, mlp_b[0].bias, batch, "gelu", dtype=BF16)
+        l2 = make_linear(mlp_b[2].weight, mlp_b[2].bias, batch, dtype=BF16)
+        with torch.no_grad():
+            check = _check(l2(l1(x)), mlp_b(x), mlp(x.float()))
+            tk, te = best_pair(lambda: l2(l1(x)), lambda: mlp_b(x), reps)
+        rows.append(_row(f"bf16 MLP 1024-4096-1024 b{batch}", tk, te, check,
+                         note="linear+GELU fused, linear"))
+    return rows
+
+
+def run(best_pair, reps: int, threads: int) -> dict:
+    """The whole section: probes, then every row (``best_pair`` from bench_kernels)."""
+    peak, why = bf16_peak(threads)
+    l3 = l3_bandwidth(threads)
+    rows = linear_rows(best_pair, reps, peak, l3) + sdpa_rows(best_pair, reps) \
+        + mlp_rows(best_pair, reps)
+    for r in rows:
+        r["met"] = None if r["target"] is None else bool(
+            r["ratio"] >= r["target"] and (r["peak_target"] is None
+                                            or (r.get("peak_frac") or 0) >= r["peak_target"]))
+    return {"peak_gflops": peak, "peak_skipped": why, "l3_gbps": l3, "l3_bytes": L3_BYTES,
+            "rows": rows}
+
+
+# ---------------------------------------------------------------------------------- output
+def _pct(x) -> str:
+    return "—" if x is None else f"{x:.0%}"
+
+
+def render(sec: dict) -> str:
+    peak = sec["peak_gflops"]
+    head = (f"vdpbf16ps peak probe ({CHAINS} chains per thread): "
+            + (f"{peak:.0f} GFLOP/s" if peak else sec["peak_skipped"])
+            + f"; L3 read bandwidth probe ({sec['l3_bytes'] >> 20} MB buffer): "
+              f"{sec['l3_gbps']:.0f} GB/s")
+    out = ["## bfloat16 (vs eager bf16: oneDNN)", "", head, "",
+           "Plot: [kernels_bf16.png](kernels_bf16.png)", "",
+           "| kernel | eager ms | kwker ms | speed-up | target | GFLOP/s | % of bf16 peak | "
+           "weight GB/s (% of L3) | check | note |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in sec["rows"]:
+        mark = ""
+        if r["target"] is not None:
+            mark = f"{r['target']:.2g}x" + (f", {r['peak_target']:.0%} of peak"
+                                            if r["peak_target"] else "")
+            mark += " ok" if r["met"] else " BELOW"
+        gb = (f"{r['weight_gbps']:.0f} ({_pct(r.get('l3_frac'))})" if "weight_gbps" in r
+              else "")
+        gf = f"{r['gflops']:.0f}" if "gflops" in r else ""
+        pk = _pct(r.get("peak_frac")) if "gflops" in r else ""
+        out.append(f"| {r['kernel']} | {r['torch_ms']:.3f} | {r['kwker_ms']:.3f} | "
+                   f"{r['ratio']:.2f}x | {mark} | {gf} | {pk} | {gb} | {r['check']} | "
+                   f"{r.get('note', '')} |")
+    return "\n".join(out)
+
+
+def headline(sec: dict) -> list[dict]:
+    """The index's bf16 kernel figures: the two GEMM kinds, SDPA, and the furthest row."""
+    rows = sec.get("rows", [])
+    pick = ("bf16 linear 1024x1024x1024", "bf16 linear 1x4096x1024",
+            "bf16 SDPA (8, 8, 128, 32) causal")
+    out = [{"label": r["kernel"], "ratio": r["ratio"], "target": r["target"]}
+           for p in pick for r in rows if r["kernel"] == p]
+    targeted = [r for r in rows if r["target"]]
+    if targeted:
+        low = min(targeted, key=lambda r: r["ratio"] / r["target"])
+        out.append({"label": f"bf16 furthest from its target: {low['kernel']}",
+                    "ratio": low["ratio"], "target": low["target"]})
+    return out
+
+
+def plot(sec: dict, path: Path, title: str) -> bool:
+    """Eager bf16 time / Kwker time per row (log), target ticks, % of peak or GB/s noted."""
+    plt = common.pyplot()
+    if plt is None:
+        return False
+    rows = sec["rows"]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.32 * len(rows)))
+    colors = ["tab:red" if r["met"] is False else "tab:green" if r["ratio"] >= 1
+              else "tab:orange" for r in rows]
+    notes = [f"{_pct(r.get('peak_frac'))} of peak" if r.get("peak_frac") and
+             "weight_gbps" not in r else f"{r['weight_gbps']:.0f} GB/s" if "weight_gbps" in r
+             else "" for r in rows]
+    common.ratio_bars(ax, [r["kernel"] for r in rows], [r["ratio"] for r in rows],
+                      [r["target"] for r in rows], colors, notes)
+    ax.set_xlabel("eager bf16 ms / Kwker ms (log; black tick = target, red = below it)",
+                  fontsize=8)
+    return common.save_plot(fig, path, title)

@@ -1,0 +1,174 @@
+"""The models bench_models.py times: the float32 set (``MODELS``) and the bfloat16 set
+(``BF16_MODELS``), each a builder returning ``(model, inputs)`` from a fixed seed.
+
+The bf16 set adds a GPT-style decoder block, a 12-layer 768-wide encoder and, with the ``bench``
+extra, two Hugging Face ``transformers`` models built from small configs with random weights (no
+download: ``HF_HUB_OFFLINE=1``). A builder whose library is missing raises ``Missing``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+class Missing(RuntimeError):
+    """A model's library is not installed; the message says what to install."""
+
+
+# --------------------------------------------------------------------------- float32 set
+class Ranker(torch.nn.Module):
+    def __init__(self, n_items=20_000, dim=128):
+        super().__init__()
+        self.query = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                         torch.nn.Linear(256, dim))
+        self.items = torch.nn.Parameter(torch.randn(n_items, dim) / dim**0.5)
+
+    def forward(self, x):
+        scores = self.query(x) @ self.items.t()
+        return torch.topk(scores, 10, dim=-1)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, causal):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+def _ranker(b):
+    return Ranker(), (torch.randn(b, 64),)
+
+
+def _mlp(b):
+    m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                            torch.nn.Linear(4096, 1024))
+    return m, (torch.randn(b, 1024),)
+
+
+def _encoder():
+    m = torch.nn.TransformerEncoderLayer(d_model=256, nhead=8, dim_feedforward=1024,
+                                         batch_first=True, activation="gelu")
+    return m, (torch.randn(8, 128, 256),)
+
+
+def _sdpa(causal):
+    return Attention(causal), tuple(torch.randn(8, 8, 128, 32) for _ in range(3))
+
+
+MODELS = {
+    "tutorial Ranker b1": lambda: _ranker(1),
+    "tutorial Ranker b32": lambda: _ranker(32),
+    "tutorial Ranker b256": lambda: _ranker(256),
+    "MLP 1024-4096-1024 b1": lambda: _mlp(1),
+    "MLP 1024-4096-1024 b64": lambda: _mlp(64),
+    "TransformerEncoderLayer (8,128,256)": _encoder,
+    "SDPA (8,8,128,32)": lambda: _sdpa(False),
+    "SDPA causal (8,8,128,32)": lambda: _sdpa(True),
+}
+TUTORIAL = "tutorial Ranker b32"
+
+
+def build(name: str, models: dict | None = None):
+    """``(model.eval(), inputs)`` of ``name`` (from ``MODELS`` unless ``models`` is given),
+    float32, seeded, so every variant and every run sees the same weights and inputs."""
+    torch.manual_seed(0)
+    model, inputs = (MODELS if models is None else models)[name]()
+    return model.eval(), inputs
+
+
+# --------------------------------------------------------------------------- bf16 additions
+class DecoderBlock(torch.nn.Module):
+    """GPT-style pre-LN decoder block: causal self-attention, tanh-GELU MLP, two residuals."""
+
+    def __init__(self, d=384, heads=6):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(d, dim=-1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+def _decoder():
+    return DecoderBlock(), (torch.randn(1, 128, 384),)
+
+
+def _encoder12():
+    layer = torch.nn.TransformerEncoderLayer(d_model=768, nhead=12, dim_feedforward=3072,
+                                             batch_first=True)
+    m = torch.nn.TransformerEncoder(layer, num_layers=12, enable_nested_tensor=False)
+    return m, (torch.randn(8, 128, 768),)
+
+
+class LastHidden(torch.nn.Module):
+    """A ``transformers`` model called with ``input_ids`` only, returning
+    ``last_hidden_state``: one tensor in, one out, as the peers' converters want."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__()
+        self.model, self.kwargs = model, kwargs
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, **self.kwargs).last_hidden_state
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights from a config: never download
+    try:
+        import transformers
+    except ImportError as e:
+        raise Missing(f'transformers not installed: pip install -e ".[bench]" ({e})') from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _bert():
+    """BertModel, 4 layers, 256 wide, 4 heads, FFN 1024, SDPA attention, at 8 x 128 tokens."""
+    tf = _transformers()
+    cfg = tf.BertConfig(vocab_size=8192, hidden_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, intermediate_size=1024,
+                        max_position_embeddings=512, attn_implementation="sdpa")
+    return LastHidden(tf.BertModel(cfg, add_pooling_layer=False)), (
+        torch.randint(0, cfg.vocab_size, (8, 128)),)
+
+
+def _gpt2():
+    """GPT2Model, 4 layers, 384 wide, 6 heads, SDPA attention, at 1 x 128 tokens."""
+    tf = _transformers()
+    cfg = tf.GPT2Config(vocab_size=8192, n_embd=384, n_layer=4, n_head=6, n_positions=512,
+                        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    ids = torch.randint(0, cfg.vocab_size, (1, 128))
+    return LastHidden(tf.GPT2Model(cfg), use_cache=False), (ids,)
+
+
+# name -> (builder, target ratio eager bf16 / Kwker or None, must beat OpenVINO bf16)
+BF16_MODELS = {
+    "TransformerEncoderLayer (8,128,256)": (_encoder, 1.2, True),
+    "GPT decoder block d384 (1,128)": (_decoder, 1.25, False),
+    "MLP 1024-4096-1024 b64": (lambda: _mlp(64), 1.15, False),
+    "MLP 1024-4096-1024 b1": (lambda: _mlp(1), 1.8, False),
+    "tutorial Ranker b32": (lambda: _ranker(32), 2.2, False),
+    "12-layer encoder 768 (8,128)": (_encoder12, None, True),
+    "transformers BertModel 4x256 (8,128)": (_bert, None, False),
+    "transformers GPT2Model 4x384 (1,128)": (_gpt2, None, False),
+}
+# the rows also run without AVX512_BF16 (AVX2 path, in a child process)
+AVX2_MODELS = ("TransformerEncoderLayer (8,128,256)", "MLP 1024-4096-1024 b64",
+               "MLP 1024-4096-1024 b1", "GPT decoder block d384 (1,128)")
+
+
+def build_bf16(name: str):
+    """``(float32 model.eval(), float32 inputs)`` of a bf16-section model (``Missing`` when its
+    library is not installed); the section makes the bf16 and autocast variants from it."""
+    return build(name, {k: v[0] for k, v in BF16_MODELS.items()})
