@@ -18,6 +18,7 @@ from torch.fx import Node
 
 from . import sorting as S
 from .autocast import cast_source
+from .composite import find_gelus
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
@@ -104,6 +105,9 @@ class Matcher:
         self.nodes, self.metas, self.consts, self.sorting = nodes, metas, consts, sorting
         self.order = {n: i for i, n in enumerate(nodes)}
         self.writes = [self.order[n] for n in nodes if is_inplace(n)]
+        # GELUs written out in elementwise ops (transformers' gelu_new and friends)
+        self.gelus = find_gelus(nodes)
+        self.gelu_of = {x: end for end, (x, _, _) in self.gelus.items()}
 
     def run(self) -> list[Match]:
         claimed: set = set()
@@ -139,6 +143,10 @@ class Matcher:
                 return m
         if kind in ("matmul", "mm", "bmm"):
             return self.gemm(n, kind)
+        if n in self.gelus:
+            x, cone, form = self.gelus[n]
+            if _fits(self.metas, x) and _dtype(self.metas, n) == _dtype(self.metas, x):
+                return Match("gelu", n, list(cone), {"x": x}, {"approximate": form})
         if kind == "gelu":
             b = bind(n)
             if b and b["approximate"] in ("none", "tanh") and _fits(self.metas, b["input"]):
@@ -208,7 +216,12 @@ class Matcher:
                 return m
         epilogue, cur = "none", n
         plain = Match("linear", n, list(covers), dict(inputs), {"epilogue": "none"})
-        if user is not None and canon(user) in ("relu", "gelu"):
+        end = self.gelu_of.get(n)
+        if end is not None and _dtype(self.metas, end) == dt:  # a hand-written GELU
+            epilogue = "gelu" if self.gelus[end][2] == "none" else "gelu_tanh"
+            covers += self.gelus[end][1]
+            cur = end
+        elif user is not None and canon(user) in ("relu", "gelu"):
             bu = bind(user)
             if bu is not None and bu["input"] is cur:
                 if canon(user) == "relu":
@@ -219,6 +232,13 @@ class Matcher:
                     covers.append(user)
                     cur = user
         user = _sole_user(cur)
+        if user is not None and canon(user) == "dropout":  # a no-op in eval (BERT's outputs)
+            bd = bind(user)
+            if bd is not None and bd["input"] is cur and \
+                    (bd["training"] is False or bd["p"] == 0) and bd["inplace"] is False:
+                covers.append(user)
+                cur = user
+                user = _sole_user(cur)
         if user is not None and canon(user) == "add":
             bu = bind(user)
             if bu is not None and bu["alpha"] == 1:

@@ -1,0 +1,129 @@
+"""GELU written out in elementwise ops, recognised by what it computes.
+
+Model libraries spell GELU by hand: transformers' ``NewGELUActivation`` (GPT-2's "gelu_new") is
+``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * pow(x, 3))))``, ``FastGELUActivation``
+factors it differently, others write ``x * 0.5 * (1 + erf(x / sqrt(2)))``. Rather than one
+pattern per spelling, a *cone* is taken: the nodes above a candidate output that are elementwise
+arithmetic on one tensor ``x`` and constants, used only inside the cone. The cone is evaluated in
+float64 on a dense grid of x and compared with both GELU forms; if one agrees to 1e-9 the cone
+is that GELU. Kwker's kernel then computes it in float32 with one rounding, closer to the
+exact function than the op-by-op original (which rounds after each op in bf16).
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch.fx import Node
+
+_FUNCS = {operator.mul, operator.add, operator.sub, operator.truediv, operator.pow,
+          operator.neg, torch.mul, torch.add, torch.sub, torch.div, torch.pow, torch.tanh,
+          torch.erf, torch.neg, torch.special.erf}
+_METHODS = {"mul", "add", "sub", "div", "pow", "tanh", "erf", "neg", "__mul__", "__add__",
+            "__sub__", "__truediv__", "__pow__", "__rmul__", "__radd__", "__rsub__",
+            "__rtruediv__", "__neg__"}
+MAX_CONE = 16
+_GRID = torch.linspace(-9.0, 9.0, 361, dtype=torch.float64)
+_FORMS = {
+    "tanh": 0.5 * _GRID * (1 + torch.tanh(math.sqrt(2 / math.pi) *
+                                          (_GRID + 0.044715 * _GRID ** 3))),
+    "none": 0.5 * _GRID * (1 + torch.erf(_GRID / math.sqrt(2))),
+}
+
+
+def _arith(n) -> bool:
+    if not isinstance(n, Node):
+        return False
+    if n.op == "call_function":
+        try:
+            return n.target in _FUNCS
+        except TypeError:
+            return False
+    return n.op == "call_method" and n.target in _METHODS
+
+
+def _cone(end: Node, stop: Node | None = None) -> tuple[Node, list] | None:
+    """(the one tensor input, the cone's nodes in graph order) or None; ``stop`` is taken as
+    the input even if it is arithmetic itself (GELU of ``x * 2``)."""
+    cone, todo, leaves = {end}, [end], set()
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a in cone or a in leaves:
+                continue
+            if _arith(a) and a is not stop:
+                cone.add(a)
+                todo.append(a)
+                if len(cone) > MAX_CONE:
+                    return None
+            else:
+                leaves.add(a)
+    if len(leaves) != 1 or len(cone) < 3:
+        return None
+    if any(u not in cone for n in cone if n is not end for u in n.users):
+        return None  # an intermediate value is used elsewhere: it must be computed anyway
+    order = {n: i for i, n in enumerate(end.graph.nodes)}
+    return leaves.pop(), sorted(cone, key=order.__getitem__)
+
+
+def _evaluate(x: Node, cone: list, grid: torch.Tensor) -> torch.Tensor | None:
+    values = {x: grid}
+
+    def arg(a):
+        if isinstance(a, Node):
+            return values[a]
+        if isinstance(a, (int, float)):
+            return a
+        raise TypeError("non-scalar constant")
+
+    try:
+        for n in cone:
+            args = [arg(a) for a in n.args]
+            kwargs = {k: arg(v) for k, v in n.kwargs.items()}
+            if n.op == "call_function":
+                values[n] = n.target(*args, **kwargs)
+            else:
+                values[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+    except (TypeError, RuntimeError, KeyError):
+        return None
+    out = values[cone[-1]]
+    return out if isinstance(out, torch.Tensor) and out.shape == grid.shape else None
+
+
+def gelu_cone(end: Node) -> tuple[Node, list, str] | None:
+    """(x, the nodes to replace, "tanh" | "none") if ``end`` computes GELU of ``x``."""
+    if not _arith(end):
+        return None
+    found = _cone(end)
+    if found is None:
+        return None
+    # the input is the widest cone's leaf, or an arithmetic node used twice or more inside it
+    # (every spelling reads x at least twice: x * (1 + f(x)))
+    inputs = [found[0]] + [n for n in reversed(found[1][:-1])
+                           if sum(u in found[1] for u in n.users) >= 2]
+    for stop in inputs:
+        cut = found if stop is found[0] else _cone(end, stop)
+        if cut is None or cut[0] is not stop:
+            continue
+        out = _evaluate(stop, cut[1], _GRID)
+        if out is None:
+            continue
+        for form, ref in _FORMS.items():
+            if torch.allclose(out, ref, rtol=1e-9, atol=1e-12):
+                return stop, cut[1], form
+    return None
+
+
+def find_gelus(nodes: list) -> dict:
+    """{end node: (x, cone, form)} for every hand-written GELU among ``nodes`` (cones are
+    searched from the last node up, so a node inside a found cone starts no other)."""
+    found, inside = {}, set()
+    for n in reversed(nodes):
+        if n in inside or n.op not in ("call_function", "call_method"):
+            continue
+        g = gelu_cone(n)
+        if g is not None:
+            found[n] = g
+            inside.update(g[1])
+    return found

@@ -1,0 +1,76 @@
+"""Ops model libraries write out by hand: GELU spelled in elementwise ops (transformers'
+gelu_new, FastGELU, an erf form) becomes the GELU kernel or a GEMM epilogue, recognised by what
+it computes (a look-alike with other constants stays on ATen); a dropout in eval is a no-op the
+residual fusion looks through."""
+import copy
+import math
+
+import pytest
+import torch
+
+import kwker.dynamo as kd
+
+from .models import assert_bf16_contract, assert_close
+
+
+class NewGELU(torch.nn.Module):     # transformers' NewGELUActivation (GPT-2)
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) *
+                                           (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class FastGELU(torch.nn.Module):
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+class ErfGELU(torch.nn.Module):
+    def forward(self, x):
+        return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+class LookAlike(torch.nn.Module):   # not a GELU: another constant inside tanh
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(0.8 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.up, self.act = torch.nn.Linear(64, 160), act
+        self.down, self.drop = torch.nn.Linear(160, 64), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.drop(self.down(self.act(h))) + x, self.act(x * 2)
+
+
+EXPECTED = {  # activation -> (kernels, standalone GELU on x * 2)
+    NewGELU: ["gelu", "linear_gelu_tanh", "linear_residual"],
+    FastGELU: ["gelu", "linear_gelu_tanh", "linear_residual"],
+    ErfGELU: ["gelu", "linear_gelu", "linear_residual"],
+    LookAlike: ["linear", "linear_residual"],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("act", sorted(EXPECTED, key=lambda c: c.__name__),
+                         ids=lambda c: c.__name__)
+def test_handwritten_gelu_and_dropout(act, dtype):
+    torch.manual_seed(13)
+    model = Block(act()).eval()
+    x = torch.randn(7, 64)
+    low = copy.deepcopy(model).to(dtype)
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(low, backend="kwker", options={"inner": "eager"})
+    with torch.no_grad():
+        got, eager = compiled(x.to(dtype)), low(x.to(dtype))
+        reference = model(x)
+    report = kd.last_report()
+    assert sorted(report.kernel_names) == EXPECTED[act], str(report)
+    assert any("drop" in n for k in report.kernels for n in k[1]), str(report)
+    if dtype == torch.float32:
+        assert_close(got, eager)
+    else:
+        assert_bf16_contract(got, eager, reference)
