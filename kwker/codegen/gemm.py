@@ -131,6 +131,12 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
             rows_enough = b.icmp_signed(">=", const(i64, p.mt), b.mul(nt, const(i64, 4)))
             if p.pack_b:
                 rows_enough = const(ir.IntType(1), 0)
+            elif s.b_layout == "packed" and s.m < s.n:
+                # fewer rows than weight columns: splitting rows makes every thread stream all
+                # the weights (from DRAM once they outgrow the cache); split N when it has
+                # enough panels (MLP 1024-4096-1024 b64 in bf16: 2.95 -> 2.5 ms)
+                many_panels = b.icmp_signed(">=", const(i64, p.np), b.mul(nt, const(i64, 4)))
+                rows_enough = b.and_(rows_enough, b.not_(many_panels))
             few_panels = b.icmp_signed("<", const(i64, p.np), nt)
             with f.if_else(b.or_(rows_enough, few_panels)) as (by_rows, by_cols):
                 with by_rows:
