@@ -203,6 +203,7 @@ class _Emitter:
                [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64] + extra_t,
                ["row", "i", "col0", "cols", "hv", "hi", "cnt", "nlog", "logv", "logi",
                 "logging", "log_base"] + (["xrow", "qn", "wx", "ev"] if self.bf16 else []))
+        f.fn.attributes.add("alwaysinline")  # once per tile row: a call of 12+ args per row
         b = f.b
         row, i, col0, cols, hv, hi, cnt, nlog, logv, logi, logging, log_base = f.args[:12]
         k = const(i64, s.k)
