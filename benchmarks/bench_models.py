@@ -357,6 +357,17 @@ def plot(rows, path: Path, info: dict) -> bool:
 SECTIONS = ("f32", "bf16", "avx2")
 
 
+def _merged(old: list, new: list, subset) -> list:
+    """``new`` rows, and with a ``--models`` subset also the old rows of the other models (in
+    their old places), so a partial run updates its rows and keeps the rest."""
+    if not subset:
+        return new
+    key = lambda r: (r.get("model"), r.get("mode"))  # noqa: E731
+    fresh = {key(r): r for r in new}
+    rows = [fresh.pop(key(r), r) for r in old]
+    return rows + list(fresh.values())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer reps, no results files")
@@ -400,17 +411,23 @@ def main(argv=None) -> int:
             "rounds": rounds, "rows": [], "overhead": None,
             **{k: v for k, v in old.items() if k != "headline"}}
     if "f32" in sections:
-        data.update(machine=info, reps=reps, rounds=rounds,
-                    rows=run_f32(names, reps, rounds, peer_list, args.compile_times))
+        data.update(machine=info, reps=reps, rounds=rounds, rows=_merged(
+            data["rows"], run_f32(names, reps, rounds, peer_list, args.compile_times),
+            args.models))
         data["overhead"] = over = (overhead(TUTORIAL, reps, rounds) if TUTORIAL in names
                                    else None)
         print_f32(data["rows"], over)
     bf16 = data.setdefault("bf16", {}) if sections & {"bf16", "avx2"} else data.get("bf16")
     if "bf16" in sections:
-        bf16.update(machine=info, reps=reps, rounds=rounds,
-                    rows=models_bf16.run(bf16_names, reps, rounds, peer_list))
+        bf16.update(machine=info, reps=reps, rounds=rounds, rows=_merged(
+            bf16.get("rows", []), models_bf16.run(bf16_names, reps, rounds, peer_list),
+            args.models))
     if "avx2" in sections:
-        bf16["avx2"] = models_bf16.run_avx2(bf16_names, args.quick, Path(__file__))
+        fresh = models_bf16.run_avx2(bf16_names, args.quick, Path(__file__))
+        if not fresh.get("error"):
+            fresh["rows"] = _merged((bf16.get("avx2") or {}).get("rows", []), fresh["rows"],
+                                    args.models)
+        bf16["avx2"] = fresh
     if bf16:
         for text in (models_bf16.speed_table, models_bf16.accuracy_table):
             print()
