@@ -22,7 +22,6 @@ from .composite import find_gelus
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
-_F32 = torch.float32
 # dtypes the compute kernels run in (sorting ops take more, see sorting.py)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
