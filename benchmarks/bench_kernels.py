@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import platform
 import sys
@@ -27,20 +26,19 @@ import torch
 import torch.nn.functional as F
 from llvmlite import ir
 
-from kwker.codegen import omp, simd, vmath
-from kwker.codegen.irutil import f32, i32, ptr
+from kwker.codegen import simd, vmath
+from kwker.codegen.irutil import f32
 from kwker.kernels.eltwise import make_gelu
 from kwker.kernels.linear import make_linear
 from kwker.kernels.matmul import make_matmul
 from kwker.kernels.sdpa import make_sdpa
 from kwker.kernels.topk import make_linear_topk
-from kwker.runtime.compiler import compile_object
-from kwker.runtime.loader import load_symbols
 from kwker.runtime.target import host_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import kernels_bf16
+import probes
 
 GEMM_SHAPES = [(512, 512, 512), (1024, 1024, 1024), (32, 20000, 128), (8, 4096, 1024),
                (1, 4096, 1024), (64, 4096, 1024)]
@@ -70,28 +68,11 @@ def best_pair(fa, fb, reps: int, min_seconds: float = 0.5) -> tuple[float, float
 
 def _probe(iters: int):
     """A JIT'd kernel: 12 independent FMA chains of ``iters`` steps on every thread."""
-    target = host_target()
-    lanes = simd.float_lanes(target)
-    module = ir.Module("peak")
-    body = omp.body_fn(module, "peak.body")
-    b = body.b
+    lanes = simd.float_lanes(host_target())
     vt = ir.VectorType(f32, lanes)
-    accs = [body.var(vt, vmath.splat(vt, 0.0)) for _ in range(12)]
     x, y = vmath.splat(vt, 0.999), vmath.splat(vt, 1e-3)
-    with body.for_range(0, iters):
-        for a in accs:
-            a.set(vmath.fma(b, a.get(), x, y))
-    total = accs[0].get()
-    for a in accs[1:]:
-        total = b.fadd(total, a.get())
-    out = omp.Context(body, body.args[0]).ptr(0)
-    b.store(b.extract_element(total, ir.Constant(i32, 0)),
-            b.gep(out, [body.args[1]], source_etype=f32))
-    body.finish()
-    symbol = f"kw_fma_probe_{iters}"
-    omp.emit_parallel(module, symbol, [ptr], body.fn)
-    addr = load_symbols(compile_object(str(module), target), [symbol])[symbol]
-    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(addr), 12 * lanes * 2 * iters
+    fn = probes.chain_probe("fma", vt, lambda b, a: vmath.fma(b, a, x, y), iters)
+    return fn, probes.CHAINS * lanes * 2 * iters
 
 
 def fma_peak(threads: int, iters: int = 1 << 22) -> float:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from llvmlite import ir
 
 import common
+import probes
 from kwker.codegen import omp, simd, vmath
 from kwker.codegen.irutil import f32, i16, i32, i64, intrinsic, ptr
 from kwker.kernels.linear import make_linear
@@ -38,36 +39,20 @@ TARGETS = {(1024, 1024, 1024): (1.0, 0.9), (1024, 3072, 768): (1.0, 0.9),
            (1, 4096, 1024): (1.5, None), (8, 8, 128, 32): (1.5, None),
            (1, 16, 1024, 64): (1.3, None)}
 MEMORY_BOUND = {(8, 4096, 1024), (1, 4096, 1024)}
-CHAINS = 12
 L3_BYTES = 16 << 20
 
 
 # ---------------------------------------------------------------------------------- probes
 def _dp_probe(iters: int):
     """A JIT'd kernel: ``CHAINS`` independent ``vdpbf16ps`` chains of ``iters`` steps per thread."""
-    target = host_target()
-    module = ir.Module("bf16peak")
-    body = omp.body_fn(module, "bf16peak.body")
-    b = body.b
     vf, vh = ir.VectorType(f32, 16), ir.VectorType(i16, 32)
-    dp = intrinsic(module, "llvm.x86.avx512bf16.dpbf16ps.512", vf, [vf, vh, vh])
-    accs = [body.var(vf, vmath.splat(vf, 0.0)) for _ in range(CHAINS)]
     x = ir.Constant(vh, [ir.Constant(i16, 0x3F80)] * 32)    # bf16 1.0
     y = ir.Constant(vh, [ir.Constant(i16, 0x3A83)] * 32)    # bf16 ~1e-3
-    with body.for_range(0, iters):
-        for a in accs:
-            a.set(b.call(dp, [a.get(), x, y]))
-    total = accs[0].get()
-    for a in accs[1:]:
-        total = b.fadd(total, a.get())
-    out = omp.Context(body, body.args[0]).ptr(0)
-    b.store(b.extract_element(total, ir.Constant(i32, 0)),
-            b.gep(out, [body.args[1]], source_etype=f32))
-    body.finish()
-    symbol = f"kw_bf16_probe_{iters}"
-    omp.emit_parallel(module, symbol, [ptr], body.fn)
-    addr = load_symbols(compile_object(str(module), target), [symbol])[symbol]
-    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(addr), CHAINS * 64 * iters
+
+    def step(b, acc):
+        dp = intrinsic(b.module, "llvm.x86.avx512bf16.dpbf16ps.512", vf, [vf, vh, vh])
+        return b.call(dp, [acc, x, y])
+    return probes.chain_probe("bf16", vf, step, iters), probes.CHAINS * 64 * iters
 
 
 def bf16_peak(threads: int, iters: int = 1 << 19, samples: int = 40) -> tuple[float | None, str]:
@@ -230,7 +215,7 @@ def _pct(x) -> str:
 
 def render(sec: dict) -> str:
     peak = sec["peak_gflops"]
-    head = (f"vdpbf16ps peak probe ({CHAINS} chains per thread): "
+    head = (f"vdpbf16ps peak probe ({probes.CHAINS} chains per thread): "
             + (f"{peak:.0f} GFLOP/s" if peak else sec["peak_skipped"])
             + f"; L3 read bandwidth probe ({sec['l3_bytes'] >> 20} MB buffer): "
               f"{sec['l3_gbps']:.0f} GB/s")
