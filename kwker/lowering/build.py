@@ -115,11 +115,6 @@ def runtime_inputs(m: Match) -> list:
     return nodes
 
 
-def _dtype_kw(dtype: torch.dtype) -> dict:
-    """The factories' ``dtype`` keyword: given only for bf16 (float32 is every default)."""
-    return {} if dtype == torch.float32 else {"dtype": dtype}
-
-
 def _weight(m: Match, consts: dict) -> torch.Tensor:
     w = consts[m.inputs["weight"]].detach()
     return w.t().contiguous() if m.inputs["transposed"] else w
@@ -166,7 +161,7 @@ def _linear_topk(m: Match, metas, consts):
     if rows == 0:
         return None, "empty input"
     fn, why = _make("make_linear_topk", w, rows, k, largest=m.params["largest"],
-                    **_dtype_kw(xm.dtype))
+                    dtype=xm.dtype)
     if fn is None:
         return None, why
     wrap = torch.return_types.topk
@@ -210,7 +205,7 @@ def _matmul(m: Match, metas, consts):
     bt = not bm.contiguous and _transposed_contiguous(bm)
     b_shape = (batch, nn, kb) if bt else (batch, kb, nn)
     fn, why = _make("make_matmul", c_rows, ka, nn, batch=batch, b_transposed=bt,
-                    **_dtype_kw(am.dtype))
+                    dtype=am.dtype)
     if fn is None:
         return None, why
     if bt:
@@ -232,7 +227,7 @@ def _gelu(m: Match, metas, consts):
     if m.params["approximate"] == "none" and xm.numel > limit:
         return None, f"erf GELU of {xm.numel} elements: ATen's is faster above {limit}"
     return _make("make_gelu", xm.numel, approximate=m.params["approximate"],
-                 **_dtype_kw(xm.dtype))
+                 dtype=xm.dtype)
 
 
 def _sdpa(m: Match, metas, consts):
@@ -264,7 +259,7 @@ def _sdpa(m: Match, metas, consts):
     gqa = {} if hk == h else {"kv_heads": hk}  # grouped-query: kv head h // (H / Hkv)
     fn, why = _make("make_sdpa", b, h, lq, lk, e, ev, m.params["causal"], m.params["scale"],
                     m.params["mask"], mask_shape=mask_shape, strides=strides,
-                    **_dtype_kw(qm.dtype), **gqa)
+                    dtype=qm.dtype, **gqa)
     if fn is None:
         return None, why
     if three:

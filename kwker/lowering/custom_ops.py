@@ -112,7 +112,7 @@ def _make(kind, inputs: dict, shapes: dict, params: dict, consts: dict | None = 
           strides: dict | None = None, dtype: torch.dtype = torch.float32):
     """Build a kernel for ``kind`` at these shapes (called by kernel_for on a miss only);
     ``strides`` gives some inputs' layouts (contiguous otherwise; "out" is the result's);
-    ``dtype`` is the activations' (a bool mask keeps its own)."""
+    ``dtype`` is the activations' (a mask's meta gets it too: only its shape is read)."""
     strides = strides or {}
     metas = {k: _shape_meta(v, dtype=dtype, stride=strides.get(k))
              for k, v in shapes.items()}
@@ -122,7 +122,7 @@ def _make(kind, inputs: dict, shapes: dict, params: dict, consts: dict | None = 
 # --------------------------------------------------------- kernels by concrete shapes
 def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed,
                   dtype=torch.float32):
-    """``dtype``: the activations' (x, residual, out); an float32 weight is rounded to it."""
+    """``dtype``: the activations' (x, residual, out); a float32 weight is rounded to it."""
     key = ("linear", x_shape, weight.data_ptr(), _ptr(bias), res_shape, epilogue, transposed,
            dtype)
     return kernel_for(key, (weight,) if bias is None else (weight, bias), lambda: _make(
