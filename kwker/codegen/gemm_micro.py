@@ -98,8 +98,6 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
             for v in range(nv):
                 acc[0][r][v].set(_load_c(b, c, r * mk.ldc + v * L, L, last_active, v == nv - 1))
 
-    step = _bf16_step(f, mk, a, bp, acc) if mk.bf16 else None
-
     def fstep(k, s):
         """One k step into accumulator set ``s``."""
         brow = b.mul(k, const(i64, mk.ldb))
@@ -116,7 +114,7 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
             for v in range(nv):
                 acc[s][r][v].set(vmath.fma(b, av, bv[v], acc[s][r][v].get()))
 
-    step = step or fstep
+    step = _bf16_step(f, mk, a, bp, acc) if mk.bf16 else fstep
     group = mk.ksplit * mk.unroll
     main_end = b.mul(b.sdiv(kc, const(i64, group)), const(i64, group))
     with f.for_range(0, main_end, step=group, name="k") as k:
