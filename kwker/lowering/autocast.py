@@ -19,12 +19,9 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .ops import canon
+from .report import LOWERABLE  # their inputs and result share one dtype unless autocast casts
 
 CAST_FLAG = "kwker.autocast_cast"
-# kinds whose inputs and result share one dtype unless autocast intervenes
-_CASTABLE = {"linear", "matmul", "mm", "bmm", "addmm", "sdpa", "gelu", "topk", "sort",
-             "argsort", "msort", "kthvalue", "mode", "median", "nanmedian", "quantile",
-             "nanquantile"}
 SUPPORTED = (torch.bfloat16,)
 
 
@@ -58,8 +55,8 @@ def regions(graph: Graph) -> tuple[dict, str | None]:
             if enabled and dtype not in SUPPORTED:
                 return {}, f"autocast to {dtype} (Kwker lowers bfloat16)"
             stack.append(dtype if enabled else None)
-        elif _is_exit(n):
-            stack.pop() if stack else None
+        elif _is_exit(n) and stack:
+            stack.pop()
         elif stack and stack[-1] is not None:
             inside[n] = stack[-1]
     return inside, None
@@ -81,7 +78,7 @@ def make_explicit(gm: GraphModule, metas: dict) -> int:
         raise ValueError(why)
     changed = 0
     for n in inside:
-        if n.op not in ("call_function", "call_method") or canon(n) not in _CASTABLE:
+        if n.op not in ("call_function", "call_method") or canon(n) not in LOWERABLE:
             continue
         out = _dtype(metas, n)
         if out is None or not out.is_floating_point:
