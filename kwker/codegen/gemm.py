@@ -24,6 +24,12 @@ is interleaved in pairs while it is packed (``pack_cols(pairs=True)``). K must b
 factories pad an odd K with one zero column). Partial sums of earlier K blocks live in a float32
 scratch chunk per thread, so C is written once, rounded once.
 
+Generic sizes (``m == 0``, and ``batch == 0`` for a runtime B): the row count and the batch are
+read at call time, passed after the five pointers, so one kernel serves every batch size and
+sequence length. The row edge then is a run-time count: the edge tile switches over micro-kernel
+variants for every count 1..mr-1 (few-row variants keep ``ksplit`` accumulator sets, so M=1 still
+has FMA chains in flight). What varies never changes the blocking, chosen from N and K.
+
 ``a_pack=False`` broadcasts A in place and does not block K. The factory picks it for small M
 (decode shapes: one tile holds all rows, the weights stream once at memory bandwidth, with
 ``ksplit`` accumulator sets for enough FMA chains) and for a runtime B only one or two panels
@@ -61,15 +67,29 @@ class _Plan:
         if self.bf16:
             self.dot = "dpbf16" if self.lanes == 16 and target.has("avx512bf16") else "widen"
         self.kw = spec.k // 2 if self.bf16 else spec.k  # k steps of A and B (words)
-        self.mt = _cdiv(spec.m, spec.mr)          # row tiles
+        self.dyn_m, self.dyn_batch = spec.m == 0, spec.batch == 0
+        if self.dyn_batch and spec.b_layout == "packed":
+            raise ValueError("kwker gemm: a runtime batch needs a runtime B (kn or nk)")
         self.np = _cdiv(spec.n, spec.nr)          # column panels
-        self.mr_edge = spec.m - (self.mt - 1) * spec.mr
+        if self.dyn_m:  # row tiles and the edge tile's rows are known at call time only
+            self.mt = self.mr_edge = None
+        else:
+            self.mt = _cdiv(spec.m, spec.mr)      # row tiles
+            self.mr_edge = spec.m - (self.mt - 1) * spec.mr
         self.nr_edge = spec.n - (self.np - 1) * spec.nr
         self.kc = self.kw if not spec.a_pack else min(spec.kc, self.kw)
         self.pack_b = spec.b_layout == "nk" or (spec.b_layout == "kn" and
                                                  (spec.a_pack or self.bf16))
         self.one_block = self.kc >= self.kw
-        self.tiles_per_chunk = max(1, spec.mc // spec.mr) if spec.a_pack else self.mt
+        # without packing a chunk is only a loop bound: 64 tiles when M is not known
+        self.tiles_per_chunk = (max(1, spec.mc // spec.mr) if spec.a_pack else
+                                self.mt or 64)
+
+    def edge_rows(self) -> list[int]:
+        """Row counts that need their own micro-kernel variant."""
+        if self.dyn_m:
+            return list(range(1, self.s.mr + 1))
+        return sorted({self.s.mr, self.mr_edge})
 
     def micro(self, rows: int, cols: int) -> Micro:
         s, L = self.s, self.lanes
@@ -84,19 +104,58 @@ class _Plan:
             ldb, masked = s.n, True
         # bf16 partial sums: a scratch tile (one K block) or a scratch chunk of full rows
         ldc = s.n if not self.bf16 or not self.one_block else s.nr
+        ksplit = s.ksplit
+        if self.dyn_m and rows < s.mr:  # few rows: more accumulator sets for FMA chains
+            ksplit = max(ksplit, 1 << max(0, min(2, (8 // (rows * nv)).bit_length() - 1)))
         return Micro(rows, nv, L, cols, a_rs, a_ks, ldb, masked, ldc, s.epilogue, s.bias,
-                     s.residual, s.ksplit, s.unroll, self.dot, s.n if self.bf16 else 0)
+                     s.residual, ksplit, s.unroll, self.dot, s.n if self.bf16 else 0)
+
+    def sizes(self, f: Fn, ctx) -> tuple:
+        """(M, batch, row tiles) as IR values: constants, or read from the call's arguments."""
+        b, s = f.b, self.s
+        slot = 5
+        if self.dyn_m:
+            m = ctx.i64(slot)
+            slot += 1
+            mt = b.sdiv(b.add(m, const(i64, s.mr - 1)), const(i64, s.mr))
+        else:
+            m, mt = const(i64, s.m), const(i64, self.mt)
+        batch = ctx.i64(slot) if self.dyn_batch else const(i64, s.batch)
+        return m, batch, mt
+
+    @property
+    def int_args(self) -> int:
+        return int(self.dyn_m) + int(self.dyn_batch)
 
 
 def emit(spec, target) -> ir.Module:
     p = _Plan(spec, target)
     module = new_module(spec.symbol)
     body = _emit_body(module, p)
+    args = [ptr] * 5 + [i64] * p.int_args
+    if p.int_args:
+        omp.emit_parallel(module, spec.symbol, args, body,
+                          max_threads=lambda b, a: _max_threads_at_run_time(b, p, a[5:]))
+        return module
     flops = 2 * spec.batch * spec.m * spec.n * spec.k
     units = spec.batch * max(p.mt, p.np)
     max_threads = max(1, min(units, flops // MIN_FLOPS_PER_THREAD))
-    omp.emit_parallel(module, spec.symbol, [ptr] * 5, body, max_threads=max_threads)
+    omp.emit_parallel(module, spec.symbol, args, body, max_threads=max_threads)
     return module
+
+
+def _max_threads_at_run_time(b: ir.IRBuilder, p: _Plan, ints: list) -> ir.Value:
+    """The static rule (enough work units, ~2.5 us of FMAs per thread) on the call's sizes."""
+    s = p.s
+    m = ints[0] if p.dyn_m else const(i64, s.m)
+    batch = ints[-1] if p.dyn_batch else const(i64, s.batch)
+    mt = b.sdiv(b.add(m, const(i64, s.mr - 1)), const(i64, s.mr))
+    units = b.mul(batch, b.select(b.icmp_signed(">", mt, const(i64, p.np)), mt,
+                                  const(i64, p.np)))
+    work = b.sdiv(b.mul(b.mul(batch, m), const(i64, 2 * s.n * s.k)),
+                  const(i64, MIN_FLOPS_PER_THREAD))
+    cap = b.select(b.icmp_signed("<", units, work), units, work)
+    return b.select(b.icmp_signed("<", cap, const(i64, 1)), const(i64, 1), cap)
 
 
 def _aligned_malloc(f: Fn, nbytes: int) -> tuple[ir.Value, ir.Value]:
@@ -116,31 +175,35 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
     tid, nt = f.args[1], f.args[2]
     b = f.b
     a_all, b_all, bias, res_all, c_all = (ctx.ptr(i) for i in range(5))
+    m_rows, n_batch, mt = p.sizes(f, ctx)
 
     # -- who does what: batch items, else row tiles or column panels -------------------------
-    t0, t1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, p.mt))
+    t0, t1 = f.var(i64, const(i64, 0)), f.var(i64, mt)
     q0, q1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, p.np))
-    bt0, bt1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, s.batch))
-    with f.if_else(b.icmp_signed(">=", const(i64, s.batch), nt)) as (by_batch, inside):
+    bt0, bt1 = f.var(i64, const(i64, 0)), f.var(i64, n_batch)
+    with f.if_else(b.icmp_signed(">=", n_batch, nt)) as (by_batch, inside):
         with by_batch:
-            lo, hi = omp.split(f, s.batch, tid, nt)
+            lo, hi = omp.split(f, n_batch, tid, nt)
             bt0.set(lo)
             bt1.set(hi)
         with inside:
             # a runtime B is packed by every thread that uses it: split N when there is enough
-            rows_enough = b.icmp_signed(">=", const(i64, p.mt), b.mul(nt, const(i64, 4)))
+            rows_enough = b.icmp_signed(">=", mt, b.mul(nt, const(i64, 4)))
             if p.pack_b:
                 rows_enough = const(ir.IntType(1), 0)
-            elif s.b_layout == "packed" and s.m < s.n:
+            elif s.b_layout == "packed" and (p.dyn_m or s.m < s.n):
                 # fewer rows than weight columns: splitting rows makes every thread stream all
                 # the weights (from DRAM once they outgrow the cache); split N when it has
                 # enough panels (MLP 1024-4096-1024 b64 in bf16: 2.95 -> 2.5 ms)
                 many_panels = b.icmp_signed(">=", const(i64, p.np), b.mul(nt, const(i64, 4)))
+                if p.dyn_m:
+                    many_panels = b.and_(many_panels, b.icmp_signed("<", m_rows,
+                                                                    const(i64, s.n)))
                 rows_enough = b.and_(rows_enough, b.not_(many_panels))
             few_panels = b.icmp_signed("<", const(i64, p.np), nt)
             with f.if_else(b.or_(rows_enough, few_panels)) as (by_rows, by_cols):
                 with by_rows:
-                    lo, hi = omp.split(f, p.mt, tid, nt)
+                    lo, hi = omp.split(f, mt, tid, nt)
                     t0.set(lo)
                     t1.set(hi)
                 with by_cols:
@@ -163,7 +226,7 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
         raws.append(raw)
 
     variants = {}
-    for rows in {s.mr, p.mr_edge}:
+    for rows in p.edge_rows():
         for cols in {s.nr, p.nr_edge}:
             variants[rows, cols] = emit_micro(module, p.micro(rows, cols))
     kw = p.kw
@@ -182,9 +245,10 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
 
     tiles_per_chunk = p.tiles_per_chunk
     with f.for_range(bt0.get(), bt1.get(), name="batch") as bi:
-        a_mat = simd.gep(b, a_all, b.mul(bi, const(i64, s.m * kw)))
-        c_mat = at(c_all, b.mul(bi, const(i64, s.m * s.n)), ct)
-        r_mat = at(res_all, b.mul(bi, const(i64, s.m * s.n)), ct) if s.residual else res_all
+        a_mat = simd.gep(b, a_all, b.mul(b.mul(bi, m_rows), const(i64, kw)))
+        mn = b.mul(b.mul(bi, m_rows), const(i64, s.n))
+        c_mat = at(c_all, mn, ct)
+        r_mat = at(res_all, mn, ct) if s.residual else res_all
         b_mat = b_all if s.b_layout == "packed" else \
             at(b_all, b.mul(bi, const(i64, s.k * s.n)), ct)
         with f.for_range(t0.get(), t1.get(), step=tiles_per_chunk, name="jc") as tc0:
@@ -192,7 +256,7 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
             tc1 = b.select(b.icmp_signed("<", tc1, t1.get()), tc1, t1.get())
             row0 = b.mul(tc0, const(i64, s.mr))
             row1 = b.mul(tc1, const(i64, s.mr))
-            row1 = b.select(b.icmp_signed("<", row1, const(i64, s.m)), row1, const(i64, s.m))
+            row1 = b.select(b.icmp_signed("<", row1, m_rows), row1, m_rows)
             with f.for_range(0, kw, step=p.kc, name="pc") as k0:
                 kcl = b.sub(const(i64, kw), k0)
                 kcl = b.select(b.icmp_signed("<", kcl, const(i64, p.kc)), kcl, const(i64, p.kc))
@@ -249,21 +313,21 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
                                     b.mul(q, const(i64, s.nr))))
                                 args = [a_tile, b_tile, a_off, kcl, mode, bias_t, r_tile,
                                         c_tile]
-                            _dispatch(f, p, variants, t, q, args)
+                            _dispatch(f, p, variants, t, q, args, mt, m_rows)
     for raw in raws:
         b.call(free, [raw])
     return f.finish()
 
 
-def _dispatch(f: Fn, p: _Plan, variants: dict, t, q, args) -> None:
+def _dispatch(f: Fn, p: _Plan, variants: dict, t, q, args, mt, m_rows) -> None:
     """Call the micro-kernel variant for tile (t, q): full, or specialised to the edges."""
     b, s = f.b, p.s
-    row_edge = p.mr_edge != s.mr
+    row_edge = p.dyn_m or p.mr_edge != s.mr
     col_edge = p.nr_edge != s.nr
     if not row_edge and not col_edge:
         b.call(variants[s.mr, s.nr], args)
         return
-    last_t = b.icmp_signed("==", t, const(i64, p.mt - 1)) if row_edge else None
+    last_t = b.icmp_signed("==", t, b.sub(mt, const(i64, 1))) if row_edge else None
     last_q = b.icmp_signed("==", q, const(i64, p.np - 1)) if col_edge else None
 
     def by_cols(rows):
@@ -281,6 +345,27 @@ def _dispatch(f: Fn, p: _Plan, variants: dict, t, q, args) -> None:
         return
     with f.if_else(last_t) as (edge, full):
         with edge:
-            by_cols(p.mr_edge)
+            if p.dyn_m:
+                _switch_rows(f, p, b.sub(m_rows, b.mul(t, const(i64, s.mr))), by_cols)
+            else:
+                by_cols(p.mr_edge)
         with full:
             by_cols(s.mr)
+
+
+def _switch_rows(f: Fn, p: _Plan, rows: ir.Value, by_cols) -> None:
+    """``by_cols(r)`` for the run-time row count ``rows`` of the edge tile (1..mr)."""
+    b = f.b
+    done = b.append_basic_block("rows.done")
+    full = b.append_basic_block("rows.full")
+    sw = b.switch(rows, full)
+    for r in range(1, p.s.mr):
+        block = b.append_basic_block(f"rows.{r}")
+        sw.add_case(const(i64, r), block)
+        b.position_at_end(block)
+        by_cols(r)
+        b.branch(done)
+    b.position_at_end(full)
+    by_cols(p.s.mr)
+    b.branch(done)
+    b.position_at_end(done)

@@ -32,10 +32,11 @@ def body_fn(module: ir.Module, name: str) -> Fn:
 
 
 def emit_parallel(module: ir.Module, symbol: str, arg_types: list[ir.Type],
-                  body: ir.Function, max_threads: int | None = None) -> ir.Function:
+                  body: ir.Function, max_threads=None) -> ir.Function:
     """Export ``void symbol(*args, i64 nthreads)`` forking ``body`` over up to ``nthreads``.
 
-    ``max_threads`` caps the team for kernels too small to pay for more threads.
+    ``max_threads`` caps the team for kernels too small to pay for more threads: an int, or
+    for sizes known at call time ``max_threads(builder, args) -> i64 value``.
     """
     gomp = intrinsic(module, "GOMP_parallel", void, [ptr, ptr, i32, i32])
     tnum = intrinsic(module, "omp_get_thread_num", i32, [])
@@ -57,7 +58,8 @@ def emit_parallel(module: ir.Module, symbol: str, arg_types: list[ir.Type],
         main.store(v, block, const(i64, slot))  # read back as ptr by Context.ptr
     nthreads = main.args[-1]
     if max_threads is not None:
-        cap = const(i64, max(1, max_threads))
+        cap = (max_threads(b, main.args[:-1]) if callable(max_threads)
+               else const(i64, max(1, max_threads)))
         nthreads = b.select(b.icmp_signed("<", nthreads, cap), nthreads, cap)
     with main.if_else(b.icmp_signed("<=", nthreads, const(i64, 1))) as (serial, par):
         with serial:

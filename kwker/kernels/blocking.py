@@ -65,7 +65,7 @@ def lanes(target: Target | None = None) -> int:
     return max(4, target.vector_bits // 32)
 
 
-def choose(m: int, n: int, k: int, target: Target | None = None,
+def choose(m: int | None, n: int, k: int, target: Target | None = None,
            small_ok: bool = True, b_layout: str = "packed", dtype: str = "f32") -> Blocking:
     """Blocking for an (m, k) x (k, n) product on ``target`` (default: this machine); for
     ``dtype="bf16"`` ``k`` counts k pairs and a runtime B is always packed.
@@ -82,6 +82,8 @@ def choose(m: int, n: int, k: int, target: Target | None = None,
     if dtype == "bf16" and b_layout == "kn":
         b_layout = "nk"  # packed at run time, like a transposed B
     tiles = WIDEN_TILES[L] if widen else TILES[L]
+    if m is None:
+        m, small_ok = 1 << 16, False   # tiles chosen by their padding along N only
     if small_ok and m <= SMALL_M:
         # accumulators m * nv * ksplit within the register file, leaving room for B and A
         budget = regs - 6 if L == 16 else regs - 4

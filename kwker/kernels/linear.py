@@ -31,10 +31,14 @@ def pack_bf16_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
     return words.reshape(panels, nr, kp).permute(0, 2, 1).contiguous()
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int,
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None = None,
                 epilogue: str = "none", residual: bool = False,
                 dtype: torch.dtype | None = None):
-    """``callable(x (m, K)[, residual (m, N)]) -> (m, N)`` specialised to these shapes.
+    """``callable(x (m, K)[, residual (m, N)]) -> (m, N)``.
+
+    ``m=None`` builds the kernel generic over the row count: one compile and one packed copy
+    of the weights serve every batch size and sequence length. An int ``m`` specialises the
+    kernel to it (the small-M schedule for decode-sized M, no run-time edge dispatch).
 
     ``dtype`` (default: the weight's) is the type of x, the residual and the output: float32,
     or bfloat16 (weights rounded to bf16 once here, the bias added in float32 to the float32
@@ -52,17 +56,18 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int,
     if weight.dim() != 2:
         raise ValueError(f"make_linear: weight must be (N, K), got {tuple(weight.shape)}")
     n, k = weight.shape
-    m = int(m)
-    if min(m, n, k) < 1:
+    generic = m is None
+    m = None if generic else int(m)
+    if min(1 if generic else m, n, k) < 1:
         raise ValueError(f"make_linear: empty shapes m={m}, N={n}, K={k}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"make_linear: bias must be ({n},), got {tuple(bias.shape)}")
     bf16 = dt == "bf16"
     kk = k + (k % 2) if bf16 else k          # bf16 kernels step over k pairs
     blk = blocking.choose(m, n, kk // 2 if bf16 else k, dtype=dt)
-    spec = GemmSpec(m, n, kk, 1, "packed", bias is not None, epilogue, residual,
+    spec = GemmSpec(m or 0, n, kk, 1, "packed", bias is not None, epilogue, residual,
                     **blk.as_kwargs(), dtype=dt)
-    fn = entry(spec, 5)
+    fn = entry(spec, 5, 2 if generic else 1)
     packed = pack_bf16_panels(weight, blk.nr) if bf16 else pack_panels(weight, blk.nr)
     bias_c = None
     if bias is not None:  # bf16: rounded as autocast rounds it, then added in float32
@@ -70,6 +75,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int,
             .contiguous()
     w_ptr = packed.data_ptr()
     b_ptr = bias_c.data_ptr() if bias_c is not None else None
+    if generic:
+        return _generic_run(fn, spec, packed, bias_c, n, k, pad=kk != k, dtype=dtype)
     symbol, x_shape, out_shape = spec.symbol, (m, k), (m, n)
     empty, threads = torch.empty, torch.get_num_threads
     pad = kk != k
@@ -100,6 +107,45 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int,
             out = empty(out_shape, dtype=dtype)
             call(x.data_ptr(), None, out.data_ptr())
             return out
+
+    run.spec, run.packed_weight, run.bias = spec, packed, bias_c  # keep the buffers alive
+    return run
+
+
+def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype):
+    """The callable of a kernel generic over M: the row count is read off ``x`` per call."""
+    w_ptr = packed.data_ptr()
+    b_ptr = bias_c.data_ptr() if bias_c is not None else None
+    symbol = spec.symbol
+    empty, threads = torch.empty, torch.get_num_threads
+
+    def prepare(x):
+        if not (x.dim() == 2 and x.shape[1] == k and x.dtype == dtype and x.is_contiguous()):
+            x = checked(x, (x.shape[0] if x.dim() == 2 else -1, k), "linear input", dtype)
+        return F.pad(x, (0, 1)) if pad else x   # odd K: one zero column completes the last pair
+
+    def call(x, r_ptr):
+        rows = x.shape[0]
+        out = empty((rows, n), dtype=dtype)
+        if rows == 0:
+            return out
+        if _profiler_enabled():
+            with record_function(symbol):
+                fn(x.data_ptr(), w_ptr, b_ptr, r_ptr, out.data_ptr(), rows, threads())
+        else:
+            fn(x.data_ptr(), w_ptr, b_ptr, r_ptr, out.data_ptr(), rows, threads())
+        return out
+
+    if spec.residual:
+        def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+            x = prepare(x)
+            shape = (x.shape[0], n)
+            if not (res.shape == shape and res.dtype == dtype and res.is_contiguous()):
+                res = checked(res, shape, "linear residual", dtype)
+            return call(x, res.data_ptr())
+    else:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return call(prepare(x), None)
 
     run.spec, run.packed_weight, run.bias = spec, packed, bias_c  # keep the buffers alive
     return run

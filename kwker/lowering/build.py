@@ -5,6 +5,11 @@ Each builder checks that the concrete shapes fit its kernel, calls the kernel fa
 it in the reshapes that bring the FX node's tensors to the kernel's 2-D/4-D contiguous contract.
 A builder returns ``(callable, None)`` or ``(None, reason)``; a factory that is missing or raises
 ``NotImplementedError`` leaves the nodes to ATen with that reason in the report.
+
+Sizes that are not ints (dynamo's symbolic sizes, or None from a custom op asking for the generic
+kernel) are read at call time: the builder asks the factory for the kernel generic over them
+(GEMM rows and batch, attention batch and lengths, elementwise length) and its reshapes take
+their sizes from the tensors. Sizes that are ints specialise the kernel.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.fx import Node
 
+from ..runtime import kernel
 from . import sorting as S
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides, same_layout
@@ -49,6 +55,22 @@ def _prod(xs) -> int:
     for x in xs:
         p *= x
     return p
+
+
+def known(*dims) -> bool:
+    """Whether every size is a plain int (else the kernel is built generic over it)."""
+    return all(type(d) is int for d in dims)
+
+
+def generic(fn) -> bool:
+    """Whether a built callable serves every size of its varying dims (for the report)."""
+    return bool(getattr(fn, "kwker_generic", False))
+
+
+def _mark(fn, is_generic: bool):
+    if fn is not None:
+        fn.kwker_generic = is_generic
+    return fn
 
 
 _collecting = threading.local()
@@ -96,13 +118,96 @@ def _make(name: str, *args, **kwargs):
 def build(m: Match, metas: dict, consts: dict):
     """(callable taking the match's runtime inputs in ``runtime_inputs(m)`` order, or None, reason).
 
-    The callable carries ``kwker_specs``, the specs of the kernels it calls.
+    The callable carries ``kwker_specs``, the specs of the kernels it calls. For static sizes
+    the kernel specialised to them is taken when it needs no compile (built before, or in the
+    disk cache), else the generic one when that needs none, else the specialised one is
+    compiled (the op's first kernel: a compile is due anyway). So a size dynamo specialises on
+    its own (it does for 1) never waits for a compile once a generic kernel exists.
     """
     with collecting() as specs:
-        fn, why = _BUILDERS[m.kind](m, metas, consts)
+        fn, why = _build_without_stall(m, metas, consts)
     if fn is not None:
         fn.kwker_specs = list(specs)
     return fn, why
+
+
+def _build_without_stall(m: Match, metas: dict, consts: dict):
+    builder = _BUILDERS[m.kind]
+    wide = _generic_match(m, metas)
+    if wide is None:  # sizes already symbolic, or a family generic by itself (sorting)
+        return builder(m, metas, consts)
+    for mm, meta in ((m, metas), wide):
+        try:
+            with kernel.compiling(False):
+                fn, why = builder(mm, meta, consts)
+            if fn is not None:
+                return fn, why
+        except kernel.NotCompiled:
+            pass
+    return builder(m, metas, consts)
+
+
+def _generic_match(m: Match, metas: dict):
+    """(match, metas) asking for the generic kernel of a match with static sizes, or None."""
+    keys = SIZED_INPUTS.get(m.kind)
+    if keys is None:
+        return None
+    nodes = {k: m.inputs[k] for k in keys if m.inputs.get(k) is not None}
+    if not all(isinstance(metas.get(n), TensorMeta) and known(*metas[n].shape)
+               for n in nodes.values()):
+        return None
+    shapes = generic_shapes(m.kind, {SHORT_NAMES.get(k, k): metas[n].shape
+                                     for k, n in nodes.items()})
+    wide = dict(metas)
+    for k, n in nodes.items():
+        shape = shapes[SHORT_NAMES.get(k, k)]
+        wide[n] = TensorMeta(shape, (None,) * len(shape), metas[n].dtype, metas[n].device,
+                             False)
+    params = m.params
+    if m.kind == "matmul":  # the layout of b, which the generic metadata no longer shows
+        params = {**params, "b_transposed": _maybe_transposed(metas[nodes["b"]]) and
+                  not _maybe_contiguous(metas[nodes["b"]])}
+    return Match(m.kind, m.output, m.covers, m.inputs, params), wide
+
+
+# inputs whose sizes a kernel depends on, and their names in ``generic_shapes``
+SIZED_INPUTS = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("a", "b"),
+          "gelu": ("x",), "sdpa": ("q", "k", "v", "mask")}
+SHORT_NAMES = {"residual": "r", "mask": "m"}
+
+
+def generic_shapes(kind: str, shapes: dict) -> dict:
+    """The shapes keying ``kind``'s generic kernel: the sizes that vary become None, the ones
+    that shape the code stay. Depends only on those (so compile time and call time agree)."""
+    def fixed(shape, keep):
+        if shape is None:
+            return None
+        n = len(shape)  # a kept size that is not an int makes the builder refuse
+        return tuple((d if type(d) is int else None) if i in keep or i - n in keep else None
+                     for i, d in enumerate(shape))
+    if kind in ("linear", "linear_topk"):
+        return {"x": fixed(shapes["x"], {-1}), "r": None if shapes.get("r") is None else
+                fixed(shapes["r"], {-1})}
+    if kind == "matmul":
+        b = shapes["b"]
+        return {"a": fixed(shapes["a"], {-1}), "b": fixed(b, {-1, -2})}
+    if kind == "gelu":
+        return {"x": (None,)}
+    if kind == "sdpa":
+        q = shapes["q"]
+        heads = {0, 2} if len(q) == 3 else {1, 3}
+        mask = shapes.get("m")
+        if mask is not None:
+            mask = tuple(1 if d == 1 else None for d in mask)
+        return {"q": fixed(q, heads), "k": fixed(shapes["k"], heads),
+                "v": fixed(shapes["v"], heads), "m": mask}
+    raise KeyError(kind)
+
+
+
+
+
+
 
 
 def runtime_inputs(m: Match) -> list:
@@ -127,16 +232,27 @@ def _linear(m: Match, metas, consts):
     if xm.shape[-1] != k_in:
         return None, f"input has {xm.shape[-1]} features, weight expects {k_in}"
     lead = xm.shape[:-1]
-    rows = _prod(lead)
     out_shape = (*lead, n_out)
     res = m.inputs["residual"]
     if res is not None:
         rm = metas[res]
-        if rm.shape != out_shape:
+        if len(rm.shape) != len(out_shape) or not all(
+                a is None or b is None or a == b for a, b in zip(rm.shape, out_shape)):
             return None, f"residual shape {rm.shape} is not the output shape {out_shape}"
+    bias = consts[m.inputs["bias"]].detach() if m.inputs["bias"] is not None else None
+    if not known(*lead):
+        fn, why = _make("make_linear", w, bias, None, epilogue=m.params["epilogue"],
+                        residual=res is not None, dtype=xm.dtype)
+        if fn is None or len(lead) == 1:
+            return _mark(fn, True), why
+        if res is None:
+            return _mark(lambda x: fn(x.reshape(-1, k_in)).view(*x.shape[:-1], n_out),
+                         True), None
+        return _mark(lambda x, r: fn(x.reshape(-1, k_in), r.reshape(-1, n_out))
+                     .view(*x.shape[:-1], n_out), True), None
+    rows = _prod(lead)
     if rows == 0 or k_in == 0:
         return None, "empty input"
-    bias = consts[m.inputs["bias"]].detach() if m.inputs["bias"] is not None else None
     fn, why = _make("make_linear", w, bias, rows, epilogue=m.params["epilogue"],
                     residual=res is not None, dtype=xm.dtype)
     if fn is None:
@@ -157,6 +273,18 @@ def _linear_topk(m: Match, metas, consts):
     if xm.shape[-1] != k_in or not 0 < k <= n_out:
         return None, f"topk k={k} of {n_out} scores"
     lead = xm.shape[:-1]
+    wrap = torch.return_types.topk
+    if not known(*lead):
+        fn, why = _make("make_linear_topk", w, None, k, largest=m.params["largest"],
+                        dtype=xm.dtype)
+        if fn is None:
+            return None, why
+
+        def run_generic(x):
+            v, i = fn(x.reshape(-1, k_in))
+            shape = (*x.shape[:-1], k)
+            return wrap((v.view(shape), i.view(shape)))
+        return _mark(run_generic, True), None
     rows = _prod(lead)
     if rows == 0:
         return None, "empty input"
@@ -164,7 +292,6 @@ def _linear_topk(m: Match, metas, consts):
                     dtype=xm.dtype)
     if fn is None:
         return None, why
-    wrap = torch.return_types.topk
     if len(lead) == 1:
         return (lambda x: wrap(fn(x))), None
     shape2, out_shape = (rows, k_in), (*lead, k)
@@ -187,8 +314,12 @@ def _transposed_contiguous(meta: TensorMeta) -> bool:
 def _matmul(m: Match, metas, consts):
     am, bm = metas[m.inputs["a"]], metas[m.inputs["b"]]
     (mm, ka), (kb, nn) = am.shape[-2:], bm.shape[-2:]
+    if not known(ka, kb, nn):
+        return None, "the inner size or the columns vary at run time (they shape the kernel)"
     if ka != kb:
         return None, "inner sizes differ"
+    if not known(*am.shape, *bm.shape):
+        return _matmul_generic(am, bm, ka, nn, m.params.get("b_transposed"))
     if len(bm.shape) == 2:       # (..., m, k) @ (k, n): fold the batch into m
         rows = _prod(am.shape[:-1])
         batch, a_shape, c_rows = 1, (1, rows, ka), rows
@@ -213,6 +344,44 @@ def _matmul(m: Match, metas, consts):
     return (lambda a, b: fn(a.reshape(a_shape), b.reshape(b_shape)).view(out_shape)), None
 
 
+def _matmul_generic(am, bm, k: int, n: int, bt: bool | None):
+    """A matmul whose rows or batch vary: one kernel generic over both. ``bt``: b is ``c.mT``
+    of a contiguous ``c`` (read as is); None: judged from b's metadata."""
+    if len(bm.shape) > 2 and len(am.shape) != len(bm.shape):
+        return None, "broadcast batch dimensions"
+    if bt is None:
+        bt = not _maybe_contiguous(bm) and _maybe_transposed(bm)
+    fn, why = _make("make_matmul", None, k, n, batch=None, b_transposed=bt, dtype=am.dtype)
+    if fn is None:
+        return None, why
+    if len(bm.shape) == 2:     # (..., m, k) @ (k, n): the batch folds into the rows
+        def run(a, b):
+            return fn(a.reshape(1, -1, k), b.mT[None] if bt else b[None]) \
+                .view(*a.shape[:-1], n)
+    else:
+        def run(a, b):
+            if a.shape[:-2] != b.shape[:-2]:
+                return torch.matmul(a, b)  # a broadcast batch: ATen's, as the graph meant
+            c = fn(a.reshape(-1, *a.shape[-2:]),
+                   b.mT.reshape(-1, n, k) if bt else b.reshape(-1, k, n))
+            return c.view(*a.shape[:-1], n)
+    return _mark(run, True), None
+
+
+def _maybe_contiguous(meta: TensorMeta) -> bool:
+    try:
+        return bool(meta.contiguous)
+    except TypeError:
+        return False
+
+
+def _maybe_transposed(meta: TensorMeta) -> bool:
+    try:
+        return _transposed_contiguous(meta)
+    except TypeError:
+        return False
+
+
 # Above this many elements ATen's own vectorised erf makes a standalone erf GELU faster than
 # Kwker's (0.8-0.95x measured on a 2-core Zen 4); fused into a GEMM epilogue it still pays.
 GELU_ERF_MAX = 65536
@@ -221,10 +390,23 @@ GELU_ERF_MAX_BF16 = 16384  # bf16: 1.25x at 16384, 0.84x at 65536 (the conversio
 
 def _gelu(m: Match, metas, consts):
     xm: TensorMeta = metas[m.inputs["x"]]
+    approximate = m.params["approximate"]
+    limit = GELU_ERF_MAX if xm.dtype == torch.float32 else GELU_ERF_MAX_BF16
+    if not known(*xm.shape):
+        fn, why = _make("make_gelu", None, approximate=approximate, dtype=xm.dtype)
+        if fn is None:
+            return None, why
+        erf = approximate == "none"
+        gelu = torch.nn.functional.gelu
+
+        def run(x):  # ATen's where it is faster or the layout is not the kernel's
+            if (erf and x.numel() > limit) or not x.is_contiguous():
+                return gelu(x, approximate=approximate)
+            return fn(x)
+        return _mark(run, True), None
     if not xm.contiguous or xm.numel == 0:
         return None, "non-contiguous or empty input"
-    limit = GELU_ERF_MAX if xm.dtype == torch.float32 else GELU_ERF_MAX_BF16
-    if m.params["approximate"] == "none" and xm.numel > limit:
+    if approximate == "none" and xm.numel > limit:
         return None, f"erf GELU of {xm.numel} elements: ATen's is faster above {limit}"
     return _make("make_gelu", xm.numel, approximate=m.params["approximate"],
                  dtype=xm.dtype)
@@ -237,6 +419,10 @@ def _sdpa(m: Match, metas, consts):
         return None, "q, k, v of different ranks"
     q4, k4, v4 = ((1, *t.shape) if three else t.shape for t in (qm, km, vm))
     (b, h, lq, e), (bk, hk, lk, ek), (bv, hv, lv, ev) = q4, k4, v4
+    if not known(h, hk, hv, e, ek, ev):
+        return None, "heads or head sizes vary at run time (they shape the kernel)"
+    if not known(b, lq, lk, bk, bv, lv):
+        return _sdpa_generic(m, metas, three, h, hk, e, ev)
     if b != bk or b != bv or hk != hv or h % hk or e != ek or lk != lv or (three and h != hk):
         return None, "broadcast batch or heads"
     if 0 in (b, h, lq, lk, e, ev):
@@ -270,6 +456,38 @@ def _sdpa(m: Match, metas, consts):
     if mask_shape is None:
         return fn, None
     return (lambda q, k, v, mask: fn(q, k, v, mask.reshape(mask_shape))), None
+
+
+def _sdpa_generic(m: Match, metas, three: bool, h: int, hk: int, e: int, ev: int):
+    """Attention whose batch or lengths vary: one kernel generic over them (q, k and v are read
+    in place where their rows are contiguous; the output comes in ATen's layout)."""
+    if h % hk or e != metas[m.inputs["k"]].shape[-1] or (three and h != hk):
+        return None, "broadcast batch or heads"
+    pattern = None
+    if m.inputs["mask"] is not None:
+        ms = metas[m.inputs["mask"]].shape
+        if len(ms) > 4:
+            return None, "mask of rank > 4"
+        # 1: broadcast along that dim; 0: as long as q/k (checked by the kernel per call)
+        pattern = tuple(1 if d == 1 else 0 for d in (1,) * (4 - len(ms)) + tuple(ms))
+    gqa = {} if hk == h else {"kv_heads": hk}
+    fn, why = _make("make_sdpa", None, h, None, None, e, ev, m.params["causal"],
+                    m.params["scale"], m.params["mask"], mask_shape=pattern,
+                    dtype=metas[m.inputs["q"]].dtype, **gqa)
+    if fn is None:
+        return None, why
+    lead = (1,) * (4 - len(pattern or ()))
+
+    def as4d(mask):
+        return mask.reshape(*lead, *mask.shape)
+    if three:
+        if pattern is None:
+            return _mark(lambda q, k, v: fn(q[None], k[None], v[None])[0], True), None
+        return _mark(lambda q, k, v, mask: fn(q[None], k[None], v[None], as4d(mask))[0],
+                     True), None
+    if pattern is None:
+        return _mark(fn, True), None
+    return _mark(lambda q, k, v, mask: fn(q, k, v, as4d(mask)), True), None
 
 
 def _sorting(m: Match, metas, consts):

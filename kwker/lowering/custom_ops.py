@@ -2,9 +2,12 @@
 
 Inductor compiles the graph around these ops and calls them as extern kernels. Each op means
 exactly the subgraph it replaced, for every size: the real implementation runs the Kwker kernel
-specialised to the concrete shapes it is called with (built on first sight and cached), and the
-same ATen composition as the original nodes when a kernel does not fit. The fake (meta)
-implementation gives the output sizes; outputs are always contiguous, as the fakes say.
+specialised to the concrete shapes it is called with when the compile built one (static
+shapes), else the kernel generic over the sizes that vary (rows, batch, sequence lengths; built
+at compile time for a graph with symbolic sizes, at worst once per op, never once per size), and
+the same ATen composition as the original nodes when no kernel fits. The fake (meta)
+implementation gives the output sizes, symbolic ones included; outputs are always contiguous,
+as the fakes say.
 
 Kernels are cached by what they depend on: shapes, flags and the identity and version of the
 constant weight they packed, never a process-local handle in the graph, so Inductor's on-disk
@@ -69,11 +72,12 @@ def _version(t):
         return None
 
 
-def kernel_for(key: tuple, consts: tuple, make) -> tuple:
+def kernel_for(key: tuple, consts: tuple, make, build: bool = True) -> tuple:
     """(kernel, why not) cached under ``key``; ``consts`` are the tensors the kernel packed.
 
     A hit costs the dict lookup and, per constant, one weakref call and a version read; the
-    kernel is built (``make()``) only on a miss or when a constant changed.
+    kernel is built (``make()``) only on a miss or when a constant changed, and with
+    ``build=False`` not at all: (None, None) then.
     """
     entry = _cache.get(key)
     if entry is not None:
@@ -83,6 +87,8 @@ def kernel_for(key: tuple, consts: tuple, make) -> tuple:
                 break
         else:
             return fn, why
+    if not build:
+        return None, None
     try:
         fn, why = make()
     except Exception as e:  # noqa: BLE001 - the op then runs its ATen composition
@@ -101,8 +107,11 @@ def _ptr(t):
 
 
 def _shape_meta(shape, dtype=torch.float32, stride=None):
+    """Metadata for a builder; None sizes (and then strides) are read at call time."""
     if shape is None:
         return None
+    if any(s is None for s in shape):
+        return TensorMeta(tuple(shape), (None,) * len(shape), dtype, "cpu", False)
     shape = tuple(int(s) for s in shape)
     stride = contiguous_strides(shape) if stride is None else tuple(int(s) for s in stride)
     return TensorMeta(shape, stride, dtype, "cpu", False)
@@ -121,47 +130,56 @@ def _make(kind, inputs: dict, shapes: dict, params: dict, consts: dict | None = 
 
 # --------------------------------------------------------- kernels by concrete shapes
 def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed,
-                  dtype=torch.float32):
-    """``dtype``: the activations' (x, residual, out); a float32 weight is rounded to it."""
-    key = ("linear", x_shape, weight.data_ptr(), _ptr(bias), res_shape, epilogue, transposed,
-           dtype)
+                  dtype=torch.float32, build=True):
+    """``dtype``: the activations' (x, residual, out); a float32 weight is rounded to it.
+    None sizes in the shapes: the kernel generic over them (see ``build.generic_shapes``)."""
+    key = ("linear", tuple(x_shape), weight.data_ptr(), _ptr(bias),
+           None if res_shape is None else tuple(res_shape), epilogue, transposed, dtype)
     return kernel_for(key, (weight,) if bias is None else (weight, bias), lambda: _make(
         "linear", {"x": "x", "weight": "w", "transposed": transposed,
                    "bias": "b" if bias is not None else None,
                    "residual": "r" if res_shape is not None else None},
         {"x": x_shape, "r": res_shape}, {"epilogue": epilogue}, {"w": weight, "b": bias},
-        dtype=dtype))
+        dtype=dtype), build)
 
 
-def linear_topk_kernel(x_shape, weight, transposed, k, largest, dtype=torch.float32):
-    key = ("linear_topk", x_shape, weight.data_ptr(), transposed, k, largest, dtype)
+def linear_topk_kernel(x_shape, weight, transposed, k, largest, dtype=torch.float32,
+                       build=True):
+    key = ("linear_topk", tuple(x_shape), weight.data_ptr(), transposed, k, largest, dtype)
     return kernel_for(key, (weight,), lambda: _make(
         "linear_topk", {"x": "x", "weight": "w", "transposed": transposed}, {"x": x_shape},
-        {"k": k, "largest": largest}, {"w": weight}, dtype=dtype))
+        {"k": k, "largest": largest}, {"w": weight}, dtype=dtype), build)
 
 
-def matmul_kernel(a_shape, b_shape, dtype=torch.float32):
-    return kernel_for(("matmul", a_shape, b_shape, dtype), (), lambda: _make(
-        "matmul", {"a": "a", "b": "b"}, {"a": a_shape, "b": b_shape}, {}, dtype=dtype))
+def matmul_kernel(a_shape, b_shape, dtype=torch.float32, build=True, b_transposed=False):
+    """``b_transposed`` (generic kernels): b arrives as ``c.mT`` of a contiguous ``c``."""
+    key = ("matmul", tuple(a_shape), tuple(b_shape), dtype, b_transposed)
+    return kernel_for(key, (), lambda: _make(
+        "matmul", {"a": "a", "b": "b"}, {"a": a_shape, "b": b_shape},
+        {"b_transposed": b_transposed}, dtype=dtype), build)
 
 
-def gelu_kernel(numel, approximate, dtype=torch.float32):
+def gelu_kernel(numel, approximate, dtype=torch.float32, build=True):
     return kernel_for(("gelu", numel, approximate, dtype), (), lambda: _make(
-        "gelu", {"x": "x"}, {"x": (numel,)}, {"approximate": approximate}, dtype=dtype))
+        "gelu", {"x": "x"}, {"x": (numel,)}, {"approximate": approximate}, dtype=dtype), build)
 
 
 def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
-                qkv_strides=(None, None, None), dtype=torch.float32):
-    """``qkv_strides``: the layouts q, k, v arrive in (read in place); the result is contiguous,
-    as the custom op's fake says."""
-    key = ("sdpa", q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale, qkv_strides,
-           dtype)
+                qkv_strides=(None, None, None), dtype=torch.float32, build=True):
+    """``qkv_strides``: the layouts q, k, v arrive in (read in place by a specialised kernel;
+    a generic one reads them per call); the result is contiguous, as the fake says."""
+    generic = any(d is None for d in q_shape)
+    if generic:
+        qkv_strides = (None, None, None)
+    key = ("sdpa", tuple(q_shape), tuple(k_shape), tuple(v_shape),
+           None if mask_shape is None else tuple(mask_shape), mask_kind, causal, scale,
+           qkv_strides, dtype)
     out_shape = (*q_shape[:-1], v_shape[-1])
     return kernel_for(key, (), lambda: _make(
         "sdpa", {"q": "q", "k": "k", "v": "v", "mask": None if mask_shape is None else "m"},
         {"q": q_shape, "k": k_shape, "v": v_shape, "m": mask_shape, "out": out_shape},
         {"causal": causal, "scale": scale, "mask": mask_kind},
-        strides=dict(zip("qkv", qkv_strides)), dtype=dtype))
+        strides=dict(zip("qkv", qkv_strides)), dtype=dtype), build)
 
 
 # ------------------------------------------------------------- real and fake impls
@@ -174,8 +192,11 @@ def _act(out, epilogue):
 
 
 def _linear(x, weight, bias, residual, epilogue, transposed):
-    fn, _ = linear_kernel(x.shape, weight, bias, None if residual is None else residual.shape,
-                          epilogue, transposed, x.dtype)
+    rs = None if residual is None else residual.shape
+    fn, _ = linear_kernel(x.shape, weight, bias, rs, epilogue, transposed, x.dtype, False)
+    if fn is None:
+        g = B.generic_shapes("linear", {"x": x.shape, "r": rs})
+        fn, _ = linear_kernel(g["x"], weight, bias, g["r"], epilogue, transposed, x.dtype)
     if fn is not None:
         return (fn(x) if residual is None else fn(x, residual)).contiguous()
     weight = weight.to(x.dtype)  # an autocast region's float32 weight, cast as autocast casts
@@ -193,7 +214,10 @@ def _linear_fake(x, weight, bias, residual, epilogue, transposed):
 
 
 def _linear_topk(x, weight, transposed, k, largest):
-    fn, _ = linear_topk_kernel(x.shape, weight, transposed, k, largest, x.dtype)
+    fn, _ = linear_topk_kernel(x.shape, weight, transposed, k, largest, x.dtype, False)
+    if fn is None:
+        g = B.generic_shapes("linear_topk", {"x": x.shape})["x"]
+        fn, _ = linear_topk_kernel(g, weight, transposed, k, largest, x.dtype)
     if fn is not None:
         return tuple(t.contiguous() for t in fn(x))
     weight = weight.to(x.dtype)  # an autocast region's float32 weight, cast as autocast casts
@@ -208,7 +232,10 @@ def _linear_topk_fake(x, weight, transposed, k, largest):
 
 
 def _matmul(a, b):
-    fn, _ = matmul_kernel(a.shape, b.shape, a.dtype)
+    fn, _ = matmul_kernel(a.shape, b.shape, a.dtype, False)
+    if fn is None:
+        g = B.generic_shapes("matmul", {"a": a.shape, "b": b.shape})
+        fn, _ = matmul_kernel(g["a"], g["b"], a.dtype, b_transposed=transposed_view(b))
     return (fn(a, b) if fn is not None else torch.matmul(a, b)).contiguous()
 
 
@@ -221,7 +248,9 @@ def _matmul_fake(a, b):
 
 def _gelu(x, approximate):
     if x.is_contiguous():
-        fn, _ = gelu_kernel(x.numel(), approximate, x.dtype)
+        fn, _ = gelu_kernel(x.numel(), approximate, x.dtype, False)
+        if fn is None:
+            fn, _ = gelu_kernel(None, approximate, x.dtype)
         if fn is not None:
             return fn(x).contiguous()
     return F.gelu(x, approximate=approximate).contiguous()
@@ -233,12 +262,22 @@ def _gelu_fake(x, approximate):
 
 def _sdpa(q, k, v, mask, causal, scale):
     kind = None if mask is None else ("bool" if mask.dtype == torch.bool else "float")
-    fn, _ = sdpa_kernel(q.shape, k.shape, v.shape, None if mask is None else mask.shape, kind,
-                        causal, scale, (q.stride(), k.stride(), v.stride()), q.dtype)
+    ms = None if mask is None else mask.shape
+    fn, _ = sdpa_kernel(q.shape, k.shape, v.shape, ms, kind, causal, scale,
+                        (q.stride(), k.stride(), v.stride()), q.dtype, False)
+    if fn is None:
+        g = B.generic_shapes("sdpa", {"q": q.shape, "k": k.shape, "v": v.shape, "m": ms})
+        fn, _ = sdpa_kernel(g["q"], g["k"], g["v"], g["m"], kind, causal, scale,
+                            dtype=q.dtype)
     if fn is not None:
         return (fn(q, k, v) if mask is None else fn(q, k, v, mask)).contiguous()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=_gqa(q, k)).contiguous()
+
+
+def transposed_view(b) -> bool:
+    """Whether ``b`` is ``c.mT`` of a contiguous ``c`` (``q @ k.mT``): read as is, no copy."""
+    return b.dim() >= 2 and not b.is_contiguous() and b.mT.is_contiguous()
 
 
 def _gqa(q, k) -> bool:

@@ -1,9 +1,9 @@
 """``inner="inductor"``: matched nodes become ``torch.ops.kwker.*`` calls, Inductor does the rest.
 
 The rewrite works on dynamo's graph with dynamo's fake tensors, so it holds for symbolic sizes
-too; the custom ops specialise their kernels per concrete shape at run time. When the graph's
-shapes are static the kernels are built (or loaded) here, at compile time, and the report says
-which ones fit.
+too. Kernels are built (or loaded) here, at compile time: specialised to the graph's sizes when
+they are static, generic over the symbolic ones otherwise (the custom ops read those at call
+time, and their fakes keep them symbolic: no recompile per size). The report says which fit.
 """
 from __future__ import annotations
 
@@ -41,21 +41,18 @@ def _call_args(m: Match) -> tuple:
     return (i["x"], *p["args"])
 
 
-def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> str | None:
-    """Build the kernel for static shapes now; returns why it does not fit, or None."""
+def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> tuple[str | None, bool]:
+    """Build the match's kernel now: (why it does not fit or None, whether it is generic)."""
     i, p = m.inputs, m.params
-
-    def shape(key):
-        n = i.get(key)
-        if n is None:
-            return None
-        return metas[n].shape if is_concrete(metas.get(n)) else False
-
-    shapes = {k: shape(k) for k in ("x", "residual", "a", "b", "q", "k", "v", "mask")}
-    if any(s is False for s in shapes.values()):
-        return None  # symbolic: built on first call
-    first = next(i[k] for k in ("x", "a", "q") if i.get(k) is not None)
-    dtype = metas[first].dtype
+    if m.kind not in ("linear", "linear_topk", "matmul", "gelu", "sdpa"):
+        return None, False   # sorting ops: generic over sizes already (kwker.ops)
+    keys, short = B.SIZED_INPUTS[m.kind], B.SHORT_NAMES
+    shapes = {k: metas[i[k]].shape if i.get(k) is not None else None for k in keys}
+    generic = not all(is_concrete(metas[i[k]]) for k in keys if i.get(k) is not None)
+    if generic:
+        g = B.generic_shapes(m.kind, {short.get(k, k): v for k, v in shapes.items()})
+        shapes = {k: g[short.get(k, k)] for k in keys}
+    dtype = metas[i[keys[0]]].dtype
     if m.kind == "linear":
         bias = consts[i["bias"]] if i["bias"] is not None else None
         fn, why = C.linear_kernel(shapes["x"], consts[i["weight"]], bias, shapes["residual"],
@@ -64,19 +61,29 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> str | None:
         fn, why = C.linear_topk_kernel(shapes["x"], consts[i["weight"]], i["transposed"],
                                        p["k"], p["largest"], dtype)
     elif m.kind == "matmul":
-        fn, why = C.matmul_kernel(shapes["a"], shapes["b"], dtype)
+        bt = generic and _transposed(metas[i["b"]])
+        fn, why = C.matmul_kernel(shapes["a"], shapes["b"], dtype, b_transposed=bt)
     elif m.kind == "gelu":
-        n = 1
-        for s in shapes["x"]:
-            n *= s
+        n = None
+        if not generic:
+            n = 1
+            for s in shapes["x"]:
+                n *= s
         fn, why = C.gelu_kernel(n, p["approximate"], dtype)
-    elif m.kind == "sdpa":
+    else:
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
                                 p["mask"], p["causal"], p["scale"], dtype=dtype)
-    else:
-        return None
     specs.extend(getattr(fn, "kwker_specs", ()))
-    return None if fn is not None else why
+    return (None if fn is not None else why), B.generic(fn)
+
+
+def _transposed(meta) -> bool:
+    """Whether a (symbolic) b is ``c.mT`` of a contiguous ``c``, as ``transposed_view`` judges
+    the real tensor at call time."""
+    try:
+        return not meta.contiguous and B._transposed_contiguous(meta)
+    except TypeError:
+        return False
 
 
 def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode: str | None,
@@ -110,12 +117,14 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, dec
         return
     consts = const_nodes(gm, example_inputs)
     matches = Matcher(nodes, metas, set(consts), S.module() is not None).run()
-    failures, kept = {}, []
+    failures, kept, generic = {}, [], set()
 
     def lower(m) -> None:
-        why = _prebuild(m, metas, consts, specs)
+        why, is_generic = _prebuild(m, metas, consts, specs)
         if why is None:
             kept.append(m)
+            if is_generic:
+                generic.add(m.output)
             return
         for c in m.covers:
             failures.setdefault(c, why)
@@ -130,8 +139,8 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, dec
     for n in nodes:
         if n not in failures and n not in covered:
             failures[n] = why_not(n, metas)
-    fill(report, nodes, [(m.name, m.covers, kernel_dtype(B.runtime_inputs(m), metas))
-                         for m in kept], failures)
+    fill(report, nodes, [(m.name, m.covers, kernel_dtype(B.runtime_inputs(m), metas),
+                          m.output in generic) for m in kept], failures)
     graph = gm.graph
     replaced = {}  # outputs of earlier kernels -> their custom-op nodes
     for m in kept:

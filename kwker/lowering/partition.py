@@ -1,9 +1,10 @@
-"""Kernels + eager ATen calls for ``inner="eager"``, specialised per concrete input shape.
+"""Kernels + eager ATen calls for ``inner="eager"``: one flat program per graph.
 
-``EagerCompiled`` is what the backend hands back to dynamo. For a graph traced with static shapes
-it specialises once at compile time; when dynamo passes symbolic sizes it specialises on first
-sight of each concrete shape and keeps the variants, so a service cycling through a few batch
-sizes compiles each once. Parameters are compile-time constants (weights are packed into the
+``EagerCompiled`` is what the backend hands back to dynamo, built at compile time. A graph traced
+with static shapes gets kernels specialised to them; a graph with symbolic sizes (automatic
+dynamic after a second size, ``mark_dynamic``, ``dynamic=True``) gets kernels generic over the
+sizes that vary, so no call ever waits for a compile because its size is new. Parameters are
+compile-time constants (weights are packed into the
 kernels), guarded per call by identity and version counter: an in-place update
 (``load_state_dict``, an optimiser step) or another module's parameters reaching the same graph
 rebuilds the plan instead of computing with stale weights.
@@ -23,10 +24,9 @@ from .ops import is_inplace, is_view
 from .patterns import Matcher, why_not
 from .report import Report, fill, kernel_dtype, publish
 from .runner import KernelStep, Program, build_program, fetch_attr
-from .shapes import TensorMeta, propagate
+from .shapes import TensorMeta, propagate, propagate_symbolic
 
 log = logging.getLogger("kwker")
-MAX_VARIANTS = 16
 MAX_SPARE = 3
 
 
@@ -85,11 +85,12 @@ class Plan:
 
 
 def specialise(gm: GraphModule, args: list, graph_id: int, inner: str, note: str = "",
-               dump_dir=None, decomposed=()) -> Plan:
-    """Build the flat program for these concrete ``args`` (tensors and ints)."""
+               dump_dir=None, decomposed=(), symbolic: bool = False) -> Plan:
+    """Build the flat program for ``args`` (tensors and ints); ``symbolic``: for the sizes
+    dynamo traced (its fake inputs), with kernels generic over the symbolic ones."""
     try:
         with B.collecting(dump_dir) as specs:
-            plan = _specialise(gm, args, graph_id, inner, note, decomposed)
+            plan = _specialise(gm, args, graph_id, inner, note, decomposed, symbolic)
     except Exception as e:  # a lowering bug must cost speed, never the user's answer
         log.warning("kwker: lowering graph %d failed, it runs on ATen: %s", graph_id, e,
                     exc_info=log.isEnabledFor(logging.DEBUG))
@@ -99,15 +100,18 @@ def specialise(gm: GraphModule, args: list, graph_id: int, inner: str, note: str
     return plan
 
 
-def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
+def _specialise(gm, args, graph_id, inner, note, decomposed, symbolic) -> Plan:
     report = Report(graph_id, inner, shapes=_shapes_text(args), decomposed=list(decomposed))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = list(gm.graph.nodes)
+
+    def metadata():
+        return propagate_symbolic(gm) if symbolic else propagate(gm, args)
     try:
-        metas = propagate(gm, args)
+        metas = metadata()
         if make_explicit(gm, metas):  # autocast's casts as nodes: kernels see its dtypes
             nodes = list(gm.graph.nodes)
-            metas = propagate(gm, args)
+            metas = metadata()
     except Exception as e:  # an op fake tensors cannot run: no kernels, no error
         log.debug("kwker: shape propagation failed", exc_info=True)
         report.status, report.reason = "fallback", f"shape propagation failed: {e}"
@@ -129,9 +133,12 @@ def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
             for f in m.fallback:
                 lower(f)
             return
-        if m.kind != "sorting" and isinstance(metas.get(m.output), TensorMeta):
+        if m.kind != "sorting" and isinstance(metas.get(m.output), TensorMeta) \
+                and not B.generic(fn):  # a generic kernel returns eager's layout itself
             fn = B.restrided(fn, metas[m.output])
-        steps.append(KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name))
+        step = KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name)
+        step.generic = B.generic(fn)
+        steps.append(step)
         used.update(v for v in m.inputs.values() if isinstance(v, Node) and v in consts)
 
     for m in matches:
@@ -143,8 +150,8 @@ def _specialise(gm, args, graph_id, inner, note, decomposed) -> Plan:
     program = build_program(gm, steps, metas)
     index = {n: i for i, n in enumerate(placeholders)}
     guards = tuple((index[n], consts[n], _version(consts[n])) for n in used if n in index)
-    fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas)) for s in steps],
-         failures)
+    fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas), s.generic)
+                         for s in steps], failures)
     if note:
         report.reason = note
     return Plan(program, guards, publish(report))
@@ -157,78 +164,43 @@ def _shapes_text(args) -> str:
             continue
         if isinstance(a, torch.Tensor):
             parts.append("x".join(map(str, a.shape)) or "scalar")
-        elif isinstance(a, int):
+        elif isinstance(a, (int, torch.SymInt)):
             parts.append(str(a))
     return ", ".join(parts)
 
 
 class EagerCompiled:
-    """The callable dynamo runs: picks the plan for the concrete inputs and runs it."""
+    """The callable dynamo runs: the plan for the current parameters, run on the inputs."""
 
     def __init__(self, gm: GraphModule, example_inputs: list, graph_id: int, inner: str,
                  dump_dir=None, decomposed=()):
         self.gm, self.graph_id, self.inner = gm, graph_id, inner
-        self.options = {"dump_dir": dump_dir, "decomposed": decomposed}
-        self.variant_pos = [i for i, a in enumerate(example_inputs)
-                            if not isinstance(a, torch.nn.Parameter)
-                            and isinstance(a, (torch.Tensor, int, torch.SymInt))]
-        self.dynamic = any(isinstance(a, torch.SymInt) for a in example_inputs) or any(
+        self.symbolic = any(isinstance(a, torch.SymInt) for a in example_inputs) or any(
             isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in a.shape)
             for a in example_inputs)
-        self.variants: dict = {}
-        self.plan = None
+        self.options = {"dump_dir": dump_dir, "decomposed": decomposed,
+                        "symbolic": self.symbolic}
         self.spare: list[Plan] = []  # plans for other modules' parameters on the same graph
-        self.generic = None
-        if not self.dynamic:
-            self.plan = specialise(gm, list(example_inputs), graph_id, inner, **self.options)
-            self.report = self.plan.report
-        else:
-            self.report = publish(Report(graph_id, inner, status="pending",
-                                         reason="symbolic sizes: kernels built per shape on "
-                                                "first call"))
+        self.plan = specialise(gm, list(example_inputs), graph_id, inner, **self.options)
+        self.report = self.plan.report
 
     def __call__(self, *args):
         plan = self.plan
-        if plan is not None:
-            for i, t, v in plan.guards:  # Plan.valid, inlined: this is the per-call path
-                a = args[i]
-                if a is not t or (v is not None and a._version != v):
-                    break
-            else:
-                return plan.program(args)
+        for i, t, v in plan.guards:  # Plan.valid, inlined: this is the per-call path
+            a = args[i]
+            if a is not t or (v is not None and a._version != v):
+                break
+        else:
+            return plan.program(args)
         return self._slow(args)
 
-    def _key(self, args) -> tuple:
-        key = []
-        for i in self.variant_pos:
-            a = args[i]
-            key.append((a.shape, a.stride()) if isinstance(a, torch.Tensor) else a)
-        return tuple(key)
-
     def _slow(self, args):
-        if not self.dynamic:
-            live = [p for p in (self.plan, *self.spare) if p is not None and not p.stale(args)]
-            plan = next((p for p in live if p.valid(args)), None)
-            if plan is None:
-                plan = specialise(self.gm, list(args), self.graph_id, self.inner,
-                                  note="parameters changed since compile: re-specialised",
-                                  **self.options)
-                self.report = plan.report
-            self.plan, self.spare = plan, [p for p in live if p is not plan][:MAX_SPARE]
-            return plan.program(args)
-        key = self._key(args)
-        plan = self.variants.get(key)
-        if plan is None or not plan.valid(args):
-            if plan is None and len(self.variants) >= MAX_VARIANTS:
-                return self._generic(args)
-            plan = self.variants[key] = specialise(self.gm, list(args), self.graph_id,
-                                                   self.inner, **self.options)
+        live = [p for p in (self.plan, *self.spare) if not p.stale(args)]
+        plan = next((p for p in live if p.valid(args)), None)
+        if plan is None:
+            plan = specialise(self.gm, list(args), self.graph_id, self.inner,
+                              note="parameters changed since compile: re-specialised",
+                              **self.options)
             self.report = plan.report
+        self.plan, self.spare = plan, [p for p in live if p is not plan][:MAX_SPARE]
         return plan.program(args)
-
-    def _generic(self, args):
-        if self.generic is None:
-            log.info("kwker graph %d: more than %d shapes, new ones run on ATen", self.graph_id,
-                     MAX_VARIANTS)
-            self.generic = build_program(self.gm)
-        return self.generic(args)

@@ -32,7 +32,10 @@ class Report:
     status: str = "lowered"      # lowered | training | pending (dynamic) | fallback
     reason: str = ""
     shapes: str = ""
-    kernels: list = field(default_factory=list)      # (kernel name, [node names], dtype)
+    # (kernel name, [node names], dtype, "generic" | "specialised"): a generic kernel reads the
+    # sizes that vary (rows, batch, sequence lengths) at call time; a specialised one has every
+    # size compiled in
+    kernels: list = field(default_factory=list)
     inner_nodes: list = field(default_factory=list)  # (node name, op)
     missed: list = field(default_factory=list)       # (node name, op, reason)
     decomposed: list = field(default_factory=list)   # (node name, op) expanded into primitives
@@ -49,6 +52,11 @@ class Report:
         return [k[2] for k in self.kernels]
 
     @property
+    def kernel_sizes(self) -> list[str]:
+        """"generic" or "specialised" per kernel, in ``kernels`` order."""
+        return [k[3] for k in self.kernels]
+
+    @property
     def kwker_nodes(self) -> list[str]:
         return [n for k in self.kernels for n in k[1]]
 
@@ -58,7 +66,9 @@ class Report:
         if self.status != "lowered":
             return head + f"{self.status} ({self.reason}); every node runs on {self.inner}"
         kinds = ", ".join(n if d == "float32" else f"{n} {d}"
-                          for n, _, d in self.kernels) or "none"
+                          for n, _, d, _ in self.kernels) or "none"
+        generic = sum(k[3] == "generic" for k in self.kernels)
+        kinds += f"; {generic} generic over sizes" if generic else ""
         miss = f"; missed {len(self.missed)}" if self.missed else ""
         return (head + f"{len(self.kernels)} Kwker kernels ({kinds}) covering "
                 f"{len(self.kwker_nodes)} nodes; {len(self.inner_nodes)} nodes on "
@@ -66,7 +76,8 @@ class Report:
 
     def __str__(self) -> str:
         lines = [self.summary()]
-        lines += [f"  kwker  {k:<22} {d:<9} {', '.join(n)}" for k, n, d in self.kernels]
+        lines += [f"  kwker  {k:<22} {d:<9} {g:<11} {', '.join(n)}"
+                  for k, n, d, g in self.kernels]
         lines += [f"  {self.inner:<6} {n:<22} {op}" for n, op in self.inner_nodes]
         lines += [f"  missed {n:<22} {op}: {why}" for n, op, why in self.missed]
         lines += [f"  split  {n:<22} {op}" for n, op in self.decomposed]
@@ -83,11 +94,13 @@ def describe(node: Node) -> str:
 def fill(report: Report, nodes: list, kernels: list, failures: dict) -> None:
     """Sort ``nodes`` into kernels and inner nodes; ``failures``: node -> why its match failed.
 
-    ``kernels`` is a list of (kernel name, covered nodes, torch dtype it runs in).
+    ``kernels`` is a list of (kernel name, covered nodes, torch dtype it runs in, whether it is
+    generic over the sizes that vary).
     """
     covered = set()
-    for name, cov, dtype in kernels:
-        report.kernels.append((name, [c.name for c in cov], str(dtype).replace("torch.", "")))
+    for name, cov, dtype, is_generic in kernels:
+        report.kernels.append((name, [c.name for c in cov], str(dtype).replace("torch.", ""),
+                               "generic" if is_generic else "specialised"))
         covered.update(cov)
     report.notes += [(n.name, why) for n, why in failures.items() if n in covered]
     for n in nodes:

@@ -44,11 +44,12 @@ def same_layout(shape, a, b) -> bool:
 
 
 def _size(s):
-    """An int where the size is known, else the symbolic size itself."""
-    try:
-        return int(s)
-    except (TypeError, RuntimeError, ValueError):
-        return s
+    """An int where the size is known, else the symbolic size itself (``int()`` on a symbolic
+    size would make dynamo guard on its value: a recompile for every new size)."""
+    if isinstance(s, torch.SymInt):
+        known = s.node.maybe_as_int()
+        return s if known is None else known
+    return int(s)
 
 
 def _describe(v):

@@ -7,6 +7,7 @@ one compilation.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -32,6 +33,26 @@ EMITTERS = {
 }
 
 stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0}
+_policy = threading.local()
+
+
+class NotCompiled(Exception):
+    """Raised inside ``compiling(False)`` for a kernel that would need an LLVM compile."""
+
+
+@contextlib.contextmanager
+def compiling(allowed: bool):
+    """Within ``compiling(False)``, kernels come from this process or the disk cache only:
+    the lowering asks for a size-specialised kernel this way and takes the generic one when it
+    is not there, so a new size never waits for a compile."""
+    outer = getattr(_policy, "allowed", True)
+    _policy.allowed = allowed
+    try:
+        yield
+    finally:
+        _policy.allowed = outer
+
+
 _kernels: dict = {}
 _locks: dict = {}
 _registry_lock = threading.Lock()
@@ -71,6 +92,8 @@ def object_for(spec, target: Target) -> bytes:
     timing = {}
 
     def build() -> bytes:
+        if not getattr(_policy, "allowed", True):
+            raise NotCompiled(spec.symbol)
         t0 = time.perf_counter()
         obj = build_object(spec, target)
         timing["dt"] = time.perf_counter() - t0

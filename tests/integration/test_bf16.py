@@ -99,7 +99,7 @@ def test_bf16_model(name, form, inner):
     assert_no_misses(reports)
     kernels = sorted(k for r in reports for k in r.kernel_names)
     assert kernels == sorted(expected), [str(r) for r in reports]
-    dtypes = {d for r in reports for (k, _, d) in r.kernels if k != "topk"}
+    dtypes = {k[2] for r in reports for k in r.kernels if k[0] != "topk"}
     assert dtypes == {"bfloat16"}, [str(r) for r in reports]
 
 
