@@ -1,6 +1,9 @@
 """``make_linear``: ``act(x @ W.T + bias) [+ residual]`` with W packed once, at build time."""
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -12,11 +15,17 @@ EPILOGUES = ("none", "relu", "gelu", "gelu_tanh")
 
 
 def pack_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
-    """(N, K) weights -> (ceil(N/nr), K, nr) k-major float32 panels, zero-padded past column N."""
+    """(N, K) weights -> (ceil(N/nr), K, nr) k-major float32 panels, zero-padded past column N.
+    Copied straight into place: no weight-sized temporaries (they would stay in the heap)."""
     n, k = w.shape
-    panels = -(-n // nr)
-    wt = F.pad(w.detach().to(torch.float32).t(), (0, panels * nr - n))  # (K, panels*nr)
-    return wt.reshape(k, panels, nr).permute(1, 0, 2).contiguous()
+    full, rem = divmod(n, nr)
+    w = w.detach().to(torch.float32)
+    out = torch.empty(full + (rem > 0), k, nr)
+    out[:full].copy_(w[:full * nr].view(full, nr, k).transpose(1, 2))
+    if rem:
+        out[full].zero_()
+        out[full, :, :rem].copy_(w[full * nr:].t())
+    return out
 
 
 def pack_bf16_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
@@ -24,21 +33,65 @@ def pack_bf16_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
     column, zero-padded past N and K (the pair-interleaved layout ``vdpbf16ps`` multiplies).
     float32 weights are rounded to bf16 as ``.to(torch.bfloat16)`` rounds them."""
     n, k = w.shape
-    panels, kp = -(-n // nr), -(-k // 2)
-    wb = torch.zeros(panels * nr, 2 * kp, dtype=torch.bfloat16)
-    wb[:n, :k] = w.detach().to(torch.bfloat16)
-    words = wb.view(torch.int16).view(panels * nr, kp, 2).view(torch.int32).squeeze(-1)
-    return words.reshape(panels, nr, kp).permute(0, 2, 1).contiguous()
+    full, rem = divmod(n, nr)
+    kp = -(-k // 2)
+    wb = w.detach().to(torch.bfloat16)
+    if k % 2:
+        wb = F.pad(wb, (0, 1))
+    out = torch.zeros(full + (rem > 0), kp, nr, dtype=torch.int32)
+    halves = out.view(torch.int16).view(full + (rem > 0), kp, nr, 2)
+    halves[:full].copy_(wb[:full * nr].view(torch.int16).view(full, nr, kp, 2)
+                        .permute(0, 2, 1, 3))
+    if rem:
+        halves[full, :, :rem].copy_(wb[full * nr:].view(torch.int16).view(rem, kp, 2)
+                                    .permute(1, 0, 2))
+    return out
+
+
+_shared: dict = {}
+_shared_lock = threading.Lock()
+
+
+def shared_panels(weight: torch.Tensor, nr: int, bf16: bool, source: torch.Tensor | None):
+    """``weight`` packed, one copy per (source tensor, layout) while any kernel holds it.
+
+    ``source`` is the tensor ``weight`` was derived from (a parameter: ``weight`` may be its
+    detached view or a transposed copy, new objects per build). Kernels built from the same
+    source for other sizes or graphs share the copy, so memory does not grow with the sizes
+    seen. An in-place update of the source (its version) or its death retires the copy.
+    """
+    if source is None:
+        return pack_bf16_panels(weight, nr) if bf16 else pack_panels(weight, nr)
+    try:
+        version = source._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = None
+    key = (id(source), weight.data_ptr() == source.data_ptr(), tuple(weight.shape), nr, bf16)
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is not None:
+            src_ref, ver, packed_ref = entry
+            packed = packed_ref()
+            if src_ref() is source and ver == version and packed is not None:
+                return packed
+    packed = pack_bf16_panels(weight, nr) if bf16 else pack_panels(weight, nr)
+    with _shared_lock:
+        for k in [k for k, (r, _, p) in _shared.items() if r() is None or p() is None]:
+            del _shared[k]
+        _shared[key] = (weakref.ref(source), version, weakref.ref(packed))
+    return packed
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None = None,
                 epilogue: str = "none", residual: bool = False,
-                dtype: torch.dtype | None = None):
+                dtype: torch.dtype | None = None, source: torch.Tensor | None = None):
     """``callable(x (m, K)[, residual (m, N)]) -> (m, N)``.
 
     ``m=None`` builds the kernel generic over the row count: one compile and one packed copy
     of the weights serve every batch size and sequence length. An int ``m`` specialises the
     kernel to it (the small-M schedule for decode-sized M, no run-time edge dispatch).
+    ``source``: the parameter ``weight`` comes from; kernels of one source share its packed
+    copy (see ``shared_panels``).
 
     ``dtype`` (default: the weight's) is the type of x, the residual and the output: float32,
     or bfloat16 (weights rounded to bf16 once here, the bias added in float32 to the float32
@@ -68,7 +121,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     spec = GemmSpec(m or 0, n, kk, 1, "packed", bias is not None, epilogue, residual,
                     **blk.as_kwargs(), dtype=dt)
     fn = entry(spec, 5, 2 if generic else 1)
-    packed = pack_bf16_panels(weight, blk.nr) if bf16 else pack_panels(weight, blk.nr)
+    packed = shared_panels(weight, blk.nr, bf16, source)
     bias_c = None
     if bias is not None:  # bf16: rounded as autocast rounds it, then added in float32
         bias_c = (bias.detach().to(torch.bfloat16) if bf16 else bias.detach()).float() \

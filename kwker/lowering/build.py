@@ -242,7 +242,8 @@ def _linear(m: Match, metas, consts):
     bias = consts[m.inputs["bias"]].detach() if m.inputs["bias"] is not None else None
     if not known(*lead):
         fn, why = _make("make_linear", w, bias, None, epilogue=m.params["epilogue"],
-                        residual=res is not None, dtype=xm.dtype)
+                        residual=res is not None, dtype=xm.dtype,
+                        source=consts[m.inputs["weight"]])
         if fn is None or len(lead) == 1:
             return _mark(fn, True), why
         if res is None:
@@ -254,7 +255,7 @@ def _linear(m: Match, metas, consts):
     if rows == 0 or k_in == 0:
         return None, "empty input"
     fn, why = _make("make_linear", w, bias, rows, epilogue=m.params["epilogue"],
-                    residual=res is not None, dtype=xm.dtype)
+                    residual=res is not None, dtype=xm.dtype, source=consts[m.inputs["weight"]])
     if fn is None:
         return None, why
     if len(lead) == 1:
