@@ -7,6 +7,9 @@ Each thread takes a contiguous, vector-aligned share; the body runs ``UNROLL[op]
 iteration (cheap ops are unrolled; the polynomial ones are not: their constants would spill),
 then single vectors, then one masked vector for the tail (no scalar loop). The maths is
 ``codegen/vmath.py`` (vectorised, ~1 ulp, no libm calls); no fast-math flags.
+
+``numel == 0`` is the generic kernel ``sym(src, dst, numel, nthreads)``: the same loops with the
+size, the thread split and the thread cap read at call time, so one compile serves every size.
 """
 from __future__ import annotations
 
@@ -70,11 +73,16 @@ def emit(spec, target) -> ir.Module:
     tid, nt = body.args[1], body.args[2]
     b = body.b
     src, dst = ctx.ptr(0), ctx.ptr(1)
-    vecs = (spec.numel + lanes - 1) // lanes
+    if spec.numel:
+        numel = const(i64, spec.numel)
+        vecs = (spec.numel + lanes - 1) // lanes
+    else:
+        numel = ctx.i64(2)
+        vecs = b.udiv(b.add(numel, const(i64, lanes - 1)), const(i64, lanes))
     vbegin, vend = omp.split(body, vecs, tid, nt)
     begin = b.mul(vbegin, const(i64, lanes))
     end = b.mul(vend, const(i64, lanes))
-    end = b.select(b.icmp_signed(">", end, const(i64, spec.numel)), const(i64, spec.numel), end)
+    end = b.select(b.icmp_signed(">", end, numel), numel, end)
     i = body.var(i64, begin, "i")
     unroll = UNROLL.get(spec.op, 1)
     step = lanes * unroll
@@ -93,6 +101,13 @@ def emit(spec, target) -> ir.Module:
         mask = simd.lane_mask(b, lanes, rest)
         store(b, op(b, load(b, src, i.get(), lanes, mask)), dst, i.get(), mask)
     body.finish()
-    max_threads = max(1, spec.numel // GRAIN.get(spec.op, DEFAULT_GRAIN))
-    omp.emit_parallel(module, spec.symbol, [ptr, ptr], body.fn, max_threads=max_threads)
+    grain = GRAIN.get(spec.op, DEFAULT_GRAIN)
+    if spec.numel:
+        omp.emit_parallel(module, spec.symbol, [ptr, ptr], body.fn,
+                          max_threads=max(1, spec.numel // grain))
+    else:  # the same cap, from the numel argument
+        def max_threads(b, args):
+            cap = b.udiv(args[2], const(i64, grain))
+            return b.select(b.icmp_signed("<", cap, const(i64, 1)), const(i64, 1), cap)
+        omp.emit_parallel(module, spec.symbol, [ptr, ptr, i64], body.fn, max_threads)
     return module

@@ -19,6 +19,10 @@ heap. That is exact because an element its thread's heap rejected cannot enter t
 either (the global root is at least as strict), and the replay runs ATen's own step sequence on
 the rest.
 
+``m == 0`` is the generic kernel: the row count is an argument (see ``emit_main``), the row
+tiles and the last tile's height are computed per call, and the row edge is served by variants
+of every height up to ``mr`` (bf16 screening: the edge tile is packed at its own height).
+
 bf16 (``dtype="bf16"``): x and W hold bf16 (K even, in k-pair words as in gemm.py), the tile is
 computed by the bf16 GEMM micro-kernel (``vdpbf16ps`` or widened FMAs, float32 sums) and rounded
 to bf16 as the unfused linear rounds it, into a bf16 tile; the heap compares those rounded scores
@@ -52,9 +56,7 @@ class _Emitter:
         if s.nr % self.L:
             raise ValueError(f"kwker topk: nr={s.nr} not a multiple of {self.L} lanes")
         self.module = new_module(s.symbol)
-        self.mt = _cdiv(s.m, s.mr)
         self.np = _cdiv(s.n, s.nr)
-        self.mr_edge = s.m - (self.mt - 1) * s.mr
         self.nr_edge = s.n - (self.np - 1) * s.nr
         self.bf16 = s.approx == "bf16"
         self.half = s.dtype == "bf16"  # bf16 operands and scores (not the bf16 screening)
@@ -90,20 +92,22 @@ class _Emitter:
         split_cols = b.icmp_signed("!=", f.arg_i64(ctx, 4), const(i64, 0))
         hv_all, hi_all, cnt_all, logv, logi, logn = (f.arg_ptr(ctx, i) for i in range(5, 11))
         w_exact, evec = f.arg_ptr(ctx, 12), f.arg_ptr(ctx, 13)
+        m = s.m or f.arg_i64(ctx, 14)
+        mt, mr_edge = self.row_tiles(b, m)
 
         with f.if_(b.icmp_signed("==", tid, const(i64, 0))):
             simd.store_scalar(b, nt, ctx, const(i64, 11))  # the team size the merge must use
-        t0, t1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, self.mt))
+        t0, t1 = f.var(i64, const(i64, 0)), f.var(i64, _v(mt))
         q0, q1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, self.np))
         with f.if_else(split_cols) as (cols, rows):
             with cols:
                 q0.set(b.sdiv(b.mul(const(i64, self.np), tid), nt))
                 q1.set(b.sdiv(b.mul(const(i64, self.np), b.add(tid, const(i64, 1))), nt))
             with rows:
-                t0.set(b.sdiv(b.mul(const(i64, self.mt), tid), nt))
-                t1.set(b.sdiv(b.mul(const(i64, self.mt), b.add(tid, const(i64, 1))), nt))
+                t0.set(b.sdiv(b.mul(_v(mt), tid), nt))
+                t1.set(b.sdiv(b.mul(_v(mt), b.add(tid, const(i64, 1))), nt))
         # heap state: per thread in column mode (all rows), shared by row in row mode
-        state_off = b.select(split_cols, b.mul(tid, const(i64, s.m)), const(i64, 0))
+        state_off = b.select(split_cols, b.mul(tid, _v(m)), const(i64, 0))
         hv = simd.gep(b, hv_all, b.mul(state_off, const(i64, s.k)))
         hi = simd.gep(b, hi_all, b.mul(state_off, const(i64, s.k)), i32)
         cnt = simd.gep(b, cnt_all, state_off, i64)
@@ -111,23 +115,25 @@ class _Emitter:
 
         row0 = b.mul(t0.get(), const(i64, s.mr))
         row1 = b.mul(t1.get(), const(i64, s.mr))
-        row1 = b.select(b.icmp_signed("<", row1, const(i64, s.m)), row1, const(i64, s.m))
+        row1 = b.select(b.icmp_signed("<", row1, _v(m)), row1, _v(m))
         with f.for_range(row0, row1, name="init") as r:
             simd.store_scalar(b, const(i64, 0), cnt, r)
             simd.store_scalar(b, const(i64, 0), nlog, r)
 
         kp = (s.k_dim + 1) // 2
-        a_floats = (s.m + s.mr) * (kp if self.bf16 else self.kw)
-        raw_a = b.call(self.malloc, [const(i64, a_floats * 4 + s.m * 4 + 128)])
+        a_floats = _mul(b, _add(b, m, s.mr), kp if self.bf16 else self.kw)
+        raw_a = b.call(self.malloc, [_v(_add(b, _mul(b, _add(b, a_floats, m), 4), 128))])
         # the float32 tile, and after it the bf16 tile of rounded scores (bf16 operands)
         raw_t = b.call(self.malloc, [const(i64, s.mr * s.nr * 6 + 128)])
         ap, tile = _align64(b, raw_a), _align64(b, raw_t)
         scores = simd.gep(b, tile, const(i64, s.mr * s.nr + 16)) if self.half else tile
-        qnorm = simd.gep(b, ap, const(i64, a_floats + 16))  # |x_row|, bf16 screening only
+        qnorm = simd.gep(b, ap, _v(_add(b, a_floats, 16)))  # |x_row|, bf16 screening only
         x_rows = simd.gep(b, x, b.mul(row0, const(i64, self.kw)))
-        if self.bf16:
+        if self.bf16 and s.m:
             b.call(emit_pack_bf16(self.module, s.mr, s.k_dim),
                    [x_rows, b.sub(row1, row0), ap, qnorm])
+        elif self.bf16:
+            self.pack_bf16_edge(f, x_rows, b.sub(row1, row0), ap, qnorm)
         else:  # bf16 operands: rows of k-pair words, packed as words
             b.call(emit_pack_rows(self.module, s.mr, self.kw, self.L),
                    [x_rows, b.sub(row1, row0), const(i64, self.kw), ap])
@@ -156,32 +162,29 @@ class _Emitter:
 
                 last_q = b.icmp_signed("==", q, const(i64, self.np - 1))
                 cols = b.select(last_q, const(i64, self.nr_edge), const(i64, s.nr))
-                last_t = b.icmp_signed("==", t, const(i64, self.mt - 1))
-                rows_v = b.select(last_t, const(i64, self.mr_edge), const(i64, s.mr))
-                if self.bf16:  # zero-padded operands: one full-tile variant, edges filtered
+                last_t = b.icmp_signed("==", t, _v(_add(b, mt, -1)))
+                rows_v = b.select(last_t, _v(mr_edge), const(i64, s.mr))
+                if self.bf16 and s.m:  # zero-padded operands: one full-tile variant
                     b.call(emit_micro_bf16(self.module, s.mr, s.nr // 16, s.nr),
                            [a_tile, wq, tile, const(i64, kp)])
-                    filter_rows(rows_v, cols)
+                elif self.bf16:  # the edge tile is packed at its height
+                    for rows in _variants(f, rows_v, s.mr, mr_edge, last_t):
+                        b.call(emit_micro_bf16(self.module, rows, s.nr // 16, s.nr),
+                               [a_tile, wq, tile, const(i64, kp)])
                 else:  # float32 tiles: variants specialised to the edges
-                    for rows in sorted({s.mr, self.mr_edge}):
-                        cond = last_t
-                        if rows == s.mr and self.mr_edge != s.mr:
-                            cond = b.not_(cond)
-                        elif self.mr_edge == s.mr:
-                            cond = const(i1, 1)
-                        with f.if_(cond):
-                            for ncols in sorted({s.nr, self.nr_edge}):
-                                qc = last_q
-                                if ncols == s.nr and self.nr_edge != s.nr:
-                                    qc = b.not_(qc)
-                                elif self.nr_edge == s.nr:
-                                    qc = const(i1, 1)
-                                with f.if_(qc):
-                                    b.call(self.micro(rows, ncols),
-                                           [a_tile, wq, tile, const(i64, self.kw),
-                                            const(i64, FIRST | LAST), nullp, nullp]
-                                           + ([scores] if self.half else []))
-                                    filter_rows(const(i64, rows), const(i64, ncols))
+                    for rows in _variants(f, rows_v, s.mr, mr_edge, last_t):
+                        for ncols in _variants(f, cols, s.nr, self.nr_edge, last_q):
+                            b.call(self.micro(rows, ncols),
+                                   [a_tile, wq, tile, const(i64, self.kw),
+                                    const(i64, FIRST | LAST), nullp, nullp]
+                                   + ([scores] if self.half else []))
+                            if s.m:
+                                filter_rows(const(i64, rows), const(i64, ncols))
+                    if not s.m:  # generic: one filter per column variant, not per tile variant
+                        for ncols in _variants(f, cols, s.nr, self.nr_edge, last_q):
+                            filter_rows(rows_v, const(i64, ncols))
+                if self.bf16:
+                    filter_rows(rows_v, cols)
         # row mode: this thread's rows are final
         with f.if_(b.not_(split_cols)):
             with f.for_range(row0, row1, name="out") as r:
@@ -190,6 +193,30 @@ class _Emitter:
         b.call(self.free, [raw_a])
         b.call(self.free, [raw_t])
         return f.finish()
+
+    def row_tiles(self, b, m):
+        """(row tiles, rows in the last one) of ``m`` rows: ints when specialised, else IR."""
+        mr = self.s.mr
+        if isinstance(m, int):
+            mt = _cdiv(m, mr)
+            return mt, m - (mt - 1) * mr
+        mt = b.udiv(b.add(m, const(i64, mr - 1)), const(i64, mr))
+        return mt, b.sub(m, b.mul(b.sub(mt, const(i64, 1)), const(i64, mr)))
+
+    def pack_bf16_edge(self, f, x_rows, rows, ap, qnorm):
+        """Pack whole ``mr``-row tiles, then the partial last one at its own height (the
+        height its micro-kernel variant reads)."""
+        s, b = self.s, f.b
+        mr = const(i64, s.mr)
+        full = b.mul(b.udiv(rows, mr), mr)
+        b.call(emit_pack_bf16(self.module, s.mr, s.k_dim), [x_rows, full, ap, qnorm])
+        kp = (s.k_dim + 1) // 2
+        edge = b.sub(rows, full)
+        for h in range(1, s.mr):
+            with f.if_(b.icmp_signed("==", edge, const(i64, h))):
+                b.call(emit_pack_bf16(self.module, h, s.k_dim),
+                       [simd.gep(b, x_rows, b.mul(full, const(i64, s.k_dim))), const(i64, h),
+                        simd.gep(b, ap, b.mul(full, const(i64, kp))), simd.gep(b, qnorm, full)])
 
     def emit_filter_row(self) -> ir.Function:
         """``filter_row(tile_row, i, col0, cols, hv, hi, cnt, nlog, logv, logi, logging,
@@ -283,41 +310,54 @@ class _Emitter:
             simd.store_scalar(b, b.sext(simd.load_scalar(b, rhi, j, i32), i64), idx, pos)
 
     def emit_main(self, body):
-        """Export ``sym(x, w, vals, idx, wexact, evec, nthreads)``: split, fork, merge, free."""
-        s, m = self.s, self.module
-        gomp = intrinsic(m, "GOMP_parallel", void, [ptr, ptr, i32, i32])
-        tnum = intrinsic(m, "omp_get_thread_num", i32, [])
-        tcount = intrinsic(m, "omp_get_num_threads", i32, [])
-        outlined = Fn(m, f"{s.symbol}.omp", void, [ptr], ["ctx"])
+        """Export ``sym(x, w, vals, idx, wexact, evec[, m], nthreads)`` (``m`` in the generic
+        kernel only): split, fork, merge, free."""
+        s, mod = self.s, self.module
+        gomp = intrinsic(mod, "GOMP_parallel", void, [ptr, ptr, i32, i32])
+        tnum = intrinsic(mod, "omp_get_thread_num", i32, [])
+        tcount = intrinsic(mod, "omp_get_num_threads", i32, [])
+        outlined = Fn(mod, f"{s.symbol}.omp", void, [ptr], ["ctx"])
         ob = outlined.b
         ob.call(body, [outlined.args[0], ob.sext(ob.call(tnum, []), i64),
                        ob.sext(ob.call(tcount, []), i64)])
         outlined.finish()
 
-        f = Fn(m, s.symbol, void, [ptr, ptr, ptr, ptr, ptr, ptr, i64],
-               ["x", "w", "vals", "idx", "wexact", "evec", "nthreads"], internal=False)
+        rows = [] if s.m else [i64]
+        f = Fn(mod, s.symbol, void, [ptr] * 6 + rows + [i64],
+               ["x", "w", "vals", "idx", "wexact", "evec"] + ["m"] * len(rows) + ["nthreads"],
+               internal=False)
         self.f = f
         b = f.b
-        x, w, vals, idx, w_exact, evec, nreq = f.args
-        cap = const(i64, max(1, min(max(self.mt, self.np), 2 * s.m * s.n * s.k_dim >> 18)))
+        x, w, vals, idx, w_exact, evec = f.args[:6]
+        nreq = f.args[-1]
+        m = s.m or f.args[6]
+        mt, _ = self.row_tiles(b, m)
+        if s.m:
+            cap = const(i64, max(1, min(max(mt, self.np), 2 * s.m * s.n * s.k_dim >> 18)))
+        else:  # the same cap from m: enough tiles to share, ~256 kflop per thread
+            cap = b.select(b.icmp_signed(">", mt, const(i64, self.np)), mt,
+                           const(i64, self.np))
+            work = b.lshr(b.mul(m, const(i64, 2 * s.n * s.k_dim)), const(i64, 18))
+            cap = b.select(b.icmp_signed("<", work, cap), work, cap)
+            cap = b.select(b.icmp_signed("<", cap, const(i64, 1)), const(i64, 1), cap)
         nt = b.select(b.icmp_signed("<", nreq, cap), nreq, cap)
         nt = b.select(b.icmp_signed("<", nt, const(i64, 1)), const(i64, 1), nt)
         split_cols = b.and_(b.icmp_signed(">", nt, const(i64, 1)),
-                            b.icmp_signed("<", const(i64, self.mt), nt))
+                            b.icmp_signed("<", _v(mt), nt))
         nt = b.select(b.and_(split_cols, b.icmp_signed(">", nt, const(i64, self.np))),
                       const(i64, self.np), nt)
         copies = b.select(split_cols, nt, const(i64, 1))
-        per = b.mul(copies, const(i64, s.m))
+        per = b.mul(copies, _v(m))
         bufs = [b.mul(per, const(i64, s.k * 4)), b.mul(per, const(i64, s.k * 4)),
                 b.mul(per, const(i64, 8)), b.mul(per, const(i64, 8))]
-        logsz = b.select(split_cols, const(i64, s.m * s.n * 4), const(i64, 0))
+        logsz = b.select(split_cols, _v(_mul(b, m, s.n * 4)), const(i64, 0))
         bufs[3:3] = [logsz, logsz]
         raws = [b.call(self.malloc, [b.add(n, const(i64, 64))]) for n in bufs]
         hv, hi, cnt, logv, logi, logn = (_align64(b, r) for r in raws)
         with b.goto_block(f.entry):
-            block = b.alloca(i64, size=14, name="ctx")
+            block = b.alloca(i64, size=14 + len(rows), name="ctx")
         for slot, v in enumerate([x, w, vals, idx, b.zext(split_cols, i64), hv, hi, cnt, logv,
-                                  logi, logn, const(i64, 1), w_exact, evec]):
+                                  logi, logn, const(i64, 1), w_exact, evec] + [m] * len(rows)):
             if isinstance(v.type, ir.PointerType):
                 v = b.ptrtoint(v, i64)
             f.store(v, block, const(i64, slot))
@@ -327,29 +367,63 @@ class _Emitter:
             with par:
                 b.call(gomp, [outlined.fn, block, b.trunc(nt, i32), const(i32, 0)])
         with f.if_(split_cols):
-            self.emit_merge(f, f.arg_i64(block, 11), hv, hi, cnt, logv, logi, logn, vals, idx)
+            self.emit_merge(f, m, f.arg_i64(block, 11), hv, hi, cnt, logv, logi, logn, vals,
+                            idx)
         for r in raws:
             b.call(self.free, [r])
         f.finish()
 
-    def emit_merge(self, f, team, hv, hi, cnt, logv, logi, logn, vals, idx):
+    def emit_merge(self, f, m, team, hv, hi, cnt, logv, logi, logn, vals, idx):
         """Replay every thread's log of row i, in column order, through a fresh heap."""
         s, b = self.s, f.b
         k = const(i64, s.k)
-        with f.for_range(0, s.m, name="row") as i:
+        with f.for_range(0, m, name="row") as i:
             rhv = simd.gep(b, hv, b.mul(i, k))  # thread 0's heap of this row is free now
             rhi = simd.gep(b, hi, b.mul(i, k), i32)
             rcnt = simd.gep(b, cnt, i, i64)
             simd.store_scalar(b, const(i64, 0), rcnt, const(i64, 0))
             with f.for_range(0, team, name="t") as t:
                 c0 = b.mul(b.sdiv(b.mul(const(i64, self.np), t), team), const(i64, s.nr))
-                n = simd.load_scalar(b, logn, b.add(b.mul(t, const(i64, s.m)), i), i64)
+                n = simd.load_scalar(b, logn, b.add(b.mul(t, _v(m)), i), i64)
                 base = b.add(b.mul(i, const(i64, s.n)), c0)
                 with f.for_range(0, n, name="e") as e:
                     pos = b.add(base, e)
                     b.call(self.heap.push, [rhv, rhi, rcnt, k, simd.load_scalar(b, logv, pos),
                                             simd.load_scalar(b, logi, pos, i32)])
             self.emit_output(f, i, rhv, rhi, vals, idx)
+
+
+def _v(x) -> ir.Value:
+    return x if isinstance(x, ir.Value) else const(i64, x)
+
+
+def _add(b: ir.IRBuilder, x, y):
+    """x + y folded when both are ints (a specialised size), else an i64 instruction."""
+    return x + y if isinstance(x, int) and isinstance(y, int) else b.add(_v(x), _v(y))
+
+
+def _mul(b: ir.IRBuilder, x, y):
+    return x * y if isinstance(x, int) and isinstance(y, int) else b.mul(_v(x), _v(y))
+
+
+def _variants(f: Fn, value, full: int, edge, last):
+    """Enter the branch of each size variant of a tile dimension, yielding its size. A
+    compile-time ``edge`` has the full and the edge variant, told apart by ``last``; a runtime
+    one (generic m) has every size 1..full, picked by ``value``."""
+    b = f.b
+    if not isinstance(edge, int):
+        for size in range(1, full + 1):
+            with f.if_(b.icmp_signed("==", value, const(i64, size))):
+                yield size
+        return
+    for size in sorted({full, edge}):
+        cond = last
+        if size == full and edge != full:
+            cond = b.not_(cond)
+        elif edge == full:
+            cond = const(i1, 1)
+        with f.if_(cond):
+            yield size
 
 
 def _align64(b: ir.IRBuilder, raw: ir.Value) -> ir.Value:

@@ -23,34 +23,50 @@ def _checked(x: torch.Tensor, numel: int, dtype: torch.dtype, name: str) -> torc
     return x.reshape(-1).contiguous()
 
 
-def make_eltwise(op: str, numel: int, dtype: torch.dtype = torch.float32):
+def make_eltwise(op: str, numel: int | None, dtype: torch.dtype = torch.float32):
     """``callable(x) -> op(x)`` for contiguous ``x`` of ``dtype`` (float32 or bfloat16) with
-    ``numel`` elements. bf16 is computed in float32 and rounded once, as ATen does."""
+    ``numel`` elements, or of any size with ``numel=None`` (one kernel for every shape, the size
+    passed per call). bf16 is computed in float32 and rounded once, as ATen does."""
     if dtype not in _DTYPES:
         raise NotImplementedError(f"kwker {op}: float32 or bfloat16 only, got {dtype}")
-    spec = EltwiseSpec(op, int(numel), _DTYPES[dtype])
-    fn = entry(spec, 2)
-    symbol = spec.symbol
-    get_threads = torch.get_num_threads
+    if numel is not None and int(numel) < 1:
+        raise ValueError(f"kwker {op}: numel must be >= 1 or None (any size), got {numel}")
+    spec = EltwiseSpec(op, int(numel or 0), _DTYPES[dtype])
+    fn = entry(spec, 2, 1 if numel else 2)
+    symbol, name = spec.symbol, f"kwker {op}"
+    get_threads, empty_like = torch.get_num_threads, torch.empty_like
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if not (x.numel() == numel and x.dtype == dtype and x.is_contiguous()):
-            x = _checked(x, numel, dtype, f"kwker {op}").view(x.shape)
-        out = torch.empty_like(x)
-        if _profiler_enabled():
-            with record_function(symbol):
+    if numel is None:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if not (x.dtype == dtype and x.is_contiguous()):
+                x = _checked(x, x.numel(), dtype, name).view(x.shape)
+            out = empty_like(x)
+            args = (x.data_ptr(), out.data_ptr(), x.numel(), get_threads())
+            if _profiler_enabled():
+                with record_function(symbol):
+                    fn(*args)
+            else:
+                fn(*args)
+            return out
+    else:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if not (x.numel() == numel and x.dtype == dtype and x.is_contiguous()):
+                x = _checked(x, numel, dtype, name).view(x.shape)
+            out = empty_like(x)
+            if _profiler_enabled():
+                with record_function(symbol):
+                    fn(x.data_ptr(), out.data_ptr(), get_threads())
+            else:
                 fn(x.data_ptr(), out.data_ptr(), get_threads())
-        else:
-            fn(x.data_ptr(), out.data_ptr(), get_threads())
-        return out
+            return out
 
     run.spec = spec
     return run
 
 
-def make_gelu(numel: int, approximate: str = "none", dtype: torch.dtype = torch.float32):
-    """GELU over ``numel`` contiguous float32 or bfloat16: exact erf form or
-    ``approximate="tanh"``."""
+def make_gelu(numel: int | None, approximate: str = "none", dtype: torch.dtype = torch.float32):
+    """GELU over ``numel`` (None: any number of) contiguous float32 or bfloat16: exact erf form
+    or ``approximate="tanh"``."""
     if approximate not in _GELU_OPS:
         raise ValueError(f"GELU approximate must be 'none' or 'tanh', not {approximate!r}")
     return make_eltwise(_GELU_OPS[approximate], numel, dtype)

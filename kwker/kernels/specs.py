@@ -14,7 +14,8 @@ from ..spec import Spec, register_spec
 @register_spec
 @dataclass(frozen=True)
 class EltwiseSpec(Spec):
-    """``out = op(x)`` over ``numel`` contiguous float32 (op: gelu, gelu_tanh, relu, exp, ...)."""
+    """``out = op(x)`` over ``numel`` contiguous elements (op: gelu, gelu_tanh, relu, exp, ...);
+    ``numel`` 0: any size, passed per call (one compile for every shape)."""
     op: str
     numel: int
     dtype: str = "f32"     # element type of x and out ("f32" | "bf16"); maths in float32
@@ -67,6 +68,10 @@ class AttentionSpec(Spec):
     ``mask`` is none, bool or float; ``mask_shape`` its 4-D shape (1 = broadcast). ``scale`` 0
     means 1/sqrt(e). Blocking: ``bq`` query rows x ``bk`` keys per step, ``nr``-key panels,
     ``mrs``/``mro`` rows per micro-tile of the score and output products.
+
+    ``batch = lq = lk = 0``: the generic kernel (codegen/attention_args.py), one for every size
+    and layout: sizes and all strides are read at call time, ``strides`` stays (), and
+    ``mask_shape`` has 1 on broadcast dims and 0 on full-size ones.
     """
     batch: int
     heads: int
@@ -93,6 +98,12 @@ class AttentionSpec(Spec):
     kv_heads: int = 0
     family = "attention"
 
+    def __post_init__(self):
+        if (self.batch, self.lq, self.lk).count(0) not in (0, 3) or \
+                (not self.batch and self.strides):
+            raise ValueError(f"AttentionSpec: batch, lq and lk are all 0 (generic, no strides) "
+                             f"or all sizes, not {self.batch, self.lq, self.lk}")
+
     @property
     def symbol(self) -> str:
         import struct
@@ -111,7 +122,8 @@ class AttentionSpec(Spec):
 @dataclass(frozen=True)
 class TopkGemmSpec(Spec):
     """Fused ``topk(x @ W.T, k)`` over ``m`` rows of ``n`` scores with ``k_dim`` features, W
-    pre-packed into ``nr``-wide panels; ``mr`` rows per micro-tile (see codegen/fused_topk.py)."""
+    pre-packed into ``nr``-wide panels; ``mr`` rows per micro-tile (see codegen/fused_topk.py).
+    ``m`` 0: any row count, passed per call (one compile for every batch size)."""
     m: int
     n: int
     k_dim: int

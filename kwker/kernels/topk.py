@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..codegen.gemm_bf16 import bound_factor
 from ..runtime.target import host_target
@@ -15,15 +16,16 @@ from .specs import TopkGemmSpec
 MIN_BF16_K = 32  # below this the float32 rescoring of survivors costs more than screening saves
 
 
-def _tile(m: int, bf16: bool) -> tuple[int, int]:
+def _tile(m: int | None, bf16: bool) -> tuple[int, int]:
+    """(mr, nr) for ``m`` rows; ``m=None`` (any row count): the large-m tile, the kernel
+    serves the row edge with variants of every height."""
     lanes = blocking.lanes()
-    if bf16:
-        return (8, 48) if m >= 8 else (m, 64 if m <= 4 else 48)
-    if lanes == 16:
-        if m >= 8:
-            return 8, 48
-        return m, 64 if m <= 4 else 48
-    return (min(m, 6), 16) if m > 3 else (m, 24)
+    big = m is None or m >= 8
+    if bf16 or lanes == 16:
+        return (8, 48) if big else (m, 64 if m <= 4 else 48)
+    if m is None or m > 3:
+        return min(m or 6, 6), 16
+    return m, 24
 
 
 def _bounds(w: torch.Tensor) -> torch.Tensor:
@@ -33,9 +35,10 @@ def _bounds(w: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(e, torch.full_like(e, math.inf)).contiguous()
 
 
-def make_linear_topk(weight_rows: torch.Tensor, m: int, k: int, largest: bool = True,
+def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: bool = True,
                      screen: bool | None = None, dtype: torch.dtype | None = None):
-    """``callable(x (m, K)) -> (values (m, k), indices int64 (m, k))`` of ``x @ weight_rows.T``.
+    """``callable(x (m, K)) -> (values (m, k), indices int64 (m, k))`` of ``x @ weight_rows.T``;
+    ``m=None``: x of any number of rows (one kernel for all, the row count passed per call).
 
     Values are sorted best first; indices are those ``torch.topk`` gives on the same scores (its
     heap path, ``k * 64 <= N``; for larger k the scores go through ``torch.topk`` itself).
@@ -45,101 +48,92 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int, k: int, largest: bool = 
     scores rounded to bf16 exactly as ``make_linear`` rounds them, and the top-k of those.
     """
     dtype = dtype or weight_rows.dtype
-    if kernel_dtype(dtype, "make_linear_topk") == "bf16":
-        return _make_bf16(weight_rows, int(m), int(k), bool(largest))
-    require_f32(weight_rows, what="make_linear_topk")
+    half = kernel_dtype(dtype, "make_linear_topk") == "bf16"
+    if not half:
+        require_f32(weight_rows, what="make_linear_topk")
     if weight_rows.dim() != 2:
         raise ValueError(f"make_linear_topk: weight_rows must be (N, K), "
                          f"got {tuple(weight_rows.shape)}")
     n, kd = weight_rows.shape
-    m, k = int(m), int(k)
-    if not 0 < k <= n or m < 1:
-        raise ValueError(f"make_linear_topk: need 0 < k <= N and m >= 1, got k={k}, N={n}, m={m}")
+    m, k, largest = None if m is None else int(m), int(k), bool(largest)
+    if not 0 < k <= n or (m is not None and m < 1):
+        raise ValueError(f"make_linear_topk: need 0 < k <= N and m >= 1 (or None), got k={k}, "
+                         f"N={n}, m={m}")
     if k * 64 > n:  # ATen's introselect path: exact order needs its own emulation
-        scores = make_linear(weight_rows, None, m)
+        scores = make_linear(weight_rows, None, m, dtype=dtype)
 
         def via_topk(x):
             return torch.topk(scores(x), k, dim=-1, largest=largest)
         via_topk.spec = scores.spec
         return via_topk
     target = host_target()
+    if half:
+        mr, nr = _tile(m, False)
+        if blocking.lanes(target) == 8:
+            mr = min(mr, 4)  # widened pairs: 2 float32 vectors per B vector (see blocking.py)
+        kk = kd + kd % 2  # k pairs: an odd K gets one zero column
+        spec = TopkGemmSpec(m or 0, n, kk, k, largest, mr, nr, "none", "bf16")
+        buffers = (pack_bf16_panels(weight_rows, nr), None, None)
+        return _runner(spec, buffers, m, kd, k, dtype, pad=kk != kd)
     can_screen = target.has("avx512bf16") and blocking.lanes(target) == 16
     if screen is None:
         screen = can_screen and kd >= MIN_BF16_K
     elif screen and not can_screen:
         raise NotImplementedError("make_linear_topk: bf16 screening needs AVX512_BF16")
     mr, nr = _tile(m, screen)
-    spec = TopkGemmSpec(m, n, kd, k, bool(largest), mr, nr, "bf16" if screen else "none")
-    fn = entry(spec, 6)
+    spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, "bf16" if screen else "none")
     w32 = weight_rows.detach().to(torch.float32).contiguous()
     if screen:
-        packed, exact, evec = pack_bf16_panels(w32, nr), w32, _bounds(w32)
+        buffers = (pack_bf16_panels(w32, nr), w32, _bounds(w32))
     else:
-        packed, exact, evec = pack_panels(w32, nr), None, None
-    w_ptr, symbol = packed.data_ptr(), spec.symbol
-    wx_ptr = exact.data_ptr() if exact is not None else None
-    e_ptr = evec.data_ptr() if evec is not None else None
-    x_shape, out_shape = (m, kd), (m, k)
-    f32, i64, empty, threads = torch.float32, torch.int64, torch.empty, torch.get_num_threads
+        buffers = (pack_panels(w32, nr), None, None)
+    return _runner(spec, buffers, m, kd, k, dtype, pad=False)
 
-    def run(x: torch.Tensor):
-        if not (x.shape == x_shape and x.dtype == f32 and x.is_contiguous()):
-            x = checked(x, x_shape, "linear_topk input")
-        vals = empty(out_shape, dtype=f32)
-        idx = empty(out_shape, dtype=i64)
-        if _profiler_enabled():
-            with record_function(symbol):
+
+def _runner(spec, buffers, m: int | None, kd: int, k: int, dtype: torch.dtype, pad: bool):
+    """The callable over the kernel: cheap checks, outputs, one ctypes call (``m=None``: the
+    generic kernel, given the row count). ``pad``: bf16 x gets the zero column of an odd K."""
+    fn = entry(spec, 6, 1 if m else 2)
+    w_ptr, wx_ptr, e_ptr = (t.data_ptr() if t is not None else None for t in buffers)
+    symbol, what = spec.symbol, "linear_topk input"
+    i64, empty, threads, pad_k = torch.int64, torch.empty, torch.get_num_threads, F.pad
+
+    if m is None:
+        def run(x: torch.Tensor):
+            if not (x.dim() == 2 and x.shape[1] == kd and x.dtype == dtype
+                    and x.is_contiguous()):
+                x = checked(x, (*x.shape[:1], kd), what, dtype)
+            if pad:
+                x = pad_k(x, (0, 1))
+            rows = x.shape[0]
+            vals = empty((rows, k), dtype=dtype)
+            idx = empty((rows, k), dtype=i64)
+            args = (x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), wx_ptr, e_ptr, rows,
+                    threads())
+            if _profiler_enabled():
+                with record_function(symbol):
+                    fn(*args)
+            else:
+                fn(*args)
+            return vals, idx
+    else:
+        x_shape, out_shape = (m, kd), (m, k)
+
+        def run(x: torch.Tensor):
+            if not (x.shape == x_shape and x.dtype == dtype and x.is_contiguous()):
+                x = checked(x, x_shape, what, dtype)
+            if pad:
+                x = pad_k(x, (0, 1))
+            vals = empty(out_shape, dtype=dtype)
+            idx = empty(out_shape, dtype=i64)
+            if _profiler_enabled():
+                with record_function(symbol):
+                    fn(x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), wx_ptr, e_ptr,
+                       threads())
+            else:
                 fn(x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), wx_ptr, e_ptr,
                    threads())
-        else:
-            fn(x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), wx_ptr, e_ptr, threads())
-        return vals, idx
+            return vals, idx
 
-    run.spec, run.buffers = spec, (packed, exact, evec)  # keep the buffers alive
-    return run
-
-
-def _make_bf16(weight_rows: torch.Tensor, m: int, k: int, largest: bool):
-    """The bf16 form of make_linear_topk (see there)."""
-    if weight_rows.dim() != 2:
-        raise ValueError(f"make_linear_topk: weight_rows must be (N, K), "
-                         f"got {tuple(weight_rows.shape)}")
-    n, kd = weight_rows.shape
-    if not 0 < k <= n or m < 1:
-        raise ValueError(f"make_linear_topk: need 0 < k <= N and m >= 1, got k={k}, N={n}, m={m}")
-    bf16 = torch.bfloat16
-    if k * 64 > n:  # ATen's introselect path: the scores go through torch.topk itself
-        scores = make_linear(weight_rows, None, m, dtype=bf16)
-
-        def via_topk(x):
-            return torch.topk(scores(x), k, dim=-1, largest=largest)
-        via_topk.spec = scores.spec
-        return via_topk
-    target = host_target()
-    mr, nr = _tile(m, False)
-    if blocking.lanes(target) == 8:
-        mr = min(mr, 4)  # widened pairs: 2 float32 vectors per B vector (see blocking.py)
-    kk = kd + kd % 2  # k pairs: an odd K gets one zero column
-    spec = TopkGemmSpec(m, n, kk, k, largest, mr, nr, "none", "bf16")
-    fn = entry(spec, 6)
-    packed = pack_bf16_panels(weight_rows, nr)
-    w_ptr, symbol = packed.data_ptr(), spec.symbol
-    x_shape, out_shape = (m, kd), (m, k)
-    i64, empty, threads = torch.int64, torch.empty, torch.get_num_threads
-
-    def run(x: torch.Tensor):
-        if not (x.shape == x_shape and x.dtype == bf16 and x.is_contiguous()):
-            x = checked(x, x_shape, "linear_topk input", bf16)
-        if kk != kd:
-            x = torch.nn.functional.pad(x, (0, 1))
-        vals = empty(out_shape, dtype=bf16)
-        idx = empty(out_shape, dtype=i64)
-        if _profiler_enabled():
-            with record_function(symbol):
-                fn(x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), None, None, threads())
-        else:
-            fn(x.data_ptr(), w_ptr, vals.data_ptr(), idx.data_ptr(), None, None, threads())
-        return vals, idx
-
-    run.spec, run.buffers = spec, (packed,)
+    run.spec, run.buffers = spec, buffers  # keep the packed weights alive
     return run

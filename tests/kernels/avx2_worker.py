@@ -14,8 +14,37 @@ from kwker.kernels.topk import make_linear_topk
 from kwker.runtime.target import host_target
 
 
+F32 = torch.float32
+
+
 def close(a, b, tol=1e-4):
     return torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+def sdpa_generic(checks: dict) -> None:
+    """One generic attention kernel per config (make_sdpa with sizes None) at several sizes,
+    float32 and bf16 (within test_sdpa_bf16.py's error bound), contiguous, strided, masked."""
+    for dtype in (torch.float32, torch.bfloat16):
+        f = make_sdpa(None, 2, None, None, 24, 24, True, dtype=dtype)
+        fm = make_sdpa(None, 2, None, None, 24, 24, mask="float", mask_shape=(1, 1, 0, 0),
+                       dtype=dtype)
+        for b, lq, lk in [(1, 1, 37), (2, 3, 1), (2, 70, 90), (1, 130, 300)]:
+            q, kk, v = (torch.randn(b, 2, n, 24).to(dtype) for n in (lq, lk, lk))
+            proj = torch.randn(b, lk, 4, 24).to(dtype).transpose(1, 2)  # k, v as strided views
+            ks, vs, am = proj[:, :2], proj[:, 2:], torch.randn(lq, lk).to(dtype)
+            cases = {"": (f(q, kk, v), (q, kk, v), None, True),
+                     " strided mask": (fm(q, ks, vs, am), (q, ks, vs), am, False)}
+            for name, (y, args, m, causal) in cases.items():
+                ref = F.scaled_dot_product_attention(*(t.float() for t in args), is_causal=causal,
+                                                     attn_mask=None if m is None else m.float())
+                if dtype == torch.float32:
+                    ok = close(y, ref)
+                else:
+                    eager = F.scaled_dot_product_attention(*args, attn_mask=m,
+                                                           is_causal=causal).float()
+                    ok = (y.float() - ref).abs().max() <= \
+                        1.25 * (eager - ref).abs().max() + 1e-3 * ref.abs().max()
+                checks[f"sdpa generic {dtype} {b}x{lq}x{lk}{name}"] = bool(ok)
 
 
 def main() -> int:
@@ -30,6 +59,16 @@ def main() -> int:
         checks[f"linear {m}x{n}x{k} {epi}"] = close(make_linear(w, b, m, epi)(x), ref)
     a, bt = torch.randn(2, 30, 40), torch.randn(2, 50, 40)
     checks["matmul nk"] = close(make_matmul(30, 40, 50, 2, True)(a, bt), a @ bt.transpose(1, 2))
+    w, b = torch.randn(70, 33) / 6, torch.randn(70)  # generic over M: every row edge of the tile
+    for dt in (torch.float32, torch.bfloat16):
+        lin, xs = make_linear(w, b, None, "gelu", dtype=dt), torch.randn(40, 33).to(dt)
+        checks[f"linear generic {dt}"] = all(close(
+            lin(xs[:m]).float(), F.gelu(F.linear(xs[:m].float(), w.to(dt).float(),
+                                                 b.to(dt).float())), 2e-2 if dt != F32 else 1e-4)
+            for m in range(1, 41))
+    mm = make_matmul(None, 40, 50, None, True)
+    checks["matmul generic"] = all(close(mm(a[:n, :m], bt[:n]), a[:n, :m] @ bt[:n].mT)
+                                   for n in (1, 2) for m in (1, 7, 30))
     x = torch.randn(5000) * 3
     checks["gelu"] = close(make_gelu(5000)(x), F.gelu(x))
     q, kk, v = torch.randn(2, 2, 70, 24), torch.randn(2, 2, 90, 24), torch.randn(2, 2, 90, 24)
@@ -37,11 +76,20 @@ def main() -> int:
         y = make_sdpa(2, 2, 70, 90, 24, 24, causal)(q, kk, v)
         checks[f"sdpa causal={causal}"] = close(
             y, F.scaled_dot_product_attention(q, kk, v, is_causal=causal))
+    sdpa_generic(checks)
     w = torch.randint(-2, 3, (2000, 16)).float()
     x = torch.randint(-2, 3, (9, 16)).float()
     vals, idx = make_linear_topk(w, 9, 20)(x)
     rv, ri = torch.topk(x @ w.t(), 20)
     checks["linear_topk ties"] = torch.equal(idx, ri) and torch.equal(vals, rv)
+    g, x = make_gelu(None), torch.randn(5003) * 3  # generic kernels: every edge of this ISA's tiles
+    checks["gelu generic"] = all(close(g(x[:n]), F.gelu(x[:n])) for n in (1, 3, 7, 9, 17, 5003))
+    x = torch.randint(-2, 3, (25, 16)).float()
+    for dt in (torch.float32, torch.bfloat16):
+        top = make_linear_topk(w.to(dt), None, 20, dtype=dt)
+        same = [torch.equal(a, b) for m in range(1, 26)
+                for a, b in zip(top(x[:m].to(dt)), torch.topk(x[:m].to(dt) @ w.to(dt).t(), 20))]
+        checks[f"linear_topk generic ties {dt}"] = all(same)
     print(f"target {host_target().describe()} lanes {blocking.lanes()}")
     for name, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {name}")
