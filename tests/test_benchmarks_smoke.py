@@ -115,3 +115,67 @@ def test_run_all_survives_a_failing_script_and_indexes_results(tmp_path):
     assert "| (no results file) | bench_broken.py | — | exit 3 (" in index
     assert "bench_absent.py" not in index
     assert "2 cases: min 2.00x, geomean 4.00x, max 8.00x" in index  # other.json, no headline
+
+
+# ------------------------------------------------------------------ bench_dynamic.py harness
+@pytest.fixture(scope="module")
+def bd():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("bench_dynamic")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _sweep(ms: dict, first=0.5, err=0.0) -> dict:
+    rows = [{"size": s, "first_ms": first, "steady_ms": t, "err": err, "graphs": 0, "llvm": 0,
+             "kernel_sizes": ["specialised"]} for s, t in ms.items()]
+    return {"rows": rows, "totals": {"llvm_compiles": 4, "compile_s": 1.0, "cache_loads": 0,
+                                     "dynamo_graphs": 2, "kwker_graphs": 2}, "kernels": {}}
+
+
+def test_dynamic_sweep_rows_and_order(bd):
+    import dynamic_sweeps as ds
+    order = ds.sizes("ranker", quick=False)
+    assert sorted(order) == list(range(1, 65)) and order != sorted(order)
+    assert order == ds.sizes("ranker", quick=False)  # seeded
+    assert ds.sizes("mlp", quick=False) == list(range(3, 42, 2))
+    assert len(ds.sizes("memory", quick=False)) == 40
+    model = torch.nn.Linear(4, 3).eval()
+    with torch.no_grad():
+        rows = ds.sweep(model, {b: (torch.randn(b, 4),) for b in (2, 5)}, "eager", reps=1,
+                        log=lambda *a: None)
+    assert [r["size"] for r in rows] == [2, 5]
+    assert all(r["err"] == 0 and r["steady_ms"] > 0 and r["first_ms"] > 0 for r in rows)
+
+
+def test_dynamic_targets_can_fail(bd):
+    fast = {3: 1.0, 5: 1.0, 7: 1.0}
+    good = {"kwker_eager": _sweep(fast), "kwker": _sweep(fast), "spec": _sweep(fast),
+            "inductor": _sweep({3: 1.5, 5: 1.5, 7: 1.5}), "eager": _sweep(fast)}
+    ts = bd.targets({"mlp": good})
+    assert ts and all(t["met"] for t in ts), ts
+    slow = dict(good, kwker=_sweep({3: 1.0, 5: 1.0, 7: 2.0}, first=30.0))  # a stall, a slow size
+    bad = {t["target"] for t in bd.targets({"mlp": slow}) if not t["met"]}
+    assert any("no first call > 5 ms" in t for t in bad)
+    assert any("Inductor dynamic" in t and t.startswith("Kwker (default)") for t in bad)
+    assert not any(t.startswith("Kwker inner=eager") for t in bad)
+    assert "**NOT met**" in bd.targets_table(bd.targets({"mlp": slow}))
+    assert "| 7 |" in bd.sweep_table(slow, "batch")
+
+
+def test_dynamic_problems_report_wrong_tokens_and_memory(bd):
+    gen = {"first_s": 3.0, "steady_s": 1.0, "tok_s": 64.0, "totals": {}}
+    gpt = {"eager": dict(gen, tokens=[1, 2, 3]), "kwker_eager": dict(gen, tokens=[1, 2, 4])}
+    assert bd.problems({"gpt": gpt}) == ["gpt/kwker_eager: tokens differ from eager"]
+    assert bd.same_tokens(gpt["kwker_eager"], gpt["eager"]) == "NO (first difference at token 2)"
+    mem = {"kwker_eager": {"sizes": list(range(40)), "weights_mb": 32.0, "growth_mb": 70.0,
+                           "rss_mb": [1.0, 71.0], "peak_growth_mb": 70.0, "totals": {}}}
+    t, missing = bd.targets({"memory": mem})
+    assert not t["met"] and "2.19x" in t["value"]
+    assert missing["target"] == "Kwker (default) ran" and not missing["met"]
+    spec = _sweep({3: 1.0})
+    spec["rows"][0]["kernel_sizes"] = ["generic", "specialised"]
+    assert bd.problems({"mlp": {"spec": spec}})[0].startswith("mlp/spec: the reference")
+    assert bd.problems({"mlp": {"kwker": _sweep({3: 1.0}, err=1.0)}})[0].startswith(
+        "mlp/kwker: max abs error")
