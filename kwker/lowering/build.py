@@ -176,21 +176,37 @@ SIZED_INPUTS = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("
 SHORT_NAMES = {"residual": "r", "mask": "m"}
 
 
+def _pinned(d, pin: bool):
+    if type(d) is int:
+        return d
+    if isinstance(d, torch.SymInt):
+        known_value = d.node.maybe_as_int()
+        if known_value is not None:
+            return known_value
+        return int(d) if pin else None
+    return None
+
+
 def generic_shapes(kind: str, shapes: dict) -> dict:
     """The shapes keying ``kind``'s generic kernel: the sizes that vary become None, the ones
-    that shape the code stay. Depends only on those (so compile time and call time agree)."""
-    def fixed(shape, keep):
+    that shape the code stay. Depends only on those (so compile time and call time agree).
+
+    A symbolic size the code depends on is pinned (a guard: dynamo recompiles if it changes)
+    where a constant fixes it anyway, the features of a linear's weight and the heads and head
+    size of attention; a matmul's inner size and columns stay None, and the builder leaves the
+    matmul to the inner compiler instead of recompiling per size."""
+    def fixed(shape, keep, pin=True):
         if shape is None:
             return None
-        n = len(shape)  # a kept size that is not an int makes the builder refuse
-        return tuple((d if type(d) is int else None) if i in keep or i - n in keep else None
+        n = len(shape)
+        return tuple(_pinned(d, pin) if i in keep or i - n in keep else None
                      for i, d in enumerate(shape))
     if kind in ("linear", "linear_topk"):
         return {"x": fixed(shapes["x"], {-1}), "r": None if shapes.get("r") is None else
                 fixed(shapes["r"], {-1})}
     if kind == "matmul":
         b = shapes["b"]
-        return {"a": fixed(shapes["a"], {-1}), "b": fixed(b, {-1, -2})}
+        return {"a": fixed(shapes["a"], {-1}, False), "b": fixed(b, {-1, -2}, False)}
     if kind == "gelu":
         return {"x": (None,)}
     if kind == "sdpa":
