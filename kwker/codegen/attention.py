@@ -1,10 +1,11 @@
 """Scaled dot-product attention, flash style: Q blocks x K/V blocks with an online softmax.
 
 Contract: ``out[b,h] = softmax(scale * Q K^T + mask) V`` for float32 or bfloat16 (B, H, L, E)
-tensors whose last dim is contiguous (batch, head and row strides are compile-time; contiguous by
-default); ``mask`` is a float mask (added, in the q dtype) or a bool mask (False = -inf),
-broadcast from its own 4-D shape; ``causal`` masks key j > query i (top-left aligned, as torch
-does). Rows with no visible key give 0, as torch does. Grouped-query attention: K and V have
+tensors whose last dim is contiguous (batch, head and row strides are compile-time, contiguous by
+default, or read at call time with the sizes: the generic kernel, attention_args.py); ``mask``
+is a float mask (added, in the q dtype) or a bool mask (False = -inf), broadcast from its own
+4-D shape; ``causal`` masks key j > query i (top-left aligned, as torch does). Rows with no
+visible key give 0, as torch does. Grouped-query attention: K and V have
 ``kv_heads`` heads and query head h reads kv head ``h // (heads // kv_heads)`` (the head offset
 comes from the strides, nothing is copied).
 
@@ -37,8 +38,10 @@ import math
 from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
+from .attention_args import align64, emit_copy_rows, emit_generic, icdiv, imul, load_dims, \
+    round_up, scratch, static_dims
 from .attention_bf16 import emit_pack_k_pairs, emit_pack_v_pairs, emit_pair_rows, emit_widen, \
-    exp2_p, pair_rows_padded, store_p
+    exp2_p, pair_rows_padded, splat_bit, store_p
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
 from .irutil import Fn, const, f32, i1, i8, i16, i32, i64, intrinsic, new_module, ptr
@@ -55,6 +58,11 @@ def emit(spec, target) -> ir.Module:
     L = simd.float_lanes(target)
     module = new_module(spec.symbol)
     dpbf16 = target.has("avx512bf16") and L == 16
+    if not spec.batch:  # generic: both schedules, sizes and strides at call time
+        direct, blocked = (_Emitter(module, spec, L, target.has("avx512f"), dpbf16, d).body()
+                           for d in (True, False))
+        emit_generic(module, spec, direct, blocked, DIRECT_MAX_LQ)
+        return module
     body = _Emitter(module, spec, L, target.has("avx512f"), dpbf16).body()
     flops = 4 * spec.batch * spec.heads * spec.lq * spec.lk * max(spec.e, spec.ev)
     items = spec.batch * spec.heads * _cdiv(spec.lq, spec.bq)
@@ -64,27 +72,30 @@ def emit(spec, target) -> ir.Module:
 
 
 class _Emitter:
-    def __init__(self, module, spec, lanes, avx512: bool, dpbf16: bool = False):
+    def __init__(self, module, spec, lanes, avx512: bool, dpbf16: bool = False,
+                 direct: bool | None = None):
         self.m, self.s, self.L, self.avx512 = module, spec, lanes, avx512
         s = spec
-        self.bk = min(s.bk, _cdiv(s.lk, s.nr) * s.nr)
-        self.nqb = _cdiv(s.lq, s.bq)
+        # generic (attention_args.py): sizes and strides (``self.d``) are read in body()
+        self.gen = not s.batch
+        self.bk = s.bk if self.gen else min(s.bk, _cdiv(s.lk, s.nr) * s.nr)
         self.scale = s.scale if s.scale else 1.0 / math.sqrt(s.e)
         self.ev_pad = _cdiv(s.ev, lanes) * lanes
         # a few queries (decode): scores as dot products with K in place, no K packing
-        self.direct = s.lq <= DIRECT_MAX_LQ
+        self.direct = s.lq <= DIRECT_MAX_LQ if direct is None else direct
         self.kvh = s.kv_heads or s.heads
-        # (batch, head, row) element strides of q, k, v, out
-        self.qs, self.ks, self.vs, self.os = s.strides or (
-            (s.heads * s.lq * s.e, s.lq * s.e, s.e), (self.kvh * s.lk * s.e, s.lk * s.e, s.e),
-            (self.kvh * s.lk * s.ev, s.lk * s.ev, s.ev), (s.heads * s.lq * s.ev, s.lq * s.ev, s.ev))
+        self.d = None if self.gen else static_dims(s, self.kvh)
+        # row strides of q, k, v as the packing helpers and micro-kernels see them: compile-time,
+        # so the generic kernel copies operands with other row strides into scratch first
+        self.q_row, self.k_row, self.v_row = (s.e, s.e, s.ev) if self.gen else \
+            (self.d.qs[2], self.d.ks[2], self.d.vs[2])
         # element type of q/k/v/mask/out in memory; bf16 operands of the micro-kernels are
         # widened into float32 scratch first, whose row strides these are
         self.dt = s.dtype
         self.bf = s.dtype == "bf16"
         self.et = i16 if self.bf else f32
-        self.q_ld = s.e if self.bf and not self.direct else self.qs[2]
-        self.v_ld = self.ev_pad if self.bf else self.vs[2]
+        self.q_ld = s.e if self.bf and not self.direct else self.q_row
+        self.v_ld = self.ev_pad if self.bf else self.v_row
         # bf16 with vdpbf16ps (module doc): S from Q rows of ``ep`` words and K panels of
         # ``ep_pad`` word rows; O from P rounded over its own S row and V in key pairs
         self.dot = self.bf and dpbf16
@@ -100,8 +111,8 @@ class _Emitter:
     def head_off(self, head, strides, heads: int | None = None):
         """Element offset of head ``head`` (= batch * heads + h) for these strides."""
         b, H = self.f.b, const(i64, heads or self.s.heads)
-        return b.add(b.mul(b.sdiv(head, H), const(i64, strides[0])),
-                     b.mul(b.srem(head, H), const(i64, strides[1])))
+        return b.add(b.mul(b.sdiv(head, H), self.f.i64(strides[0])),
+                     b.mul(b.srem(head, H), self.f.i64(strides[1])))
 
     def kv_index(self, head):
         """batch * kv_heads + the kv head that query head ``head`` reads."""
@@ -132,59 +143,86 @@ class _Emitter:
 
     def body(self) -> ir.Function:
         s = self.s
-        f = omp.body_fn(self.m, f"{s.symbol}.body")
+        f = omp.body_fn(self.m, f"{s.symbol}.body" + ((".direct" if self.direct else ".blocked")
+                                                      if self.gen else ""))
         self.f = f
         b = f.b
         ctx = omp.Context(f, f.args[0])
         tid, nt = f.args[1], f.args[2]
         q_all, k_all, v_all, mask_all, o_all = (ctx.ptr(i) for i in range(5))
         self.mask_all = mask_all
+        if self.gen:
+            self.d = load_dims(f, ctx, s)
+        d = self.d
 
         malloc = intrinsic(self.m, "malloc", ptr, [i64])
         free = intrinsic(self.m, "free", ir.VoidType(), [ptr])
         blocked = not self.direct
-        kp_floats = blocked * _cdiv(s.lk, s.nr) * s.nr * (self.ep_pad if self.qk_pairs else s.e)
+        kp_floats = imul(b, blocked, round_up(b, d.lk, s.nr),
+                         self.ep_pad if self.qk_pairs else s.e)
         sizes = [kp_floats, s.bq * self.bk, s.bq * self.ev_pad, s.bq, s.bq]
         if self.bf:  # V of one kv head: key pairs (words) or float32
-            sizes.append(_cdiv(s.lk, 2) * self.ev_pad if self.pv_pairs else s.lk * self.ev_pad)
+            sizes.append(imul(b, icdiv(b, d.lk, 2), self.ev_pad) if self.pv_pairs else
+                         imul(b, d.lk, self.ev_pad))
         if self.qk_pairs:  # Q pairs of one block
             sizes += [0, s.bq * self.ep]
         elif self.bf:  # float32 K of one kv head and one Q block (blocked path)
-            sizes += [s.lk * s.e * blocked, s.bq * s.e * blocked]
-        raws = [b.call(malloc, [const(i64, 4 * n + 64)]) for n in sizes]
-        kp, sbuf, obuf, mrow, lrow, *wide = (_align64(b, r) for r in raws)
+            sizes += [imul(b, d.lk, s.e, blocked), s.bq * s.e * blocked]
+        if self.gen:  # copies of K (blocked path), V and a Q block whose rows are strided
+            strided = [b.icmp_signed("!=", st, const(i64, n))
+                       for st, n in ((d.ks[2], s.e), (d.vs[2], s.ev))]
+            sizes += [b.select(st, imul(b, d.lk, n), const(i64, 0)) if use else 0
+                      for st, n, use in zip(strided, (s.e, s.ev), (blocked, True))]
+            sizes.append(s.bq * s.e * blocked)
+            raws, parts = scratch(f, malloc, sizes)
+        else:
+            raws = [b.call(malloc, [const(i64, 4 * n + 64)]) for n in sizes]
+            parts = [align64(b, r) for r in raws]
+        kp, sbuf, obuf, mrow, lrow, *wide = parts
+        if self.gen:
+            *wide, kd, vd, self.qd = wide
         vf, kf, self.qf = wide or (None, None, None)
         pack_k = None if self.qk_pairs else \
-            emit_pack_rows(self.m, s.nr, s.e if self.bf else self.ks[2], self.L)
+            emit_pack_rows(self.m, s.nr, s.e if self.bf else self.k_row, self.L)
 
-        items = s.batch * s.heads * self.nqb
+        items = f.i64(imul(b, d.batch, s.heads, d.nqb))
         cur_kv = f.var(i64, const(i64, -1), "kvhead")
         it = f.var(i64, tid, "it")  # round-robin: item = tid, tid + nt, ...
-        with f.while_(lambda: b.icmp_signed("<", it.get(), const(i64, items))):
+        with f.while_(lambda: b.icmp_signed("<", it.get(), items)):
             item = it.get()
-            head = b.sdiv(item, const(i64, self.nqb))
-            qb = b.srem(item, const(i64, self.nqb))
+            head = b.sdiv(item, f.i64(d.nqb))
+            qb = b.srem(item, f.i64(d.nqb))
             kv = self.kv_index(head)
-            kh = simd.gep(b, k_all, self.head_off(kv, self.ks, self.kvh), self.et)
-            vh = simd.gep(b, v_all, self.head_off(kv, self.vs, self.kvh), self.et)
-            if self.bf or not self.direct:  # once per kv head on this thread
+            kh = simd.gep(b, k_all, self.head_off(kv, d.ks, self.kvh), self.et)
+            vh = simd.gep(b, v_all, self.head_off(kv, d.vs, self.kvh), self.et)
+            if self.gen:  # K and V as the helpers below read them: rows e / ev apart
+                k_in, v_in = kh, vh
+                vh = b.select(strided[1], vd, vh)
+                if blocked:
+                    kh = b.select(strided[0], kd, kh)
+            if self.bf or not self.direct or self.gen:  # once per kv head on this thread
                 with f.if_(b.icmp_signed("!=", kv, cur_kv.get())):
+                    if self.gen:
+                        self.copy_rows(v_in, d.vs[2], s.ev, vd, strided[1])
+                        if blocked:
+                            self.copy_rows(k_in, d.ks[2], s.e, kd, strided[0])
                     if self.pv_pairs:
-                        b.call(emit_pack_v_pairs(self.m, self.L, s.ev, self.ev_pad, self.vs[2],
-                                                 s.lk), [vh, vf])
+                        pack_v = emit_pack_v_pairs(self.m, self.L, s.ev, self.ev_pad, self.v_row,
+                                                   None if self.gen else s.lk)
+                        b.call(pack_v, [vh, vf] + [d.lk] * self.gen)
                     elif self.bf:
-                        widen = emit_widen(self.m, self.L, s.ev, self.vs[2], self.ev_pad)
-                        b.call(widen, [vh, const(i64, s.lk), vf])
+                        widen = emit_widen(self.m, self.L, s.ev, self.v_row, self.ev_pad)
+                        b.call(widen, [vh, f.i64(d.lk), vf])
                     if self.qk_pairs:
-                        b.call(emit_pack_k_pairs(self.m, self.L, s.nr, s.e, self.ks[2]),
-                               [kh, const(i64, s.lk), kp])
+                        b.call(emit_pack_k_pairs(self.m, self.L, s.nr, s.e, self.k_row),
+                               [kh, f.i64(d.lk), kp])
                     elif not self.direct:
                         src = kh
                         if self.bf:
-                            widen = emit_widen(self.m, self.L, s.e, self.ks[2], s.e)
-                            b.call(widen, [kh, const(i64, s.lk), kf])
+                            widen = emit_widen(self.m, self.L, s.e, self.k_row, s.e)
+                            b.call(widen, [kh, f.i64(d.lk), kf])
                             src = kf
-                        b.call(pack_k, [src, const(i64, s.lk), const(i64, s.e), kp])
+                        b.call(pack_k, [src, f.i64(d.lk), const(i64, s.e), kp])
                     cur_kv.set(kv)
             self.block(head, qb, q_all, vf if self.bf else vh, o_all, kh if self.direct else kp,
                        sbuf, obuf, mrow, lrow)
@@ -193,26 +231,38 @@ class _Emitter:
             b.call(free, [r])
         return f.finish()
 
+    def copy_rows(self, src, ld, cols: int, dst, strided, rows=None) -> None:
+        """If ``strided``: ``rows`` (default lk) rows of ``cols`` elements, ``ld`` apart, into
+        ``dst`` ``cols`` apart (the generic kernel's operands for the compile-time helpers)."""
+        with self.f.if_(strided):
+            fn = emit_copy_rows(self.m, cols, 2 if self.bf else 4)
+            self.f.b.call(fn, [src, self.d.lk if rows is None else rows, ld, dst])
+
     # -- one (head, query block) ------------------------------------------------------------
     def block(self, head, qb, q_all, vh, o_all, kp, sbuf, obuf, mrow, lrow):
         s, f = self.s, self.f
         b = f.b
         i0 = b.mul(qb, const(i64, s.bq))
         i1 = b.add(i0, const(i64, s.bq))
-        i1 = b.select(b.icmp_signed("<", i1, const(i64, s.lq)), i1, const(i64, s.lq))
+        d = self.d
+        i1 = b.select(b.icmp_signed("<", i1, f.i64(d.lq)), i1, f.i64(d.lq))
         rows = b.sub(i1, i0)
-        qh = simd.gep(b, q_all, b.add(self.head_off(head, self.qs),
-                                      b.mul(i0, const(i64, self.qs[2]))), self.et)
+        qh = simd.gep(b, q_all, b.add(self.head_off(head, d.qs),
+                                      b.mul(i0, f.i64(d.qs[2]))), self.et)
+        if self.gen and not self.direct:  # the block's rows e apart, as the helpers read them
+            strided = b.icmp_signed("!=", d.qs[2], const(i64, s.e))
+            self.copy_rows(qh, d.qs[2], s.e, self.qd, strided, rows)
+            qh = b.select(strided, self.qd, qh)
         if self.qk_pairs:  # the block's query rows as pairs, ep words each
-            b.call(emit_pair_rows(self.m, self.L, s.e, self.qs[2]), [qh, rows, self.qf])
+            b.call(emit_pair_rows(self.m, self.L, s.e, self.q_row), [qh, rows, self.qf])
             qh = self.qf
         elif self.bf and not self.direct:  # the block's query rows in float32, row stride e
-            b.call(emit_widen(self.m, self.L, s.e, self.qs[2], s.e), [qh, rows, self.qf])
+            b.call(emit_widen(self.m, self.L, s.e, self.q_row, s.e), [qh, rows, self.qf])
             qh = self.qf
         with f.for_range(0, s.bq, name="init") as r:
             simd.store_scalar(b, ir.Constant(f32, NEG_INF), mrow, r)
             simd.store_scalar(b, ir.Constant(f32, 0.0), lrow, r)
-        kv_end = const(i64, s.lk)
+        kv_end = f.i64(d.lk)
         if s.causal:  # keys up to the block's last row, whole panels (masked per element)
             need = b.mul(b.sdiv(b.add(i1, const(i64, s.nr - 1)), const(i64, s.nr)),
                          const(i64, s.nr))
@@ -229,13 +279,21 @@ class _Emitter:
         """``call(r0, nrows_const)`` for full tiles of ``mr`` rows then the edge tile.
 
         A block has ``bq`` rows except the last one, so only two edge sizes can occur and only
-        those micro-kernel variants are emitted."""
+        those micro-kernel variants are emitted. The generic kernel splits the edge into tiles
+        of powers of two (a few variants for any lq)."""
         f, b, s = self.f, self.f.b, self.s
         full = b.mul(b.sdiv(rows, const(i64, mr)), const(i64, mr))
         with f.for_range(0, full, step=mr, name="rt") as r0:
             call(r0, mr)
         rest = b.sub(rows, full)
-        last_rows = s.lq - (self.nqb - 1) * s.bq
+        if self.gen:
+            p = 1 << (mr - 1).bit_length() >> 1  # the largest power of two below mr
+            while p:
+                with f.if_(b.icmp_signed("!=", b.and_(rest, const(i64, p)), const(i64, 0))):
+                    call(b.add(full, b.and_(rest, const(i64, -2 * p))), p)
+                p //= 2
+            return
+        last_rows = s.lq - (self.d.nqb - 1) * s.bq
         for extra in sorted({s.bq % mr, last_rows % mr} - {0}):
             with f.if_(b.icmp_signed("==", rest, const(i64, extra))):
                 call(full, extra)
@@ -243,7 +301,7 @@ class _Emitter:
     def scores(self, qh, kp, sbuf, j0, kv, rows):
         if self.direct:
             return self.scores_direct(qh, kp, sbuf, j0, kv, rows)
-        s, f = self.s, self.f
+        s, f, L = self.s, self.f, self.L
         b = f.b
         mode = const(i64, FIRST if self.qk_pairs else FIRST | LAST)
         nullp = ir.Constant(ptr, None)
@@ -265,7 +323,16 @@ class _Emitter:
             col = b.mul(full_panels, const(i64, s.nr))
             bp = simd.gep(b, kp, b.mul(b.add(j0, col), const(i64, kw)))
             c = simd.gep(b, sbuf, b.add(c_row, col))
-            # the last panel of the sequence is the only partial one; lk is compile-time
+            # the last panel of the sequence is the only partial one; the generic kernel
+            # computes it in whole vectors (K panels are zero past lk)
+            if self.gen:
+                for w in range(L, s.nr + 1, L):
+                    fits = b.and_(b.icmp_signed(">", rest, const(i64, w - L)),
+                                  b.icmp_signed("<=", rest, const(i64, w)))
+                    with f.if_(fits):
+                        b.call(self.s_kernel(nrows, w), [a, bp, c, const(i64, kc), mode,
+                                                         nullp, nullp] + extra)
+                return
             edge = s.lk % s.nr
             if edge:
                 with f.if_(b.icmp_signed(">", rest, const(i64, 0))):
@@ -282,7 +349,7 @@ class _Emitter:
         ne = _cdiv(s.e, L)
         zero = vmath.splat(simd.vty(L), 0.0)
         with f.for_range(0, rows, name="dr") as r:
-            qrow = simd.gep(b, qh, b.mul(r, const(i64, self.qs[2])), self.et)
+            qrow = simd.gep(b, qh, b.mul(r, f.i64(self.d.qs[2])), self.et)
             qv = [bf16.load_as(b, self.dt, qrow, e * L, L, min(L, s.e - e * L))
                   for e in range(ne)]
             with f.for_range(0, kv, step=L, name="dk") as jb:
@@ -290,11 +357,11 @@ class _Emitter:
                 for jj in range(L):
                     key = b.add(b.add(j0, jb), const(i64, jj))
                     live = b.icmp_signed("<", b.add(jb, const(i64, jj)), kv)
-                    krow = simd.gep(b, kh, b.mul(key, const(i64, self.ks[2])), self.et)
+                    krow = simd.gep(b, kh, b.mul(key, f.i64(self.d.ks[2])), self.et)
                     acc = zero
                     for e in range(ne):
                         m = b.and_(simd.const_mask(L, min(L, s.e - e * L)),
-                                   _splat_bit(b, live, L))
+                                   splat_bit(b, live, L))
                         kv_ = bf16.load(b, krow, e * L, L, mask=m) if self.bf else \
                             simd.masked_load(b, krow, e * L, m, L)
                         acc = vmath.fma(b, qv[e], kv_, acc)
@@ -437,11 +504,10 @@ class _Emitter:
         mb, mh, mq, mk = s.mask_shape
         bi = b.sdiv(head, const(i64, s.heads))
         hi = b.srem(head, const(i64, s.heads))
-        strides = [mh * mq * mk, mq * mk, mk, 1]
         off = const(i64, 0)
-        for idx, size, stride in zip((bi, hi, i), (mb, mh, mq), strides):
-            if size != 1:
-                off = b.add(off, b.mul(idx, const(i64, stride)))
+        for idx, size, stride in zip((bi, hi, i), (mb, mh, mq), self.d.ms):
+            if size != 1:  # (generic: 0 = full size)
+                off = b.add(off, b.mul(idx, self.f.i64(stride)))
         if s.mask == "float":  # in the q dtype
             if mk == 1:
                 m0 = simd.load_scalar(b, self.mask_all, off, self.et)
@@ -471,8 +537,8 @@ class _Emitter:
     def finish_rows(self, head, i0, rows, obuf, lrow, o_all):
         s, L, f = self.s, self.L, self.f
         b = f.b
-        oh = simd.gep(b, o_all, b.add(self.head_off(head, self.os),
-                                      b.mul(i0, const(i64, self.os[2]))), self.et)
+        os = self.d.os
+        oh = simd.gep(b, o_all, b.add(self.head_off(head, os), b.mul(i0, f.i64(os[2]))), self.et)
         with f.for_range(0, rows, name="fr") as r:
             lsum = simd.load_scalar(b, lrow, r)
             inv = b.fdiv(ir.Constant(f32, 1.0), lsum)
@@ -484,7 +550,7 @@ class _Emitter:
                                                  const(i64, v * L)), L)
                 active = min(L, s.ev - v * L)
                 bf16.store_as(b, self.dt, b.fmul(x, iv), oh,
-                              b.add(b.mul(r, const(i64, self.os[2])), const(i64, v * L)), active)
+                              b.add(b.mul(r, f.i64(os[2])), const(i64, v * L)), active)
 
 
 def transpose_add(b: ir.IRBuilder, vecs: list) -> ir.Value:
@@ -505,19 +571,6 @@ def transpose_add(b: ir.IRBuilder, vecs: list) -> ir.Value:
                for i in range(m)]
         blk //= 2
     return cur[0]
-
-
-def _splat_bit(b: ir.IRBuilder, bit: ir.Value, lanes: int) -> ir.Value:
-    vt = ir.VectorType(i1, lanes)
-    v = b.insert_element(ir.Constant(vt, ir.Undefined), bit, const(i32, 0))
-    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
-                            ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
-
-
-def _align64(b: ir.IRBuilder, raw: ir.Value) -> ir.Value:
-    addr = b.ptrtoint(raw, i64)
-    pad = b.and_(b.sub(const(i64, 64), b.and_(addr, const(i64, 63))), const(i64, 63))
-    return b.gep(raw, [pad], inbounds=True, source_etype=i8)
 
 
 def _combine(op, values: list):

@@ -27,9 +27,12 @@ rounded come from ``exp2_p`` (six vector ops) and are rounded by ``vcvtneps2bf16
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from llvmlite import ir
 
 from . import bf16, simd, vmath
+from .attention_args import iadd, imul
 from .gemm_pack import emit_pack_cols, transpose
 from .irutil import Fn, const, defined, i1, i16, i32, i64, intrinsic, ptr, void
 
@@ -47,7 +50,8 @@ def _load_i16(b: ir.IRBuilder, base, index, lanes: int, mask) -> ir.Value:
                        ir.Constant(vt, [ir.Constant(i16, 0)] * lanes)])
 
 
-def _splat_bit(b: ir.IRBuilder, bit: ir.Value, lanes: int) -> ir.Value:
+def splat_bit(b: ir.IRBuilder, bit: ir.Value, lanes: int) -> ir.Value:
+    """An i1 vector of ``lanes`` copies of ``bit``."""
     vt = ir.VectorType(i1, lanes)
     v = b.insert_element(ir.Constant(vt, ir.Undefined), bit, const(i32, 0))
     return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
@@ -127,7 +131,7 @@ def emit_pack_k_pairs(module: ir.Module, L: int, nr: int, e: int, ld: int) -> ir
         tile_dst = b.mul(t, const(i64, nr * ep_pad))
         for rg in range(0, nr, L):
             first = b.add(b.mul(t, const(i64, nr)), const(i64, rg))
-            live = [_splat_bit(b, b.icmp_signed("<", b.add(first, const(i64, j)), rows), H)
+            live = [splat_bit(b, b.icmp_signed("<", b.add(first, const(i64, j)), rows), H)
                     for j in range(L)]
             for p0 in range(0, ep_pad, L):    # compile-time: a few blocks per head dim
                 cmask = simd.const_mask(H, e - 2 * p0)
@@ -197,29 +201,38 @@ def pair_rows_padded(e: int, L: int) -> int:
 
 
 def emit_pack_v_pairs(module: ir.Module, L: int, ev: int, ev_pad: int, ld: int,
-                      lk: int) -> ir.Function:
+                      lk: int | None) -> ir.Function:
     """``void pack_v_pairs(ptr src, ptr dst)``: V (``lk`` x ``ev`` bf16, row stride ``ld``) into
     ``ceil(lk/2)`` rows of ``ev_pad`` words, ``dst[j][c] = (V[2j][c], V[2j+1][c])``, zero past
-    ``ev``; an odd ``lk`` gets a zero high half in its last row."""
-    name = f"pack_v_pairs.{L}.{ev}.{ev_pad}.{ld}.{lk}"
+    ``ev``; an odd ``lk`` gets a zero high half in its last row. ``lk`` None: a third argument
+    ``i64 lk`` (the generic kernel)."""
+    name = f"pack_v_pairs.{L}.{ev}.{ev_pad}.{ld}.{lk or 'n'}"
     existing = defined(module, name)
     if existing is not None:
         return existing
-    f = Fn(module, name, void, [ptr, ptr], ["src", "dst"])
+    f = Fn(module, name, void, [ptr, ptr] + [i64] * (lk is None), ["src", "dst", "lk"])
     f.fn.attributes.add("noinline")
-    src, dst = f.args
+    src, dst = f.args[:2]
     b = f.b
-    if lk >= 2:
+    if lk is None:
+        n = f.args[2]
+        pairs = b.sdiv(n, const(i64, 2))
+        odd = b.icmp_signed("!=", b.srem(n, const(i64, 2)), const(i64, 0))
+    else:
+        pairs, odd = lk // 2, lk % 2
+    if lk is None or lk >= 2:
         pack = emit_pack_cols(module, ev_pad, ld, L, pairs=True)
-        b.call(pack, [src, const(i64, ev), const(i64, lk // 2), dst])
-    if lk % 2:
+        b.call(pack, [src, const(i64, ev), f.i64(pairs), dst])
+    if lk is None or odd:
         wt = ir.VectorType(i32, L)
-        for c in range(0, ev_pad, L):
-            x = _load_i16(b, src, const(i64, (lk - 1) * ld + c), L, simd.const_mask(L, ev - c))
-            idx = const(i64, (lk // 2) * ev_pad + c)
-            b.store(b.zext(x, wt), simd.gep(b, dst, idx, i32), align=4)
+        with f.if_(odd) if lk is None else nullcontext():
+            for c in range(0, ev_pad, L):  # the last row, V[2 pairs]
+                x = _load_i16(b, src, f.i64(iadd(b, imul(b, pairs, 2 * ld), c)), L,
+                              simd.const_mask(L, ev - c))
+                idx = f.i64(iadd(b, imul(b, pairs, ev_pad), c))
+                b.store(b.zext(x, wt), simd.gep(b, dst, idx, i32), align=4)
     return f.finish()
 
 
 __all__ = ["emit_pack_k_pairs", "emit_pack_v_pairs", "emit_pair_rows", "emit_widen",
-           "exp2_p", "pair_rows_padded", "store_p"]
+           "exp2_p", "pair_rows_padded", "splat_bit", "store_p"]

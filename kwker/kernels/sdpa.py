@@ -1,14 +1,18 @@
-"""``make_sdpa``: fused flash-style scaled dot-product attention for fixed shapes."""
+"""``make_sdpa``: fused flash-style scaled dot-product attention, for fixed shapes or generic."""
 from __future__ import annotations
+
+import ctypes
+import struct
 
 import torch
 
+from ..runtime.kernel import get_kernel
 from . import blocking
-from ._call import _profiler_enabled, contiguous_strides, entry, record_function
+from ._call import KERNEL_DTYPES, _profiler_enabled, contiguous_strides, entry, record_function
 from .specs import AttentionSpec
 
 
-def _blocking(lq: int, lk: int, e: int, ev: int) -> dict:
+def _blocking(lq: int | None, lk: int | None, e: int, ev: int) -> dict:
     lanes = blocking.lanes()
     nr = 2 * lanes
     ev_vecs = -(-ev // lanes)
@@ -17,7 +21,7 @@ def _blocking(lq: int, lk: int, e: int, ev: int) -> dict:
     mro = max(1, min(mro, (regs - 2 - ev_vecs) // max(1, ev_vecs)))
     mrs = 12 if lanes == 16 else 6
     bq = mrs * 2
-    bk = min(256, -(-lk // nr) * nr)
+    bk = 256 if lk is None else min(256, -(-lk // nr) * nr)
     return dict(bq=bq, bk=bk, nr=nr, mrs=mrs, mro=mro)
 
 
@@ -36,20 +40,25 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
     accumulation run in float32, the output is rounded once). ``kv_heads``: grouped-query
     attention, k and v are (B, kv_heads, Lk, E) and query head h reads kv head
     ``h // (heads // kv_heads)``, as ``F.scaled_dot_product_attention(..., enable_gqa=True)``.
+
+    ``batch``, ``lq`` or ``lk`` None: the generic kernel, compiled once per (heads, e, ev, flags,
+    dtype) and serving every batch, lq, lk and layout; see ``_generic``.
     """
-    dts = {torch.float32: "f32", torch.bfloat16: "bf16"}
-    if dtype not in dts:
+    if dtype not in KERNEL_DTYPES:
         raise NotImplementedError(f"make_sdpa: dtype {dtype}; float32 or bfloat16 only")
     kind = mask or "none"
     if kind not in ("none", "bool", "float"):
         raise ValueError(f"make_sdpa: mask must be None, 'bool' or 'float', not {mask!r}")
+    if None in (batch, lq, lk):
+        if strides is not None:
+            raise ValueError("make_sdpa: the generic kernel reads its strides from the tensors")
+        return _generic(int(heads), int(e), int(ev), bool(causal), float(scale or 0.0), kind,
+                        mask_shape, dtype, _kv_heads(heads, kv_heads))
     dims = tuple(int(d) for d in (batch, heads, lq, lk, e, ev))
     if min(dims) < 1:
         raise ValueError(f"make_sdpa: empty shapes {dims}")
     batch, heads, lq, lk, e, ev = dims
-    kvh = int(kv_heads or heads)
-    if kvh < 1 or heads % kvh:
-        raise ValueError(f"make_sdpa: {heads} query heads are not a multiple of {kvh} kv heads")
+    kvh = _kv_heads(heads, kv_heads)
     full = (batch, heads, lq, lk)
     if kind != "none":
         mask_shape = tuple(int(d) for d in (mask_shape or full))
@@ -68,7 +77,7 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
     spec = AttentionSpec(batch, heads, lq, lk, e, ev, bool(causal), float(scale or 0.0), kind,
                          mask_shape, **_blocking(lq, lk, e, ev),
                          strides=() if strides == dense else tuple(st[:3] for st in strides),
-                         dtype=dts[dtype], kv_heads=0 if kvh == heads else kvh)
+                         dtype=KERNEL_DTYPES[dtype], kv_heads=0 if kvh == heads else kvh)
     fn = entry(spec, 5)
     symbol = spec.symbol
     (qst, kst, vst, ost) = strides
@@ -104,6 +113,126 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
         else:
             fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), m_ptr, out.data_ptr(), threads())
         return out
+
+    run.spec = spec
+    return run
+
+
+def _kv_heads(heads: int, kv_heads: int | None) -> int:
+    kvh = int(kv_heads or heads)
+    if kvh < 1 or heads % kvh:
+        raise ValueError(f"make_sdpa: {heads} query heads are not a multiple of {kvh} kv heads")
+    return kvh
+
+
+def _generic(heads: int, e: int, ev: int, causal: bool, scale: float, kind: str, mask_shape,
+             dtype: torch.dtype, kvh: int):
+    """The callable of the generic kernel (codegen/attention_args.py).
+
+    It reads batch, lq, lk and the strides from its 4-D tensors: q, k, v with last stride 1 are
+    read in place whatever their other strides (heads side by side in one projection row, as
+    MultiheadAttention's views), others are copied contiguous. ``mask_shape`` is 4-D with 1 on
+    the dims the mask broadcasts over and 0 on full-size ones (None: all full); a mask of size 1
+    on a full-size dim is broadcast too. The output has the layout ATen's CPU SDPA gives: that
+    of ``torch.empty_like(q)`` when e == ev (its flash kernel), else contiguous (its math path).
+    """
+    if min(heads, e, ev) < 1:
+        raise ValueError(f"make_sdpa: empty shapes {(heads, e, ev)}")
+    ms = ()
+    if kind != "none":
+        ms = (0, 0, 0, 0) if mask_shape is None else tuple(int(d) for d in mask_shape)
+        ms = (1,) * (4 - len(ms)) + ms
+        if len(ms) != 4 or any(d not in (0, 1) for d in ms):
+            raise ValueError(f"make_sdpa: generic mask_shape {mask_shape}: 4 dims, 1 = "
+                             "broadcast, 0 = full size")
+    spec = AttentionSpec(0, heads, 0, 0, e, ev, causal, scale, kind, ms,
+                         **_blocking(None, None, e, ev), dtype=KERNEL_DTYPES[dtype],
+                         kv_heads=0 if kvh == heads else kvh)
+    # the i64 arguments pass through ctypes as c_void_p: the same register on x86-64, at about
+    # half the conversion cost of c_int64 (~0.25 us a call, 5% of a decode step)
+    fn = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 10)(get_kernel(spec))
+    symbol = spec.symbol
+    table = struct.Struct(f"{16 if kind == 'none' else 20}q").pack
+    mdtype = torch.bool if kind == "bool" else dtype
+    empty_like, empty_strided = torch.empty_like, torch.empty_strided
+    threads = torch.get_num_threads
+    same_e = e == ev
+
+    def inputs(q, k, v):
+        """q, k, v checked, those whose last stride is not 1 made contiguous (slow path)."""
+        for name, x, h, d in (("q", q, heads, e), ("k", k, kvh, e), ("v", v, kvh, ev)):
+            if x.dtype != dtype:
+                raise NotImplementedError(f"sdpa {name}: built for {dtype}, got {x.dtype}")
+            if x.device.type != "cpu":
+                raise ValueError(f"sdpa {name}: CPU tensors only, got {x.device}")
+            if x.dim() != 4 or x.shape[1] != h or x.shape[3] != d:
+                raise ValueError(f"sdpa {name}: expected (B, {h}, L, {d}), got {tuple(x.shape)}")
+        if k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0]:
+            raise ValueError(f"sdpa: shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)} do not match")
+        return [x if x.stride(3) == 1 or x.shape[3] == 1 else x.contiguous() for x in (q, k, v)]
+
+    def mask_strides(mask, full):
+        """The mask and its 4-D strides over ``full``, 0 on broadcast dims; a full-size key dim
+        contiguous (the kernel loads it in vectors)."""
+        if mask is None:
+            raise ValueError("sdpa: this kernel was built for a mask; none given")
+        if mask.dtype != mdtype:
+            raise NotImplementedError(f"sdpa: mask dtype {mask.dtype}, built for {mdtype}")
+        if mask.dim() > 4:
+            raise ValueError(f"sdpa: mask shape {tuple(mask.shape)} does not broadcast to {full}")
+        pad = 4 - mask.dim()
+        shape, st = (1,) * pad + tuple(mask.shape), (0,) * pad + mask.stride()
+        if ms[3] == 0 and full[3] > 1 and (shape[3] == 1 or st[3] != 1):
+            mask = mask.expand(shape[:3] + (full[3],)).contiguous()
+            shape, st = tuple(mask.shape), mask.stride()
+        for n, f, m in zip(shape, full, ms):
+            if n != 1 and (n != f or m == 1):
+                raise ValueError(f"sdpa: mask shape {tuple(mask.shape)} does not broadcast to "
+                                 f"{full} as built ({ms}, 1 = broadcast)")
+        return mask, tuple(0 if n == 1 else x for n, x in zip(shape, st))
+
+    def run(q, k, v, mask=None):
+        qst, kst, vst = q.stride(), k.stride(), v.stride()
+        b, h, lq, eq = q.shape
+        kb, kh, lk, ek = k.shape
+        vb, vh, lv, evv = v.shape
+        like = q
+        if (h, eq, kb, kh, ek, vb, vh, lv, evv, qst[3], kst[3], vst[3]) != \
+                (heads, e, b, kvh, e, b, kvh, lk, ev, 1, 1, 1) or q.dtype is not dtype or \
+                k.dtype is not dtype or v.dtype is not dtype or not q.is_cpu:
+            if qst[3] != 1 or kst[3] != 1 or vst[3] != 1:
+                like = None  # ATen takes its math path then
+            q, k, v = inputs(q, k, v)
+            qst, kst, vst = q.stride(), k.stride(), v.stride()
+        # the layout of ATen's output: its flash kernel's (that of q) or its math path's
+        if same_e and like is not None and lq and lk and (
+                mask is None or mask.dim() != 3 and not mask.requires_grad):
+            out = empty_like(like)
+        else:  # contiguous, as torch lays out empty dims too
+            rows = (lq or 1) * ev
+            out = empty_strided((b, heads, lq, ev), (heads * rows, rows, ev, 1), dtype=dtype)
+        if not (b and lq and lk):
+            return out.zero_()
+        res, ost = out, out.stride()
+        if ost[3] != 1:  # q's layout may not be (ties in q's strides)
+            out = empty_strided((b, heads, lq, ev), (heads * lq * ev, lq * ev, ev, 1),
+                                dtype=dtype)
+            ost = out.stride()
+        m_ptr = None
+        if kind == "none":
+            st = table(*qst, *kst, *vst, *ost)
+        else:
+            mask, mst = mask_strides(mask, (b, heads, lq, lk))
+            m_ptr, st = mask.data_ptr(), table(*qst, *kst, *vst, *ost, *mst)
+        if _profiler_enabled():
+            with record_function(symbol):
+                fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), m_ptr, out.data_ptr(), st, b, lq,
+                   lk, threads())
+        else:
+            fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), m_ptr, out.data_ptr(), st, b, lq, lk,
+               threads())
+        return out if res is out else res.copy_(out)
 
     run.spec = spec
     return run

@@ -136,14 +136,18 @@ def _build_without_stall(m: Match, metas: dict, consts: dict):
     wide = _generic_match(m, metas)
     if wide is None:  # sizes already symbolic, or a family generic by itself (sorting)
         return builder(m, metas, consts)
-    for mm, meta in ((m, metas), wide):
-        try:
-            with kernel.compiling(False):
-                fn, why = builder(mm, meta, consts)
-            if fn is not None:
-                return fn, why
-        except kernel.NotCompiled:
-            pass
+    try:  # a refusal (the sizes do not fit, ATen is faster) stands as it is
+        with kernel.compiling(False):
+            return builder(m, metas, consts)
+    except kernel.NotCompiled:
+        pass
+    try:
+        with kernel.compiling(False):
+            fn, why = builder(wide[0], wide[1], consts)
+        if fn is not None:
+            return fn, why
+    except kernel.NotCompiled:
+        pass
     return builder(m, metas, consts)
 
 

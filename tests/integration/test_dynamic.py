@@ -1,0 +1,92 @@
+"""Dynamic shapes: new sizes run on generic kernels, with no dynamo recompile and no LLVM compile.
+
+Counted, not timed: after the second size a call must neither add a graph (a dynamo recompile
+reaches the backend as a new report) nor load a kernel object (the runtime's hit and miss
+counters), and answers match eager at every size.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kwker.dynamo as kd
+from kwker.runtime.kernel import stats as kernel_stats
+
+from .models import assert_close
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from gpt_decoder import GPTDecoder, generate  # noqa: E402
+
+
+def _loads() -> int:
+    return kernel_stats["hits"] + kernel_stats["misses"]
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """A kernel cache of its own: what the test counts cannot come from an earlier run."""
+    monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    kd.clear_reports()
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_kv_cache_decoding_matches_eager_token_for_token(inner, empty_cache):
+    """Greedy decoding with a KV cache (the key length grows by one per call): the same tokens
+    as eager, attention generic over the key length, nothing built after the second step."""
+    torch.manual_seed(0)
+    model = GPTDecoder(vocab=512, d=64, heads=4, layers=2, max_len=64).eval()
+    prompt = torch.randint(0, 512, (1, 7))
+    reference = generate(model, prompt, 20)
+    compiled = torch.compile(model, backend="kwker", options={"inner": inner})
+    counts = []
+
+    def step(ids, past):
+        out = compiled(ids, past)
+        counts.append((len(kd.all_reports()), _loads()))
+        return out
+
+    assert torch.equal(generate(step, prompt, 20), reference)
+    # prompt, first decode step (static), second (symbolic key length): then nothing new
+    assert len(set(counts[3:])) == 1, counts
+    decode = kd.all_reports()[-1]
+    sdpa = [g for name, _, _, g in decode.kernels if name == "sdpa"]
+    assert sdpa == ["generic", "generic"], decode
+    assert "linear" in decode.kernel_names and not decode.missed, decode
+    assert torch.equal(generate(compiled, prompt, 20), reference)  # and again, warm
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_encoder_layer_dynamic_sequence_lengths(inner, empty_cache):
+    """TransformerEncoderLayer under dynamic=True: linears and attention run as generic
+    kernels at every sequence length, compiled once."""
+    torch.manual_seed(3)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).eval()
+    compiled = torch.compile(layer, backend="kwker", options={"inner": inner}, dynamic=True)
+    loads = []
+    with torch.no_grad():
+        for seq in (17, 18, 31, 64, 1, 97, 200, 23):
+            x = torch.randn(2, seq, 64)
+            assert_close(compiled(x), layer(x))
+            loads.append(_loads())
+    assert len(set(loads[1:])) == 1, loads
+    kernels = {(name, g) for r in kd.all_reports() for name, _, _, g in r.kernels}
+    assert ("sdpa", "generic") in kernels, kd.last_report()
+    assert any(name.startswith("linear") and g == "generic" for name, g in kernels)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_many_row_counts_one_kernel(inner, empty_cache):
+    """M = 1, primes, and sizes past every tile and block: one generic kernel per linear."""
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.GELU(),
+                                torch.nn.Linear(96, 24)).eval()
+    compiled = torch.compile(model, backend="kwker", options={"inner": inner})
+    loads = []
+    with torch.no_grad():
+        for b in (5, 6, 1, 2, 3, 7, 11, 12, 13, 24, 25, 97, 263, 1031):
+            x = torch.randn(b, 40)
+            assert_close(compiled(x), model(x))
+            loads.append(_loads())
+    assert len(set(loads[1:])) == 1, loads
