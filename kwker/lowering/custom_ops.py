@@ -133,8 +133,8 @@ def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed,
                   dtype=torch.float32, build=True):
     """``dtype``: the activations' (x, residual, out); a float32 weight is rounded to it.
     None sizes in the shapes: the kernel generic over them (see ``build.generic_shapes``)."""
-    key = ("linear", tuple(x_shape), weight.data_ptr(), _ptr(bias),
-           None if res_shape is None else tuple(res_shape), epilogue, transposed, dtype)
+    key = ("linear", x_shape, weight.data_ptr(), _ptr(bias), res_shape, epilogue, transposed,
+           dtype)  # a torch.Size and the tuple of its sizes are the same key
     return kernel_for(key, (weight,) if bias is None else (weight, bias), lambda: _make(
         "linear", {"x": "x", "weight": "w", "transposed": transposed,
                    "bias": "b" if bias is not None else None,
@@ -145,7 +145,7 @@ def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed,
 
 def linear_topk_kernel(x_shape, weight, transposed, k, largest, dtype=torch.float32,
                        build=True):
-    key = ("linear_topk", tuple(x_shape), weight.data_ptr(), transposed, k, largest, dtype)
+    key = ("linear_topk", x_shape, weight.data_ptr(), transposed, k, largest, dtype)
     return kernel_for(key, (weight,), lambda: _make(
         "linear_topk", {"x": "x", "weight": "w", "transposed": transposed}, {"x": x_shape},
         {"k": k, "largest": largest}, {"w": weight}, dtype=dtype), build)
@@ -198,7 +198,7 @@ def _linear(x, weight, bias, residual, epilogue, transposed):
         g = B.generic_shapes("linear", {"x": x.shape, "r": rs})
         fn, _ = linear_kernel(g["x"], weight, bias, g["r"], epilogue, transposed, x.dtype)
     if fn is not None:
-        return (fn(x) if residual is None else fn(x, residual)).contiguous()
+        return fn(x) if residual is None else fn(x, residual)  # contiguous, as the fake says
     weight = weight.to(x.dtype)  # an autocast region's float32 weight, cast as autocast casts
     bias = None if bias is None else bias.to(x.dtype)
     out = _act(F.linear(x, weight.t() if transposed else weight, bias), epilogue)
@@ -219,7 +219,7 @@ def _linear_topk(x, weight, transposed, k, largest):
         g = B.generic_shapes("linear_topk", {"x": x.shape})["x"]
         fn, _ = linear_topk_kernel(g, weight, transposed, k, largest, x.dtype)
     if fn is not None:
-        return tuple(t.contiguous() for t in fn(x))
+        return tuple(fn(x))
     weight = weight.to(x.dtype)  # an autocast region's float32 weight, cast as autocast casts
     scores = torch.matmul(x, weight if transposed else weight.t())
     v, i = torch.topk(scores, k, -1, largest, True)
@@ -236,7 +236,7 @@ def _matmul(a, b):
     if fn is None:
         g = B.generic_shapes("matmul", {"a": a.shape, "b": b.shape})
         fn, _ = matmul_kernel(g["a"], g["b"], a.dtype, b_transposed=transposed_view(b))
-    return (fn(a, b) if fn is not None else torch.matmul(a, b)).contiguous()
+    return fn(a, b) if fn is not None else torch.matmul(a, b).contiguous()
 
 
 def _matmul_fake(a, b):
@@ -252,7 +252,7 @@ def _gelu(x, approximate):
         if fn is None:
             fn, _ = gelu_kernel(None, approximate, x.dtype)
         if fn is not None:
-            return fn(x).contiguous()
+            return fn(x)
     return F.gelu(x, approximate=approximate).contiguous()
 
 

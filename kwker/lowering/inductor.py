@@ -18,7 +18,8 @@ from . import build as B
 from .autocast import make_explicit
 from . import custom_ops as C
 from . import sorting as S
-from .partition import const_nodes
+from .ops import is_view
+from .partition import EagerCompiled, const_nodes
 from .patterns import Match, Matcher, why_not
 from .report import Report, fill, kernel_dtype, publish
 from .shapes import is_concrete, propagate_symbolic
@@ -92,17 +93,53 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
     patches = torch._inductor.list_mode_options(mode) if mode else None
     try:
         lowered = GraphModule(gm, copy.deepcopy(gm.graph))
-        _rewrite(lowered, example_inputs, graph_id, dump_dir, decomposed)
+        report = _rewrite(lowered, example_inputs, graph_id, dump_dir, decomposed)
+        if report.kernels and _nothing_left(lowered):
+            # every op is a Kwker kernel: Inductor would only add its call wrappers (~30 us
+            # per call on the tutorial Ranker); the flat program runs the same kernels
+            return EagerCompiled(gm, list(example_inputs), graph_id, "inductor", dump_dir,
+                                 decomposed, note="every op is a Kwker kernel or a view: "
+                                 "run as a flat program, nothing left for Inductor")
+        publish(report)
     except Exception as e:  # a lowering bug must cost speed, never the user's answer
         log.warning("kwker: lowering graph %d failed, Inductor compiles it alone: %s", graph_id,
                     e, exc_info=log.isEnabledFor(logging.DEBUG))
         publish(Report(graph_id, "inductor", status="fallback", reason=f"lowering failed: {e}"))
         return compile_fx(gm, example_inputs, config_patches=patches)
-    return compile_fx(lowered, example_inputs, config_patches=patches)
+    # dynamo's guards check the inputs and Kwker's ops return what their fakes say: Inductor's
+    # own size and alignment asserts would re-check both on every call (~0.3 us each)
+    quiet = {"size_asserts": False, "alignment_asserts": False}
+    return compile_fx(lowered, example_inputs, config_patches={**(patches or {}), **quiet})
 
 
-def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, decomposed):
-    """Replace matched nodes of ``gm`` (in place) by Kwker custom ops; publish the report."""
+_COMPUTING_VIEWS = {"to", "float", "contiguous", "type_as"}
+
+
+def _nothing_left(gm: GraphModule) -> bool:
+    """Whether the rewritten graph has no work of its own: only Kwker ops, views and size
+    arithmetic (nothing Inductor could fuse)."""
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
+                n.target.namespace == "kwker":
+            continue
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if is_view(n) and name not in _COMPUTING_VIEWS:
+            continue
+        if n.op == "call_method" and name in ("size", "dim", "stride"):
+            continue
+        if n.op == "call_function" and getattr(n.target, "__module__", "") in (
+                "_operator", "operator"):
+            continue
+        return False
+    return True
+
+
+def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir,
+             decomposed) -> Report:
+    """Replace matched nodes of ``gm`` (in place) by Kwker custom ops; returns the report
+    (published already if lowering stopped early)."""
     report = Report(graph_id, "inductor", decomposed=list(decomposed))
     nodes = list(gm.graph.nodes)
     try:
@@ -113,8 +150,7 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, dec
     except Exception as e:  # an op fake tensors cannot run: Inductor alone, no error
         log.debug("kwker: symbolic propagation failed", exc_info=True)
         report.status, report.reason = "fallback", f"shape propagation failed: {e}"
-        publish(report)
-        return
+        return report
     consts = const_nodes(gm, example_inputs)
     matches = Matcher(nodes, metas, set(consts), S.module() is not None).run()
     failures, kept, generic = {}, [], set()
@@ -156,4 +192,4 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir, dec
                 graph.erase_node(c)
     graph.lint()
     gm.recompile()
-    publish(report)
+    return report

@@ -173,7 +173,7 @@ class EagerCompiled:
     """The callable dynamo runs: the plan for the current parameters, run on the inputs."""
 
     def __init__(self, gm: GraphModule, example_inputs: list, graph_id: int, inner: str,
-                 dump_dir=None, decomposed=()):
+                 dump_dir=None, decomposed=(), note: str = ""):
         self.gm, self.graph_id, self.inner = gm, graph_id, inner
         self.symbolic = any(isinstance(a, torch.SymInt) for a in example_inputs) or any(
             isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in a.shape)
@@ -181,7 +181,8 @@ class EagerCompiled:
         self.options = {"dump_dir": dump_dir, "decomposed": decomposed,
                         "symbolic": self.symbolic}
         self.spare: list[Plan] = []  # plans for other modules' parameters on the same graph
-        self.plan = specialise(gm, list(example_inputs), graph_id, inner, **self.options)
+        self.plan = specialise(gm, list(example_inputs), graph_id, inner, note=note,
+                               **self.options)
         self.report = self.plan.report
 
     def __call__(self, *args):

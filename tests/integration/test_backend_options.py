@@ -109,11 +109,18 @@ def test_dump_dir_receives_ir_and_assembly(tmp_path):
     assert wide in asm
 
 
+class TwoNormed(Two):
+    """Work left for Inductor (a layer norm), so the kernels run as its custom ops."""
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(super().forward(x), (8,))
+
+
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_kernels_named_in_profiler_traces(inner):
     torch.manual_seed(3)
     torch._dynamo.reset()
-    model = Two().eval()
+    model = TwoNormed().eval()
     compiled = torch.compile(model, backend="kwker", options={"inner": inner})
     x = torch.randn(3, 24)
     with torch.no_grad():
@@ -124,6 +131,23 @@ def test_kernels_named_in_profiler_traces(inner):
     assert {s.symbol for s in kd.last_report().specs} <= names
     if inner == "inductor":
         assert "kwker::linear" in names
+
+
+def test_fully_lowered_graph_skips_inductor():
+    """A graph that is all Kwker kernels runs as the flat program under the default inner too
+    (Inductor would only add its wrappers); one with work left runs the custom ops."""
+    torch.manual_seed(5)
+    x = torch.randn(3, 24)
+    for model, custom_ops in ((Two().eval(), False), (TwoNormed().eval(), True)):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="kwker")
+        with torch.no_grad():
+            compiled(x)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+                compiled(x)
+        assert ("kwker::linear" in {e.key for e in p.key_averages()}) == custom_ops
+        assert kd.last_report().kernel_names == ["linear_relu", "linear"]
 
 
 def test_avx512_and_avx2_code_for_the_graphs_kernels():
