@@ -8,7 +8,9 @@ dict; sizes are visited in the listed order, each timed once at its first call (
 user sees when a new batch size or length arrives), then all again at steady state.
 
 Variants (``mode``): ``eager``; ``kwker_eager`` / ``kwker`` (``torch.compile(backend="kwker")``
-with inner eager / the default inner Inductor); ``inductor`` (plain ``torch.compile``); ``spec``,
+with inner eager / the default inner Inductor; ``kwker_oblivious``: inner eager with torch's
+``torch.fx.experimental._config.backed_size_oblivious = True``, under which dynamo does not give
+size 1 a graph of its own); ``inductor`` (plain ``torch.compile``); ``spec``,
 the size-specialised reference: per size ``torch._dynamo.reset()`` and a fresh
 ``torch.compile(backend="kwker", options={"inner": "eager"}, dynamic=False)``. With no generic
 kernel in the process or its cache the static path compiles kernels specialised to each size.
@@ -29,7 +31,7 @@ import common
 from gpt_decoder import GPTDecoder, generate
 from model_defs import Ranker
 
-MODES = ("eager", "kwker_eager", "kwker", "inductor", "spec")
+MODES = ("eager", "kwker_eager", "kwker", "inductor", "spec", "kwker_oblivious")
 MLP_SIZES = list(range(3, 42, 2))                    # 3, 5, ..., 41
 RANKER_SIZES = list(range(1, 65))                    # shuffled with RANKER_SEED
 RANKER_SEED = 0
@@ -59,7 +61,10 @@ def compiled(model, mode: str, dynamic: bool | None = None):
         return torch.compile(model, dynamic=dynamic)
     if mode == "spec":
         return torch.compile(model, backend="kwker", options={"inner": "eager"}, dynamic=False)
-    options = {"inner": "eager"} if mode == "kwker_eager" else None
+    if mode == "kwker_oblivious":  # dynamo then does not specialise size 1 (torch's switch)
+        import torch.fx.experimental._config as fx_config
+        fx_config.backed_size_oblivious = True
+    options = {"inner": "eager"} if mode in ("kwker_eager", "kwker_oblivious") else None
     return torch.compile(model, backend="kwker", options=options, dynamic=dynamic)
 
 
@@ -145,7 +150,33 @@ def mlp_model(d_in: int, d_hidden: int):
 def run_mlp(mode, quick, log):
     model = mlp_model(512, 2048)
     inputs = {b: (torch.randn(b, 512),) for b in sizes("mlp", quick)}
-    return {"rows": sweep(model, inputs, mode, 5 if quick else 20, log)}
+    rows = sweep(model, inputs, mode, 5 if quick else 20, log)
+    out = {"rows": rows}
+    if mode in ("kwker_eager", "kwker"):
+        before = counts()
+        same_process_reference(model, inputs, rows, 5 if quick else 20, log)
+        out["reference_counts"] = delta(before, counts())  # not the sweep's: taken out
+    return out
+
+
+def same_process_reference(model, inputs, rows, reps, log):
+    """The model's two linears on kernels generic over the rows against kernels specialised to
+    each size, interleaved in this process (processes differ by ~10% on their own, and the
+    compiled model's per-call overhead is not what differs). Built after the sweep, so these
+    compiles do not touch its first calls."""
+    from kwker.kernels.linear import make_linear
+    first, second = model[0], model[2]
+    g1 = make_linear(first.weight, first.bias, None, epilogue="gelu")
+    g2 = make_linear(second.weight, second.bias, None)
+    for row in rows:
+        b = row["size"]
+        s1 = make_linear(first.weight, first.bias, b, epilogue="gelu")
+        s2 = make_linear(second.weight, second.bias, b)
+        (x,) = inputs[b]
+        gen, spec = common.compare([common.Side("generic", lambda: g2(g1(x))),
+                                    common.Side("specialised", lambda: s2(s1(x)))], reps=reps)
+        row["vs_spec_same_process"] = spec / gen
+        log(f"size {b}: generic kernels vs specialised, same process: {spec / gen:.2f}x")
 
 
 def run_ranker(mode, quick, log):
@@ -236,6 +267,8 @@ def run(section: str, mode: str, quick: bool) -> dict:
     t0 = time.perf_counter()
     with torch.no_grad():
         out = RUNNERS[section](mode, quick, log)
-    out.update(totals=delta(before, counts()), kernels=kernels(),
-               wall_s=time.perf_counter() - t0)
+    totals = delta(before, counts())
+    for k, v in out.pop("reference_counts", {}).items():
+        totals[k] -= v
+    out.update(totals=totals, kernels=kernels(), wall_s=time.perf_counter() - t0)
     return out

@@ -7,9 +7,12 @@ The stages, in order (each module imports only earlier ones):
     decompose.py   fused TransformerEncoderLayer / MultiheadAttention ops -> primitives
     shapes.py      concrete (or dynamo's symbolic) shapes, strides and dtypes of every node
     patterns.py    nodes -> Matches: which kernel replaces which nodes (structure only)
-    build.py       Match + concrete sizes -> callable running a Kwker kernel (kwker.kernels)
+    generic.py     which sizes of an op vary: the key of its size-generic kernel
+    build.py       Match + sizes -> callable running a Kwker kernel (specialised to int sizes,
+                   generic over symbolic ones; a new size never waits for a compile)
     runner.py      inner="eager": the flat list of native calls
-    partition.py   inner="eager": kernels + ATen steps per shape specialisation
-    custom_ops.py  inner="inductor": torch.ops.kwker.* with fake implementations
-    inductor.py    inner="inductor": rewrite the graph to the custom ops, then compile_fx
+    partition.py   inner="eager": kernels + ATen steps, one program per graph
+    custom_ops.py  inner="inductor": torch.ops.kwker.* with symbolic-size fake implementations
+    inductor.py    inner="inductor": rewrite the graph to the custom ops, then compile_fx (or
+                   the flat program when nothing is left for Inductor)
 """

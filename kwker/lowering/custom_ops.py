@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import build as B
+from .generic import generic_shapes
 from . import sorting as S
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides
@@ -195,7 +196,7 @@ def _linear(x, weight, bias, residual, epilogue, transposed):
     rs = None if residual is None else residual.shape
     fn, _ = linear_kernel(x.shape, weight, bias, rs, epilogue, transposed, x.dtype, False)
     if fn is None:
-        g = B.generic_shapes("linear", {"x": x.shape, "r": rs})
+        g = generic_shapes("linear", {"x": x.shape, "r": rs})
         fn, _ = linear_kernel(g["x"], weight, bias, g["r"], epilogue, transposed, x.dtype)
     if fn is not None:
         return fn(x) if residual is None else fn(x, residual)  # contiguous, as the fake says
@@ -216,7 +217,7 @@ def _linear_fake(x, weight, bias, residual, epilogue, transposed):
 def _linear_topk(x, weight, transposed, k, largest):
     fn, _ = linear_topk_kernel(x.shape, weight, transposed, k, largest, x.dtype, False)
     if fn is None:
-        g = B.generic_shapes("linear_topk", {"x": x.shape})["x"]
+        g = generic_shapes("linear_topk", {"x": x.shape})["x"]
         fn, _ = linear_topk_kernel(g, weight, transposed, k, largest, x.dtype)
     if fn is not None:
         return tuple(fn(x))
@@ -234,7 +235,7 @@ def _linear_topk_fake(x, weight, transposed, k, largest):
 def _matmul(a, b):
     fn, _ = matmul_kernel(a.shape, b.shape, a.dtype, False)
     if fn is None:
-        g = B.generic_shapes("matmul", {"a": a.shape, "b": b.shape})
+        g = generic_shapes("matmul", {"a": a.shape, "b": b.shape})
         fn, _ = matmul_kernel(g["a"], g["b"], a.dtype, b_transposed=transposed_view(b))
     return fn(a, b) if fn is not None else torch.matmul(a, b).contiguous()
 
@@ -266,7 +267,7 @@ def _sdpa(q, k, v, mask, causal, scale):
     fn, _ = sdpa_kernel(q.shape, k.shape, v.shape, ms, kind, causal, scale,
                         (q.stride(), k.stride(), v.stride()), q.dtype, False)
     if fn is None:
-        g = B.generic_shapes("sdpa", {"q": q.shape, "k": k.shape, "v": v.shape, "m": ms})
+        g = generic_shapes("sdpa", {"q": q.shape, "k": k.shape, "v": v.shape, "m": ms})
         fn, _ = sdpa_kernel(g["q"], g["k"], g["v"], g["m"], kind, causal, scale,
                             dtype=q.dtype)
     if fn is not None:

@@ -17,6 +17,7 @@ from torch.fx.node import map_arg
 from . import build as B
 from .autocast import make_explicit
 from . import custom_ops as C
+from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes
 from . import sorting as S
 from .ops import is_view
 from .partition import EagerCompiled, const_nodes
@@ -47,11 +48,11 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> tuple[str | N
     i, p = m.inputs, m.params
     if m.kind not in ("linear", "linear_topk", "matmul", "gelu", "sdpa"):
         return None, False   # sorting ops: generic over sizes already (kwker.ops)
-    keys, short = B.SIZED_INPUTS[m.kind], B.SHORT_NAMES
+    keys, short = SIZED_INPUTS[m.kind], SHORT_NAMES
     shapes = {k: metas[i[k]].shape if i.get(k) is not None else None for k in keys}
     generic = not all(is_concrete(metas[i[k]]) for k in keys if i.get(k) is not None)
     if generic:
-        g = B.generic_shapes(m.kind, {short.get(k, k): v for k, v in shapes.items()})
+        g = generic_shapes(m.kind, {short.get(k, k): v for k, v in shapes.items()})
         shapes = {k: g[short.get(k, k)] for k in keys}
     dtype = metas[i[keys[0]]].dtype
     if m.kind == "linear":

@@ -1,8 +1,9 @@
 """Which graph nodes became Kwker kernels and which ran on the inner compiler, and why.
 
-One ``Report`` per compiled graph (and per shape specialisation of a dynamic graph); the last one
-is ``kwker.dynamo.last_report()``. Each report is also logged as one line under the ``kwker``
-logger, so ``logging.getLogger("kwker").setLevel(logging.INFO)`` shows what a compile did.
+One ``Report`` per compiled graph (with symbolic sizes too: one report, its kernels marked
+generic); the last one is ``kwker.dynamo.last_report()``. Each report is also logged as one
+line under the ``kwker`` logger, so ``logging.getLogger("kwker").setLevel(logging.INFO)``
+shows what a compile did.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ _FUSED_TARGETS = {"_transformer_encoder_layer_fwd", "multi_head_attention_forwar
 class Report:
     graph: int
     inner: str
-    status: str = "lowered"      # lowered | training | pending (dynamic) | fallback
+    status: str = "lowered"      # lowered | training | autocast | fallback
     reason: str = ""
     shapes: str = ""
     # (kernel name, [node names], dtype, "generic" | "specialised"): a generic kernel reads the

@@ -4,6 +4,7 @@ Counted, not timed: after the second size a call must neither add a graph (a dyn
 reaches the backend as a new report) nor load a kernel object (the runtime's hit and miss
 counters), and answers match eager at every size.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -90,3 +91,42 @@ def test_many_row_counts_one_kernel(inner, empty_cache):
             assert_close(compiled(x), model(x))
             loads.append(_loads())
     assert len(set(loads[1:])) == 1, loads
+
+
+SERVE = """
+import torch
+from kwker.runtime.kernel import stats
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.GELU(),
+                            torch.nn.Linear(96, 24)).eval()
+compiled = torch.compile(model, backend="kwker", options={"inner": "eager"}, dynamic=True)
+with torch.no_grad():
+    for b in (3, 1, 17, 250):
+        x = torch.randn(b, 40)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+print("compiled", stats["misses"])
+"""
+
+
+def test_manifest_of_a_dynamic_model_prewarms_every_size(tmp_path):
+    """The specs of generic kernels carry no varying size: a manifest written on one machine
+    prewarms a fresh cache so that a server compiles nothing at any batch size."""
+    import subprocess
+
+    from kwker.runtime.manifest import write_manifest
+    torch._dynamo.reset()
+    kd.clear_reports()
+    model = torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.GELU(),
+                                torch.nn.Linear(96, 24)).eval()
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"}, dynamic=True)
+    with torch.no_grad():
+        compiled(torch.randn(5, 40))
+    specs = [s for r in kd.all_reports() for s in r.specs]
+    assert specs and all(getattr(s, "m", None) == 0 for s in specs), specs
+    path = write_manifest(tmp_path / "mlp.kwm.json", specs)
+    env = dict(os.environ, KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-m", "cache_tools", "prewarm", "--manifest", str(path)],
+                   env=env, check=True, capture_output=True)
+    served = subprocess.run([sys.executable, "-c", SERVE], env=env, check=True,
+                            capture_output=True, text=True)
+    assert served.stdout.split()[-1] == "0", served.stdout + served.stderr

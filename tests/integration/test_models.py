@@ -141,7 +141,7 @@ def test_inductor_custom_sdpa_reads_views_in_place():
     side in one projection), and answers like ATen."""
     import torch.nn.functional as F
 
-    import kwker.lowering.build as B
+    from kwker.lowering.generic import generic_shapes
     import kwker.lowering.custom_ops as C
 
     torch.manual_seed(6)
@@ -154,7 +154,7 @@ def test_inductor_custom_sdpa_reads_views_in_place():
     fn, _ = C.sdpa_kernel(q.shape, k.shape, v.shape, None, None, True, None,
                           (q.stride(), k.stride(), v.stride()), build=False)
     assert fn is None  # nothing specialised to these sizes...
-    g = B.generic_shapes("sdpa", {"q": q.shape, "k": k.shape, "v": v.shape, "m": None})
+    g = generic_shapes("sdpa", {"q": q.shape, "k": k.shape, "v": v.shape, "m": None})
     fn, _ = C.sdpa_kernel(g["q"], g["k"], g["v"], None, None, True, None, build=False)
     assert [(s.batch, s.lq, s.lk) for s in fn.kwker_specs] == [(0, 0, 0)]  # ...the generic
 
