@@ -113,12 +113,13 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
     return compile_fx(lowered, example_inputs, config_patches={**(patches or {}), **quiet})
 
 
-_COMPUTING_VIEWS = {"to", "float", "contiguous", "type_as"}
+# no work Inductor could fuse: entering/leaving autocast, grad mode
+_CONTEXT = {"_enter_autocast", "_exit_autocast", "_set_grad_enabled"}
 
 
 def _nothing_left(gm: GraphModule) -> bool:
-    """Whether the rewritten graph has no work of its own: only Kwker ops, views and size
-    arithmetic (nothing Inductor could fuse)."""
+    """Whether the rewritten graph has no work of its own: only Kwker ops, views, casts (one
+    pass each, as Inductor would make them) and size arithmetic."""
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output", "get_attr"):
             continue
@@ -126,7 +127,7 @@ def _nothing_left(gm: GraphModule) -> bool:
                 n.target.namespace == "kwker":
             continue
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-        if is_view(n) and name not in _COMPUTING_VIEWS:
+        if is_view(n) or name in _CONTEXT:
             continue
         if n.op == "call_method" and name in ("size", "dim", "stride"):
             continue
