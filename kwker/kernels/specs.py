@@ -138,5 +138,6 @@ class TopkGemmSpec(Spec):
     @property
     def symbol(self) -> str:
         return (f"kw_linear_topk_{self.m}x{self.n}x{self.k_dim}_k{self.k}_l{int(self.largest)}"
-                f"_t{self.mr}x{self.nr}" + ("" if self.approx == "none" else f"_{self.approx}")
+                f"_t{self.mr}x{self.nr}"  # screening and operand type named apart: one symbol
+                + ("" if self.approx == "none" else f"_screen_{self.approx}")  # per kernel
                 + ("" if self.dtype == "f32" else "_" + self.dtype))

@@ -235,3 +235,12 @@ def test_topk_generic_large_k_goes_through_torch_topk():
         scores = x[:m] @ w.t()
         torch.testing.assert_close(v, torch.topk(scores, 100).values, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, torch.gather(scores, 1, i), rtol=1e-4, atol=1e-5)
+
+
+def test_topk_spec_symbols_name_screening_and_dtype_apart():
+    """Two kernels loaded in one process must not export the same symbol: the bf16 screening
+    of float32 scores and bf16 operands differ in code, so in name too."""
+    from kwker.kernels.specs import TopkGemmSpec
+    specs = [TopkGemmSpec(m, 100, 16, 5, approx=a, dtype=d)
+             for m in (0, 8) for a in ("none", "bf16") for d in ("f32", "bf16")]
+    assert len({s.symbol for s in specs}) == len(specs)
