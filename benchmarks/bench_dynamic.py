@@ -122,15 +122,23 @@ def _target(section, what, value, met) -> dict:
     return {"section": section, "target": what, "value": value, "met": bool(met)}
 
 
+def _ran(data: dict, section: str, modes, out: list):
+    """(mode, its results, its label) for each of ``modes`` the section ran; a failed target
+    in ``out`` for each that it should have run and did not."""
+    sec = data.get(section, {})
+    for m in modes if sec else ():
+        d = sec.get(m, {})
+        if "error" in d or not d:
+            out.append(_target(section, f"{LABELS[m]} ran", d.get("error", "missing"), False))
+            continue
+        yield m, d, LABELS[m]
+
+
 def targets(data: dict) -> list[dict]:
     """Every target of the issue that this run's sections can be held to."""
     out = []
     sec = data.get("mlp", {})
-    for m in KWKER if sec else ():
-        d, L = sec.get(m, {}), LABELS[m]
-        if "error" in d or not d:
-            out.append(_target("mlp", f"{L} ran", d.get("error", "missing"), False))
-            continue
+    for m, d, L in _ran(data, "mlp", KWKER, out):
         s, t = stall_ms(d), d["totals"]
         out.append(_target("mlp", f"{L}: no first call > {STALL_MS:g} ms after the 2nd size",
                            f"max {_f(s)} ms", s is not None and s <= STALL_MS))
@@ -151,11 +159,7 @@ def targets(data: dict) -> list[dict]:
                            f"{_x(geomean(ri))} (min {_x(min(ri, default=None))})",
                            ri and geomean(ri) >= VS_INDUCTOR and min(ri) >= INDUCTOR_FLOOR))
     sec = data.get("ranker", {})
-    for m in (*KWKER, "kwker_oblivious") if sec else ():
-        d, L = sec.get(m, {}), LABELS[m]
-        if "error" in d or not d:
-            out.append(_target("ranker", f"{L} ran", d.get("error", "missing"), False))
-            continue
+    for m, d, L in _ran(data, "ranker", (*KWKER, "kwker_oblivious"), out):
         s, rs = stall_ms(d), ratios(sec, "spec", m)
         out.append(_target("ranker", f"{L}: no first call > {STALL_MS:g} ms after the 2nd size",
                            f"max {_f(s)} ms", s is not None and s <= STALL_MS))
@@ -164,11 +168,7 @@ def targets(data: dict) -> list[dict]:
                            rs and geomean(rs) >= VS_SPEC))
     sec = data.get("gpt", {})
     eager, ind = sec.get("eager", {}), sec.get("inductor", {})
-    for m in KWKER if sec else ():
-        d, L = sec.get(m, {}), LABELS[m]
-        if "error" in d or not d:
-            out.append(_target("gpt", f"{L} ran", d.get("error", "missing"), False))
-            continue
+    for m, d, L in _ran(data, "gpt", KWKER, out):
         extra = d["first_s"] - d["steady_s"]
         out.append(_target("gpt", f"{L}: first generation <= steady + {GPT_FIRST_S[m]:g} s",
                            f"+{extra:.1f} s", extra <= GPT_FIRST_S[m]))
@@ -181,22 +181,12 @@ def targets(data: dict) -> list[dict]:
         if ind.get("tok_s"):
             r = d["tok_s"] / ind["tok_s"]
             out.append(_target("gpt", f"{L}: tokens/s >= Inductor's", _x(r), r >= 1.0))
-    sec = data.get("memory", {})
-    for m in KWKER if sec else ():
-        d, L = sec.get(m, {}), LABELS[m]
-        if "error" in d or not d:
-            out.append(_target("memory", f"{L} ran", d.get("error", "missing"), False))
-            continue
+    for m, d, L in _ran(data, "memory", KWKER, out):
         out.append(_target("memory", f"{L}: RSS growth over {len(d['sizes'])} sizes < "
                            f"{MEMORY_X:g}x weights ({d['weights_mb']:.0f} MB)",
                            f"{d['growth_mb']:.1f} MB = {d['growth_mb'] / d['weights_mb']:.2f}x",
                            d["growth_mb"] < MEMORY_X * d["weights_mb"]))
-    sec = data.get("tel", {})
-    for m in KWKER if sec else ():
-        d, L = sec.get(m, {}), LABELS[m]
-        if "error" in d or not d:
-            out.append(_target("tel", f"{L} ran", d.get("error", "missing"), False))
-            continue
+    for m, d, L in _ran(data, "tel", KWKER, out):
         ks = d.get("last_report", {}).get("kernels", [])
         lin = [g for k, g in ks if k.startswith("linear")]
         att = [g for k, g in ks if k == "sdpa"]
