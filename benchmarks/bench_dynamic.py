@@ -275,6 +275,16 @@ def sweep_table(sec: dict, size_label: str, markdown=True) -> str:
     return (common.md_table if markdown else common.text_table)(headers, body)
 
 
+def _variant_rows(sec: dict, headers: list, body: list):
+    """(mode, results, totals) per variant of a section; a variant that failed gets its error
+    row in ``body`` instead."""
+    for m, d in sec.items():
+        if "error" in d:
+            body.append([LABELS[m], f"ERROR: {d['error']}", *["—"] * (len(headers) - 2)])
+            continue
+        yield m, d, d["totals"]
+
+
 def totals_table(sec: dict, markdown=True) -> str:
     """Per variant: what the whole sweep compiled, the worst first call, the ratios' geomeans."""
     refs = [r for r in ("spec", "inductor", "eager") if "rows" in sec.get(r, {})]
@@ -282,11 +292,7 @@ def totals_table(sec: dict, markdown=True) -> str:
                "max first call after 2nd size ms", "Kwker kernels (all reports)", "max abs err",
                *(f"vs {LABELS[r]} geomean (min)" for r in refs)]
     body = []
-    for m, d in sec.items():
-        if "error" in d:
-            body.append([LABELS[m], f"ERROR: {d['error']}", *["—"] * (len(headers) - 2)])
-            continue
-        t = d["totals"]
+    for m, d, t in _variant_rows(sec, headers, body):
         kern = ", ".join(f"{k} x{n}" for k, n in d.get("kernels", {}).items()) or "—"
         rats = []
         for r in refs:
@@ -304,11 +310,7 @@ def gpt_table(sec: dict, markdown=True) -> str:
                "tokens/s", "vs eager", "vs Inductor", "same tokens as eager",
                "dynamo graphs", "LLVM compiles", "compile s"]
     body = []
-    for m, d in sec.items():
-        if "error" in d:
-            body.append([LABELS[m], f"ERROR: {d['error']}", *["—"] * (len(headers) - 2)])
-            continue
-        t = d["totals"]
+    for m, d, t in _variant_rows(sec, headers, body):
         body.append([LABELS[m], f"{d['first_s']:.2f}", f"{d['steady_s']:.3f}",
                      f"{d['first_s'] - d['steady_s']:.2f}", f"{d['tok_s']:.0f}",
                      _x(d["tok_s"] / eager["tok_s"]) if eager.get("tok_s") else "—",

@@ -14,13 +14,18 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def bs():
+def _bench_module(name: str):
+    """``benchmarks/<name>.py`` imported with the benchmarks folder on the path meanwhile."""
     sys.path.insert(0, str(BENCH))
     try:
-        yield importlib.import_module("bench_sorting")
+        yield importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def bs():
+    yield from _bench_module("bench_sorting")
 
 
 @pytest.fixture
@@ -120,11 +125,7 @@ def test_run_all_survives_a_failing_script_and_indexes_results(tmp_path):
 # ------------------------------------------------------------------ bench_dynamic.py harness
 @pytest.fixture(scope="module")
 def bd():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("bench_dynamic")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from _bench_module("bench_dynamic")
 
 
 def _sweep(ms: dict, first=0.5, err=0.0) -> dict:
