@@ -4,6 +4,7 @@ Counted, not timed: after the second size a call must neither add a graph (a dyn
 reaches the backend as a new report) nor load a kernel object (the runtime's hit and miss
 counters), and answers match eager at every size.
 """
+import copy
 import os
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 import kwker.dynamo as kd
 from kwker.runtime.kernel import stats as kernel_stats
 
-from .models import assert_close
+from .models import assert_bf16_contract, assert_close
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from gpt_decoder import GPTDecoder, generate  # noqa: E402
@@ -91,6 +92,31 @@ def test_many_row_counts_one_kernel(inner, empty_cache):
             assert_close(compiled(x), model(x))
             loads.append(_loads())
     assert len(set(loads[1:])) == 1, loads
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("form", ["to", "autocast"])
+def test_bf16_batch_sweep(form, inner, empty_cache):
+    """bfloat16 (both ways users write it) at new batch sizes: generic bf16 kernels, no new
+    kernel after the second size, the bf16 accuracy contract at every size."""
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 160), torch.nn.GELU(),
+                                torch.nn.Linear(160, 40)).eval()
+    low = model if form == "autocast" else copy.deepcopy(model).to(torch.bfloat16)
+    compiled = torch.compile(low, backend="kwker", options={"inner": inner})
+    loads = []
+    with torch.no_grad():
+        for b in (4, 6, 1, 9, 13, 31, 100):
+            x = torch.randn(b, 48)
+            xl = x if form == "autocast" else x.to(torch.bfloat16)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=form == "autocast"):
+                got, eager = compiled(xl), low(xl)
+            assert_bf16_contract(got, eager, model(x))
+            loads.append(_loads())
+    assert len(set(loads[1:])) == 1, loads
+    last = kd.last_report()
+    assert last.kernel_dtypes == ["bfloat16", "bfloat16"], last
+    assert last.kernel_sizes == ["generic", "generic"], last
 
 
 SERVE = """
