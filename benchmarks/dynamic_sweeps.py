@@ -173,8 +173,9 @@ def same_process_reference(model, inputs, rows, reps, log):
         s1 = make_linear(first.weight, first.bias, b, epilogue="gelu")
         s2 = make_linear(second.weight, second.bias, b)
         (x,) = inputs[b]
-        gen, spec = common.compare([common.Side("generic", lambda: g2(g1(x))),
-                                    common.Side("specialised", lambda: s2(s1(x)))], reps=reps)
+        gen, spec = common.compare([common.Side("generic", lambda x=x: g2(g1(x))),
+                                    common.Side("specialised", lambda x=x, s1=s1, s2=s2:
+                                                s2(s1(x)))], reps=reps)
         row["vs_spec_same_process"] = spec / gen
         log(f"size {b}: generic kernels vs specialised, same process: {spec / gen:.2f}x")
 
