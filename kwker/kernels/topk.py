@@ -73,8 +73,8 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
             mr = min(mr, 4)  # widened pairs: 2 float32 vectors per B vector (see blocking.py)
         kk = kd + kd % 2  # k pairs: an odd K gets one zero column
         spec = TopkGemmSpec(m or 0, n, kk, k, largest, mr, nr, "none", "bf16")
-        buffers = (pack_bf16_panels(weight_rows, nr), None, None)
-        return _runner(spec, buffers, m, kd, k, dtype, pad=kk != kd)
+        return _runner(spec, lambda: (pack_bf16_panels(weight_rows, nr), None, None), m, kd,
+                       k, dtype, pad=kk != kd)
     can_screen = target.has("avx512bf16") and blocking.lanes(target) == 16
     if screen is None:
         screen = can_screen and kd >= MIN_BF16_K
@@ -82,18 +82,22 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
         raise NotImplementedError("make_linear_topk: bf16 screening needs AVX512_BF16")
     mr, nr = _tile(m, screen)
     spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, "bf16" if screen else "none")
-    w32 = weight_rows.detach().to(torch.float32).contiguous()
-    if screen:
-        buffers = (pack_bf16_panels(w32, nr), w32, _bounds(w32))
-    else:
-        buffers = (pack_panels(w32, nr), None, None)
-    return _runner(spec, buffers, m, kd, k, dtype, pad=False)
+
+    def pack():
+        w32 = weight_rows.detach().to(torch.float32).contiguous()
+        if screen:
+            return pack_bf16_panels(w32, nr), w32, _bounds(w32)
+        return pack_panels(w32, nr), None, None
+    return _runner(spec, pack, m, kd, k, dtype, pad=False)
 
 
-def _runner(spec, buffers, m: int | None, kd: int, k: int, dtype: torch.dtype, pad: bool):
+def _runner(spec, pack, m: int | None, kd: int, k: int, dtype: torch.dtype, pad: bool):
     """The callable over the kernel: cheap checks, outputs, one ctypes call (``m=None``: the
-    generic kernel, given the row count). ``pad``: bf16 x gets the zero column of an odd K."""
+    generic kernel, given the row count). ``pad``: bf16 x gets the zero column of an odd K.
+    ``pack()`` makes the weight buffers, once the kernel is there (a lowering that only asks
+    whether the kernel is compiled already packs nothing)."""
     fn = entry(spec, 6, 1 if m else 2)
+    buffers = pack()
     w_ptr, wx_ptr, e_ptr = (t.data_ptr() if t is not None else None for t in buffers)
     symbol, what = spec.symbol, "linear_topk input"
     i64, empty, threads, pad_k = torch.int64, torch.empty, torch.get_num_threads, F.pad
