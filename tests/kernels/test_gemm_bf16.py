@@ -51,11 +51,12 @@ def within_contract(got, eager, ref) -> tuple[bool, str]:
         f"{max_error(eager, ref)} bound {bound}"
 
 
-def check_linear(m, n, k, epilogue, residual, bias):
+def check_linear(m, n, k, epilogue, residual, bias, generic=False):
+    """``generic``: the kernel built for any row count, called with ``m`` rows."""
     w = (torch.randn(n, k) / k ** 0.5).to(BF16)
     b = torch.randn(n).to(BF16) if bias else None
     x, r = torch.randn(m, k).to(BF16), torch.randn(m, n).to(BF16)
-    fn = make_linear(w, b, m, epilogue, residual)
+    fn = make_linear(w, b, None if generic else m, epilogue, residual)
     got = fn(x, r) if residual else fn(x)
     ref = ACT[epilogue](F.linear(x.float(), w.float(), None if b is None else b.float()))
     eager = ACT[epilogue](F.linear(x, w, b))
@@ -65,10 +66,11 @@ def check_linear(m, n, k, epilogue, residual, bias):
     return within_contract(got, eager, ref)
 
 
-def check_matmul(m, k, n, batch, transposed):
+def check_matmul(m, k, n, batch, transposed, generic=False):
     a = torch.randn(batch, m, k).to(BF16)
     b = torch.randn(batch, n, k).to(BF16) if transposed else torch.randn(batch, k, n).to(BF16)
-    got = make_matmul(m, k, n, batch, transposed, dtype=BF16)(a, b)
+    sizes = (None, k, n, None) if generic else (m, k, n, batch)
+    got = make_matmul(*sizes, transposed, dtype=BF16)(a, b)
     bb = b.mT if transposed else b
     return within_contract(got, a @ bb, a.float() @ bb.float())
 
@@ -159,14 +161,15 @@ def _worker() -> int:
     torch.set_num_threads(2)
     print(host_target().describe(), "avx512bf16" if host_target().has("avx512bf16") else "")
     bad = 0
-    for case in LINEAR_CASES:
-        ok, why = check_linear(*case)
-        bad += not ok
-        print("linear", case, "ok" if ok else "FAIL " + why)
-    for case in MATMUL_CASES:
-        ok, why = check_matmul(*case)
-        bad += not ok
-        print("matmul", case, "ok" if ok else "FAIL " + why)
+    for generic in (False, True):  # kernels for these sizes, and generic over the rows
+        for case in LINEAR_CASES:
+            ok, why = check_linear(*case, generic=generic)
+            bad += not ok
+            print("linear", case, "generic" * generic, "ok" if ok else "FAIL " + why)
+        for case in MATMUL_CASES:
+            ok, why = check_matmul(*case, generic=generic)
+            bad += not ok
+            print("matmul", case, "generic" * generic, "ok" if ok else "FAIL " + why)
     for case in TOPK_CASES:
         ok, why = check_topk(*case)
         bad += not ok
