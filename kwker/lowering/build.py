@@ -24,7 +24,7 @@ from torch.fx import Node
 
 from ..runtime import kernel
 from . import sorting as S
-from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes
+from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes, pinned
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides, same_layout
 
@@ -385,6 +385,9 @@ def _sdpa(m: Match, metas, consts):
         return None, "q, k, v of different ranks"
     q4, k4, v4 = ((1, *t.shape) if three else t.shape for t in (qm, km, vm))
     (b, h, lq, e), (bk, hk, lk, ek), (bv, hv, lv, ev) = q4, k4, v4
+    # heads and head sizes shape the kernel: symbolic ones are pinned (dynamo guards on them;
+    # under dynamic=True every size is symbolic, these never vary in practice)
+    h, hk, hv, e, ek, ev = (pinned(d, True) for d in (h, hk, hv, e, ek, ev))
     if not known(h, hk, hv, e, ek, ev):
         return None, "heads or head sizes vary at run time (they shape the kernel)"
     if not known(b, lq, lk, bk, bv, lv):

@@ -11,11 +11,13 @@ import torch
 
 # inputs whose sizes a kernel depends on, and their names in ``generic_shapes``
 SIZED_INPUTS = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("a", "b"),
-          "gelu": ("x",), "sdpa": ("q", "k", "v", "mask")}
+                "gelu": ("x",), "sdpa": ("q", "k", "v", "mask")}
 SHORT_NAMES = {"residual": "r", "mask": "m"}
 
 
-def _pinned(d, pin: bool):
+def pinned(d, pin: bool):
+    """``d`` as an int when known; a symbolic size guarded to its value when ``pin``; else
+    None (read at call time)."""
     if type(d) is int:
         return d
     if isinstance(d, torch.SymInt):
@@ -38,7 +40,7 @@ def generic_shapes(kind: str, shapes: dict) -> dict:
         if shape is None:
             return None
         n = len(shape)
-        return tuple(_pinned(d, pin) if i in keep or i - n in keep else None
+        return tuple(pinned(d, pin) if i in keep or i - n in keep else None
                      for i, d in enumerate(shape))
     if kind in ("linear", "linear_topk"):
         return {"x": fixed(shapes["x"], {-1}), "r": None if shapes.get("r") is None else

@@ -79,6 +79,26 @@ def test_encoder_layer_dynamic_sequence_lengths(inner, empty_cache):
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_everything_symbolic_attention(inner, empty_cache):
+    """dynamic=True makes heads and head size symbolic too: they are pinned (guarded), the
+    batch and lengths stay generic, and lq != lk works causal, as ATen means it."""
+    torch.manual_seed(8)
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    compiled = torch.compile(attend, backend="kwker", options={"inner": inner}, dynamic=True)
+    loads = []
+    with torch.no_grad():
+        for b, lq, lk in ((2, 17, 17), (3, 5, 40), (1, 64, 64), (2, 1, 9), (4, 33, 20)):
+            q, k, v = torch.randn(b, 4, lq, 32), torch.randn(b, 4, lk, 32), \
+                torch.randn(b, 4, lk, 32)
+            assert_close(compiled(q, k, v), attend(q, k, v))
+            loads.append(_loads())
+    assert len(set(loads[1:])) == 1, loads
+    assert kd.last_report().kernel_sizes == ["generic"], kd.last_report()
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_many_row_counts_one_kernel(inner, empty_cache):
     """M = 1, primes, and sizes past every tile and block: one generic kernel per linear."""
     torch.manual_seed(4)
