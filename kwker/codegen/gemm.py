@@ -127,11 +127,15 @@ class _Plan:
         if self.dyn_m:
             m = ctx.i64(slot)
             slot += 1
-            mt = b.sdiv(b.add(m, const(i64, s.mr - 1)), const(i64, s.mr))
+            mt = self.row_tiles(b, m)
         else:
             m, mt = const(i64, s.m), const(i64, self.mt)
         batch = ctx.i64(slot) if self.dyn_batch else const(i64, s.batch)
         return m, batch, mt
+
+    def row_tiles(self, b: ir.IRBuilder, m: ir.Value) -> ir.Value:
+        """ceil(m / mr) for a row count known at call time."""
+        return b.sdiv(b.add(m, const(i64, self.s.mr - 1)), const(i64, self.s.mr))
 
     @property
     def int_args(self) -> int:
@@ -159,7 +163,7 @@ def _max_threads_at_run_time(b: ir.IRBuilder, p: _Plan, ints: list) -> ir.Value:
     s = p.s
     m = ints[0] if p.dyn_m else const(i64, s.m)
     batch = ints[-1] if p.dyn_batch else const(i64, s.batch)
-    mt = b.sdiv(b.add(m, const(i64, s.mr - 1)), const(i64, s.mr))
+    mt = p.row_tiles(b, m)
     units = b.mul(batch, b.select(b.icmp_signed(">", mt, const(i64, p.np)), mt,
                                   const(i64, p.np)))
     work = b.sdiv(b.mul(b.mul(batch, m), const(i64, 2 * s.n * s.k)),

@@ -126,10 +126,10 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     if bias is not None:  # bf16: rounded as autocast rounds it, then added in float32
         bias_c = (bias.detach().to(torch.bfloat16) if bf16 else bias.detach()).float() \
             .contiguous()
-    w_ptr = packed.data_ptr()
-    b_ptr = bias_c.data_ptr() if bias_c is not None else None
     if generic:
         return _generic_run(fn, spec, packed, bias_c, n, k, pad=kk != k, dtype=dtype)
+    w_ptr = packed.data_ptr()
+    b_ptr = bias_c.data_ptr() if bias_c is not None else None
     symbol, x_shape, out_shape = spec.symbol, (m, k), (m, n)
     empty, threads = torch.empty, torch.get_num_threads
     pad = kk != k

@@ -170,15 +170,13 @@ def _generic_match(m: Match, metas: dict):
                              False)
     params = m.params
     if m.kind == "matmul":  # the layout of b, which the generic metadata no longer shows
-        params = {**params, "b_transposed": _maybe_transposed(metas[nodes["b"]]) and
-                  not _maybe_contiguous(metas[nodes["b"]])}
+        params = {**params, "b_transposed": transposed_view(metas[nodes["b"]])}
     return Match(m.kind, m.output, m.covers, m.inputs, params), wide
 
 
 def runtime_inputs(m: Match) -> list:
     """Nodes the kernel reads at run time, in the order its callable takes them."""
-    keys = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("a", "b"),
-            "gelu": ("x",), "sdpa": ("q", "k", "v", "mask"), "sorting": ("x",)}[m.kind]
+    keys = SIZED_INPUTS.get(m.kind, ("x",))  # sorting: x, then a quantile's q tensor
     nodes = [m.inputs[k] for k in keys if m.inputs.get(k) is not None]
     if m.kind == "sorting":
         nodes += [a for a in m.params["args"] if isinstance(a, Node)]
@@ -277,6 +275,16 @@ def _transposed_contiguous(meta: TensorMeta) -> bool:
     return same_layout(shape, stride, contiguous_strides(shape))
 
 
+def transposed_view(meta: TensorMeta) -> bool:
+    """Whether a matmul's b is read as ``c.mT`` of a contiguous ``c`` rather than copied: the
+    metadata's judgement of what ``custom_ops.transposed_view`` judges on the real tensor
+    (False where symbolic strides leave it open)."""
+    try:
+        return not meta.contiguous and _transposed_contiguous(meta)
+    except TypeError:
+        return False
+
+
 def _matmul(m: Match, metas, consts):
     am, bm = metas[m.inputs["a"]], metas[m.inputs["b"]]
     (mm, ka), (kb, nn) = am.shape[-2:], bm.shape[-2:]
@@ -299,7 +307,7 @@ def _matmul(m: Match, metas, consts):
     if 0 in (batch, c_rows, ka, nn):
         return None, "empty input"
     # b = c.mT with c contiguous (q @ k.mT): read c as is instead of copying b
-    bt = not bm.contiguous and _transposed_contiguous(bm)
+    bt = transposed_view(bm)
     b_shape = (batch, nn, kb) if bt else (batch, kb, nn)
     fn, why = _make("make_matmul", c_rows, ka, nn, batch=batch, b_transposed=bt,
                     dtype=am.dtype)
@@ -316,7 +324,7 @@ def _matmul_generic(am, bm, k: int, n: int, bt: bool | None):
     if len(bm.shape) > 2 and len(am.shape) != len(bm.shape):
         return None, "broadcast batch dimensions"
     if bt is None:
-        bt = not _maybe_contiguous(bm) and _maybe_transposed(bm)
+        bt = transposed_view(bm)
     fn, why = _make("make_matmul", None, k, n, batch=None, b_transposed=bt, dtype=am.dtype)
     if fn is None:
         return None, why
@@ -332,20 +340,6 @@ def _matmul_generic(am, bm, k: int, n: int, bt: bool | None):
                    b.mT.reshape(-1, n, k) if bt else b.reshape(-1, k, n))
             return c.view(*a.shape[:-1], n)
     return _mark(run, True), None
-
-
-def _maybe_contiguous(meta: TensorMeta) -> bool:
-    try:
-        return bool(meta.contiguous)
-    except TypeError:
-        return False
-
-
-def _maybe_transposed(meta: TensorMeta) -> bool:
-    try:
-        return _transposed_contiguous(meta)
-    except TypeError:
-        return False
 
 
 # Above this many elements ATen's own vectorised erf makes a standalone erf GELU faster than
@@ -374,8 +368,7 @@ def _gelu(m: Match, metas, consts):
         return None, "non-contiguous or empty input"
     if approximate == "none" and xm.numel > limit:
         return None, f"erf GELU of {xm.numel} elements: ATen's is faster above {limit}"
-    return _make("make_gelu", xm.numel, approximate=m.params["approximate"],
-                 dtype=xm.dtype)
+    return _make("make_gelu", xm.numel, approximate=approximate, dtype=xm.dtype)
 
 
 def _sdpa(m: Match, metas, consts):

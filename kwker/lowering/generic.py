@@ -6,7 +6,7 @@ name the same kernel. Used by the builders' no-stall rule (build.py) and the cus
 """
 from __future__ import annotations
 
-import torch
+from .shapes import known_size
 
 
 # inputs whose sizes a kernel depends on, and their names in ``generic_shapes``
@@ -18,14 +18,12 @@ SHORT_NAMES = {"residual": "r", "mask": "m"}
 def pinned(d, pin: bool):
     """``d`` as an int when known; a symbolic size guarded to its value when ``pin``; else
     None (read at call time)."""
+    if d is None:
+        return None
+    d = known_size(d)
     if type(d) is int:
         return d
-    if isinstance(d, torch.SymInt):
-        known_value = d.node.maybe_as_int()
-        if known_value is not None:
-            return known_value
-        return int(d) if pin else None
-    return None
+    return int(d) if pin else None
 
 
 def generic_shapes(kind: str, shapes: dict) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 
 import torch
 from torch.fx import GraphModule
@@ -46,7 +47,7 @@ def _call_args(m: Match) -> tuple:
 def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> tuple[str | None, bool]:
     """Build the match's kernel now: (why it does not fit or None, whether it is generic)."""
     i, p = m.inputs, m.params
-    if m.kind not in ("linear", "linear_topk", "matmul", "gelu", "sdpa"):
+    if m.kind not in SIZED_INPUTS:
         return None, False   # sorting ops: generic over sizes already (kwker.ops)
     keys, short = SIZED_INPUTS[m.kind], SHORT_NAMES
     shapes = {k: metas[i[k]].shape if i.get(k) is not None else None for k in keys}
@@ -63,29 +64,16 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> tuple[str | N
         fn, why = C.linear_topk_kernel(shapes["x"], consts[i["weight"]], i["transposed"],
                                        p["k"], p["largest"], dtype)
     elif m.kind == "matmul":
-        bt = generic and _transposed(metas[i["b"]])
+        bt = generic and B.transposed_view(metas[i["b"]])
         fn, why = C.matmul_kernel(shapes["a"], shapes["b"], dtype, b_transposed=bt)
     elif m.kind == "gelu":
-        n = None
-        if not generic:
-            n = 1
-            for s in shapes["x"]:
-                n *= s
+        n = None if generic else math.prod(shapes["x"])
         fn, why = C.gelu_kernel(n, p["approximate"], dtype)
     else:
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
                                 p["mask"], p["causal"], p["scale"], dtype=dtype)
     specs.extend(getattr(fn, "kwker_specs", ()))
     return (None if fn is not None else why), B.generic(fn)
-
-
-def _transposed(meta) -> bool:
-    """Whether a (symbolic) b is ``c.mT`` of a contiguous ``c``, as ``transposed_view`` judges
-    the real tensor at call time."""
-    try:
-        return not meta.contiguous and B._transposed_contiguous(meta)
-    except TypeError:
-        return False
 
 
 def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode: str | None,
@@ -140,8 +128,8 @@ def _nothing_left(gm: GraphModule) -> bool:
 
 def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir,
              decomposed) -> Report:
-    """Replace matched nodes of ``gm`` (in place) by Kwker custom ops; returns the report
-    (published already if lowering stopped early)."""
+    """Replace matched nodes of ``gm`` (in place) by Kwker custom ops; returns the report, for
+    the caller to publish (a graph that runs as the flat program publishes its own)."""
     report = Report(graph_id, "inductor", decomposed=list(decomposed))
     nodes = list(gm.graph.nodes)
     try:

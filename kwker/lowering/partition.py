@@ -136,9 +136,7 @@ def _specialise(gm, args, graph_id, inner, note, decomposed, symbolic) -> Plan:
         if m.kind != "sorting" and isinstance(metas.get(m.output), TensorMeta) \
                 and not B.generic(fn):  # a generic kernel returns eager's layout itself
             fn = B.restrided(fn, metas[m.output])
-        step = KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name)
-        step.generic = B.generic(fn)
-        steps.append(step)
+        steps.append(KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name))
         used.update(v for v in m.inputs.values() if isinstance(v, Node) and v in consts)
 
     for m in matches:
@@ -150,7 +148,7 @@ def _specialise(gm, args, graph_id, inner, note, decomposed, symbolic) -> Plan:
     program = build_program(gm, steps, metas)
     index = {n: i for i, n in enumerate(placeholders)}
     guards = tuple((index[n], consts[n], _version(consts[n])) for n in used if n in index)
-    fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas), s.generic)
+    fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas), B.generic(s.fn))
                          for s in steps], failures)
     if note:
         report.reason = note

@@ -43,7 +43,7 @@ def same_layout(shape, a, b) -> bool:
     return all(sa == sb or n <= 1 for n, sa, sb in zip(shape, a, b))
 
 
-def _size(s):
+def known_size(s):
     """An int where the size is known, else the symbolic size itself (``int()`` on a symbolic
     size would make dynamo guard on its value: a recompile for every new size)."""
     if isinstance(s, torch.SymInt):
@@ -55,7 +55,8 @@ def _size(s):
 def _describe(v):
     """Plain metadata of a fake value (sizes stay symbolic where they are)."""
     if isinstance(v, torch.Tensor):
-        return TensorMeta(tuple(_size(s) for s in v.shape), tuple(_size(s) for s in v.stride()),
+        return TensorMeta(tuple(known_size(s) for s in v.shape),
+                          tuple(known_size(s) for s in v.stride()),
                           v.dtype, v.device.type, bool(v.requires_grad))
     if isinstance(v, (tuple, list)):
         return tuple(_describe(x) for x in v)
