@@ -1,26 +1,24 @@
-"""Models the backend tests compile, and the helpers that compile and compare them."""
+"""Models the backend tests compile, and the helpers that compile and compare them.
+
+The tutorial Ranker, the GPT-style decoder block, bare attention and the KV-cache decoder are
+the benchmarks' own (benchmarks/model_defs.py, gpt_decoder.py): the tests check the models the
+figures are measured on.
+"""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import kwker.dynamo as kd
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from gpt_decoder import GPTDecoder, generate  # noqa: E402,F401 - shared, re-exported
+from model_defs import Attention, DecoderBlock, Ranker  # noqa: E402,F401
+
 RTOL, ATOL = 1e-4, 1e-5
-
-
-class Ranker(torch.nn.Module):
-    """The tutorial's scoring model: query MLP, scores against 20,000 items, top 10."""
-
-    def __init__(self, n_items=20_000, dim=128):
-        super().__init__()
-        self.query = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
-                                         torch.nn.Linear(256, dim))
-        self.items = torch.nn.Parameter(torch.randn(n_items, dim) / dim**0.5)
-
-    def forward(self, x):
-        scores = self.query(x) @ self.items.t()
-        return torch.topk(scores, 10, dim=-1)
 
 
 def mlp():
@@ -31,25 +29,6 @@ def mlp():
 def encoder_layer():
     return torch.nn.TransformerEncoderLayer(d_model=256, nhead=8, dim_feedforward=1024,
                                             batch_first=True, activation="gelu")
-
-
-class DecoderBlock(torch.nn.Module):
-    """A GPT-style pre-LN decoder block: causal self-attention, tanh-GELU MLP, residuals."""
-
-    def __init__(self, d=384, heads=6):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, n, d = x.shape
-        q, k, v = (t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
-                   for t in self.qkv(self.ln1(x)).split(d, dim=-1))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
 class GroupedQuery(torch.nn.Module):
@@ -82,15 +61,6 @@ class GroupedQuery(torch.nn.Module):
             a = F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v),
                                                is_causal=True)
         return self.o(a.transpose(1, 2).reshape(b, n, d))
-
-
-class Attention(torch.nn.Module):
-    def __init__(self, causal: bool):
-        super().__init__()
-        self.causal = causal
-
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
 
 
 class OddSizes(torch.nn.Module):

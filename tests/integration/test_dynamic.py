@@ -7,7 +7,6 @@ counters), and answers match eager at every size.
 import copy
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +14,7 @@ import torch
 import kwker.dynamo as kd
 from kwker.runtime.kernel import stats as kernel_stats
 
-from .models import assert_bf16_contract, assert_close
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from gpt_decoder import GPTDecoder, generate  # noqa: E402
+from .models import GPTDecoder, assert_bf16_contract, assert_close, generate
 
 
 def _loads() -> int:
