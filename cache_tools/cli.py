@@ -2,7 +2,7 @@
 
     kwker-cache info                  where it is, what is in it, this machine's target
     kwker-cache list                  entries: family, dtype, shapes, size, last use
-    kwker-cache prewarm [--manifest FILE] [--jobs N]
+    kwker-cache prewarm [--manifest FILE | --package FILE] [--jobs N]
     kwker-cache clear [--stale | --older-than AGE] [--dry-run]
 
 Every command takes ``--json`` (machine-readable stdout) and ``--cache-dir DIR`` (instead of
@@ -122,6 +122,13 @@ def cmd_prewarm(args, out: dict) -> str | None:
         except ManifestError as e:
             raise Failure(str(e)) from None
         source = f"manifest {args.manifest}"
+    elif args.package:
+        from kwker.packaging import PackageError, package_specs
+        try:
+            specs = package_specs(args.package)
+        except PackageError as e:
+            raise Failure(str(e)) from None
+        source = f"package {args.package}"
     else:
         from kwker import eager_specs
         specs = eager_specs.generic_specs()
@@ -223,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Compile the generic eager specialisations (or the kernels "
                        "of a manifest written for a compiled model) for this machine's CPU, so "
                        "later processes start warm.")
-    s.add_argument("--manifest", metavar="FILE", help="compile the specs recorded in FILE")
+    which = s.add_mutually_exclusive_group()
+    which.add_argument("--manifest", metavar="FILE", help="compile the specs recorded in FILE")
+    which.add_argument("--package", metavar="FILE",
+                       help="compile the kernels of the package FILE (kwker.package) for this "
+                       "CPU, so loading it here compiles nothing")
     s.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N",
                    help="parallel compile processes (default: one per CPU)")
     bar = s.add_mutually_exclusive_group()

@@ -5,3 +5,15 @@ backend="kwker")`` for the compiler backend. Importing this package is cheap: to
 is loaded only by the modules that need it.
 """
 __version__ = "0.1.0"
+
+_PACKAGE_API = ("package", "load_package", "package_specs", "PackageError", "PackagedModel")
+
+
+def __getattr__(name: str):
+    """``kwker.package`` / ``kwker.load_package`` (``packaging.py``), imported on first use."""
+    if name in _PACKAGE_API:
+        from . import packaging
+        value = getattr(packaging, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kwker' has no attribute {name!r}")

@@ -132,10 +132,25 @@ def build(m: Match, metas: dict, consts: dict):
     return fn, why
 
 
+_specialising = threading.local()
+
+
+@contextlib.contextmanager
+def specialising():
+    """Static sizes always get their size-specialised kernels inside (ahead-of-time packages:
+    the compile happens now, not in a caller's first call, so the no-stall rule has no cause)."""
+    outer = getattr(_specialising, "on", False)
+    _specialising.on = True
+    try:
+        yield
+    finally:
+        _specialising.on = outer
+
+
 def _build_without_stall(m: Match, metas: dict, consts: dict):
     builder = _BUILDERS[m.kind]
     wide = _generic_match(m, metas)
-    if wide is None:  # sizes already symbolic, or a family generic by itself (sorting)
+    if wide is None or getattr(_specialising, "on", False):
         return builder(m, metas, consts)
     try:  # a refusal (the sizes do not fit, ATen is faster) stands as it is
         with kernel.compiling(False):
@@ -207,6 +222,11 @@ def _linear(m: Match, metas, consts):
         fn, why = _make("make_linear", w, bias, None, epilogue=m.params["epilogue"],
                         residual=res is not None, dtype=xm.dtype,
                         source=consts[m.inputs["weight"]])
+        if fn is not None and _hot_single_row():
+            one, _ = _make("make_linear", w, bias, 1, epilogue=m.params["epilogue"],
+                           residual=res is not None, dtype=xm.dtype,
+                           source=consts[m.inputs["weight"]])
+            fn = _single_row_first(fn, one)
         if fn is None or len(lead) == 1:
             return _mark(fn, True), why
         if res is None:
@@ -243,6 +263,9 @@ def _linear_topk(m: Match, metas, consts):
                         dtype=xm.dtype)
         if fn is None:
             return None, why
+        if _hot_single_row():
+            fn = _single_row_first(fn, _make("make_linear_topk", w, 1, k,
+                                             largest=m.params["largest"], dtype=xm.dtype)[0])
 
         def run_generic(x):
             v, i = fn(x.reshape(-1, k_in))
@@ -264,6 +287,22 @@ def _linear_topk(m: Match, metas, consts):
         v, i = fn(x.reshape(shape2))
         return wrap((v.view(out_shape), i.view(out_shape)))
     return run, None
+
+
+def _hot_single_row() -> bool:
+    """Whether a kernel generic over rows also gets one specialised to a single row: in
+    packages (batch-1 serving; the GEMV reads the weights in a layout that pays at one row)."""
+    return getattr(_specialising, "on", False)
+
+
+def _single_row_first(fn, one):
+    """``fn`` over 2-D inputs, calling ``one`` (built for a single row) when there is one."""
+    if one is None:
+        return fn
+
+    def run(x, *rest):
+        return one(x, *rest) if x.shape[0] == 1 else fn(x, *rest)
+    return _mark(run, True)
 
 
 def _transposed_contiguous(meta: TensorMeta) -> bool:

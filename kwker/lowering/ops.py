@@ -63,6 +63,24 @@ _FUNCTIONS = {
     F.dropout: "dropout", torch.dropout: "dropout",
 }
 
+# the same operations as ATen overloads, as ``torch.export`` records them (packages)
+_aten = torch.ops.aten
+_FUNCTIONS.update({
+    _aten.linear.default: "linear", _aten.matmul.default: "matmul", _aten.mm.default: "mm",
+    _aten.bmm.default: "bmm", _aten.addmm.default: "addmm", _aten.gelu.default: "gelu",
+    _aten.relu.default: "relu", _aten.add.Tensor: "add",
+    _aten.scaled_dot_product_attention.default: "sdpa",
+    _aten.topk.default: "topk", _aten.sort.default: "sort", _aten.sort.stable: "sort",
+    _aten.kthvalue.default: "kthvalue", _aten.mode.default: "mode",
+    _aten.median.default: "median", _aten.median.dim: "median",
+    _aten.nanmedian.default: "nanmedian", _aten.nanmedian.dim: "nanmedian",
+    _aten.quantile.default: "quantile", _aten.quantile.scalar: "quantile",
+    _aten.nanquantile.default: "nanquantile", _aten.nanquantile.scalar: "nanquantile",
+    _aten.argsort.default: "argsort", _aten.argsort.stable: "argsort",
+    _aten.msort.default: "msort", _aten.t.default: "t", _aten.transpose.int: "transpose",
+    _aten.dropout.default: "dropout",
+})
+
 _METHODS = {
     "matmul": "matmul", "__matmul__": "matmul", "mm": "mm", "bmm": "bmm", "addmm": "addmm",
     "relu": "relu", "add": "add", "__add__": "add", "__radd__": "add",
@@ -153,6 +171,10 @@ def is_view(node: Node) -> bool:
     if node.op == "call_function":
         if node.target is getattr or node.target is operator.getitem:
             return True
+        if isinstance(node.target, torch._ops.OpOverload):
+            schema = node.target._schema
+            return not schema.is_mutable and any(r.alias_info is not None
+                                                 for r in schema.returns)
         name = getattr(node.target, "__name__", "")
         return name in VIEW_METHODS
     return False

@@ -118,6 +118,19 @@ def _specialise(gm, args, graph_id, inner, note, decomposed, symbolic) -> Plan:
         fill(report, nodes, [], {})
         return Plan(build_program(gm), (), publish(report))
     consts = const_nodes(gm, args)
+    program, used = lower_graph(gm, metas, consts, report)
+    index = {n: i for i, n in enumerate(placeholders)}
+    guards = tuple((index[n], consts[n], _version(consts[n])) for n in used if n in index)
+    if note:
+        report.reason = note
+    return Plan(program, guards, publish(report))
+
+
+def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
+    """(flat program, constant nodes its kernels captured): the kernels that fit ``gm`` given
+    every node's metadata and the constant tensors, ATen calls for the rest; ``report`` is
+    filled in. Shared by the backend and by packages (``kwker.package``)."""
+    nodes = list(gm.graph.nodes)
     matches = Matcher(nodes, metas, set(consts), S.module() is not None).run()
     steps, failures, used = [], {}, set()
 
@@ -146,13 +159,9 @@ def _specialise(gm, args, graph_id, inner, note, decomposed, symbolic) -> Plan:
         if n not in failures and n not in covered:
             failures[n] = why_not(n, metas)
     program = build_program(gm, steps, metas)
-    index = {n: i for i, n in enumerate(placeholders)}
-    guards = tuple((index[n], consts[n], _version(consts[n])) for n in used if n in index)
     fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas), B.generic(s.fn))
                          for s in steps], failures)
-    if note:
-        report.reason = note
-    return Plan(program, guards, publish(report))
+    return program, used
 
 
 def _shapes_text(args) -> str:

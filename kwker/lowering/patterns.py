@@ -87,7 +87,7 @@ def _sole_user(n: Node) -> Node | None:
 def _transposed_const(y: Node, metas, consts) -> Node | None:
     """The constant 2-D W if ``y`` is a transpose view of it (W.t(), W.T, W.transpose(0, 1))."""
     kind = canon(y)
-    if y.op == "call_method" and y.target == "permute" and tuple(y.args[1:]) in ((1, 0),) or kind == "t":
+    if _op_name(y) == "permute" and tuple(y.args[1:]) in ((1, 0), ([1, 0],)) or kind == "t":
         w = y.args[0]
     elif kind == "transpose":
         b = bind(y)
@@ -335,7 +335,12 @@ _VIEWS = ("getitem", "unsqueeze", "view", "reshape")
 
 
 def _op_name(n: Node) -> str:
-    return n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    """``view``, ``expand``, ...: a method's name, a function's, or an ATen overload's op."""
+    if n.op == "call_method":
+        return n.target
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._opname
+    return getattr(n.target, "__name__", "")
 
 
 def _repeated_kv(n: Node, metas) -> tuple[Node, list] | None:

@@ -1,0 +1,377 @@
+"""A ``torch.export`` program <-> plain data a package stores, and back to a graph to lower.
+
+``describe(ep)`` turns an exported program into a JSON-able document (its nodes with ATen ops by
+qualified name, argument slots and constants, every node's metadata, the user inputs with the
+ranges of their dynamic sizes, the output structure) and the constant tensors. ``rebuild(doc,
+tensors)`` makes an FX graph of it again, with the parameters as constants and ``Sym`` for the
+symbolic sizes, which ``partition.lower_graph`` lowers exactly as it lowers a dynamo graph.
+Package time lowers the rebuilt graph too, so packaging and loading run the same code on the
+same data.
+
+Only data is read back: targets resolve to ATen overloads and ``operator``/``math`` functions by
+name, and nothing is unpickled, so a package cannot name arbitrary code to run.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch.fx import Graph, Node
+
+from ..kernels._call import contiguous_strides
+from .shapes import Sym, TensorMeta
+
+FORMAT = 1
+
+
+class ExportError(ValueError):
+    """What a package cannot hold, or a document this Kwker cannot rebuild; says which node."""
+
+
+# --------------------------------------------------------------------------- values
+def _size(s):
+    """A size from export's fake values: an int, or ``Sym`` for a symbolic one."""
+    if isinstance(s, torch.SymInt):
+        known = s.node.maybe_as_int()
+        if known is not None:
+            return known
+        expr = s.node.expr
+        if expr.is_Symbol:
+            return Sym.named(str(expr))
+        if expr.is_Mul and all(a.is_Symbol or a.is_Integer for a in expr.args):
+            coeff, names = 1, []
+            for a in expr.args:
+                if a.is_Integer:
+                    coeff *= int(a)
+                else:
+                    names.append(str(a))
+            return Sym(coeff, tuple(names))
+        return Sym(text=str(expr))
+    return int(s)
+
+
+def _meta_of(v):
+    if isinstance(v, torch.Tensor):
+        return TensorMeta(tuple(_size(s) for s in v.shape), tuple(_size(s) for s in v.stride()),
+                          v.dtype, v.device.type, False)
+    if isinstance(v, (tuple, list)):
+        return tuple(_meta_of(x) for x in v)
+    if isinstance(v, torch.SymInt):
+        return _size(v)
+    if isinstance(v, (int, float, bool, type(None))):
+        return v
+    return None
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    d = getattr(torch, name, None)
+    if not isinstance(d, torch.dtype):
+        raise ExportError(f"unknown dtype {name!r}")
+    return d
+
+
+def encode_meta(m):
+    if isinstance(m, TensorMeta):
+        return {"tensor": {"shape": [_enc_size(s) for s in m.shape],
+                           "stride": [_enc_size(s) for s in m.stride],
+                           "dtype": _dtype_name(m.dtype), "device": m.device}}
+    if isinstance(m, tuple):
+        return {"tuple": [encode_meta(x) for x in m]}
+    if isinstance(m, Sym):
+        return m.to_json()
+    if isinstance(m, float) and not math.isfinite(m):
+        return {"float": repr(m)}
+    return m
+
+
+def decode_meta(d):
+    if isinstance(d, dict):
+        if "tensor" in d:
+            t = d["tensor"]
+            return TensorMeta(tuple(_dec_size(s) for s in t["shape"]),
+                              tuple(_dec_size(s) for s in t["stride"]),
+                              _dtype(t["dtype"]), str(t["device"]), False)
+        if "tuple" in d:
+            return tuple(decode_meta(x) for x in d["tuple"])
+        if "float" in d:
+            return float(d["float"])
+        return Sym.from_json(d)
+    return d
+
+
+def _enc_size(s):
+    return s.to_json() if isinstance(s, Sym) else int(s)
+
+
+def _dec_size(s):
+    return Sym.from_json(s) if isinstance(s, dict) else int(s)
+
+
+_SCALARS = (bool, int, str, type(None))
+_ENUMS = {"memory_format": (torch.memory_format, torch), "layout": (torch.layout, torch)}
+
+
+def _encode_arg(a, where: str):
+    if isinstance(a, Node):
+        return {"node": a.name}
+    if isinstance(a, _SCALARS):
+        return a
+    if isinstance(a, float):
+        return a if math.isfinite(a) else {"float": repr(a)}
+    if isinstance(a, tuple):
+        return {"tuple": [_encode_arg(x, where) for x in a]}
+    if isinstance(a, list):
+        return [_encode_arg(x, where) for x in a]
+    if isinstance(a, torch.dtype):
+        return {"dtype": _dtype_name(a)}
+    if isinstance(a, torch.device):
+        return {"device": str(a)}
+    for key, (kind, _) in _ENUMS.items():
+        if isinstance(a, kind):
+            return {key: str(a).removeprefix("torch.")}
+    raise ExportError(f"{where}: an argument of type {type(a).__name__} cannot be packaged")
+
+
+def _decode_arg(d, nodes: dict):
+    if isinstance(d, list):
+        return [_decode_arg(x, nodes) for x in d]
+    if not isinstance(d, dict):
+        return d
+    if "node" in d:
+        return nodes[d["node"]]
+    if "tuple" in d:
+        return tuple(_decode_arg(x, nodes) for x in d["tuple"])
+    if "float" in d:
+        return float(d["float"])
+    if "dtype" in d:
+        return _dtype(d["dtype"])
+    if "device" in d:
+        return torch.device(d["device"])
+    for key, (kind, mod) in _ENUMS.items():
+        if key in d:
+            v = getattr(mod, d[key], None)
+            if not isinstance(v, kind):
+                raise ExportError(f"unknown {key} {d[key]!r}")
+            return v
+    raise ExportError(f"unknown argument encoding {sorted(d)}")
+
+
+# --------------------------------------------------------------------------- targets
+_MODULES = {"operator": operator, "math": math}
+
+
+def _encode_target(t, where: str) -> str:
+    if isinstance(t, torch._ops.OpOverload):
+        if t.namespace != "aten":
+            raise ExportError(f"{where}: {t.name()} is not an ATen op (custom and higher-order "
+                              "ops cannot be packaged)")
+        return f"{t._schema.name}.{t._overloadname}"
+    mod = getattr(t, "__module__", None)
+    name = getattr(t, "__name__", None)
+    for key, module in _MODULES.items():
+        if getattr(module, name or "", None) is t:
+            return f"{key}.{name}"
+    if mod == "torch" and name and name.startswith("sym_") and getattr(torch, name) is t:
+        return f"torch.{name}"
+    raise ExportError(f"{where}: the call {t!r} cannot be packaged (ATen ops, operator and "
+                      "math functions can)")
+
+
+def resolve_target(text: str):
+    """The callable a stored target names; ExportError if this torch has no such op."""
+    if "::" in text:
+        qual, _, overload = text.rpartition(".")
+        ns, _, op = qual.partition("::")
+        try:
+            return getattr(getattr(getattr(torch.ops, ns), op), overload)
+        except (AttributeError, RuntimeError):
+            raise ExportError(f"this torch ({torch.__version__}) has no op {text}") from None
+    mod, _, name = text.partition(".")
+    if mod == "torch" and name.startswith("sym_"):
+        fn = getattr(torch, name, None)
+    elif mod in _MODULES:
+        fn = getattr(_MODULES[mod], name, None)
+    else:
+        fn = None
+    if fn is None:
+        raise ExportError(f"unknown function {text}")
+    return fn
+
+
+# --------------------------------------------------------------------------- structures
+def _encode_tree(spec, where: str):
+    if spec.is_leaf():
+        return "leaf"
+    t = spec.type
+    children = [_encode_tree(c, where) for c in spec.children()]
+    if t is tuple:
+        return {"tuple": children}
+    if t is list:
+        return {"list": children}
+    if t is dict:
+        return {"dict": children, "keys": list(spec.context)}
+    if t.__module__ == "torch.return_types" and getattr(torch.return_types, t.__name__,
+                                                        None) is t:
+        return {"return_type": t.__name__, "items": children}
+    raise ExportError(f"{where}: a {t.__qualname__} cannot be packaged (tensors, tuples, lists, "
+                      "dicts and torch.return_types can)")
+
+
+def build_tree(d, leaves):
+    """The output structure ``d`` filled from the iterator ``leaves``."""
+    if d == "leaf":
+        return next(leaves)
+    if "tuple" in d:
+        return tuple(build_tree(c, leaves) for c in d["tuple"])
+    if "list" in d:
+        return [build_tree(c, leaves) for c in d["list"]]
+    if "dict" in d:
+        return {k: build_tree(c, leaves) for k, c in zip(d["keys"], d["dict"])}
+    kind = getattr(torch.return_types, d["return_type"])
+    return kind(tuple(build_tree(c, leaves) for c in d["items"]))
+
+
+def tree_is_flat_tuple(d) -> bool:
+    return isinstance(d, dict) and "tuple" in d and all(c == "leaf" for c in d["tuple"])
+
+
+# --------------------------------------------------------------------------- export -> doc
+def _ranges(ep) -> dict:
+    out = {}
+    for sym, vr in ep.range_constraints.items():
+        lo, hi = vr.lower, vr.upper
+        out[str(sym)] = [int(lo) if lo.is_finite else 0,
+                         int(hi) if hi.is_finite else None]
+    return out
+
+
+def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(document, constant tensors by name) of an exported program, or ExportError naming what
+    cannot be packaged."""
+    from torch.export.graph_signature import InputKind, OutputKind
+    sig = ep.graph_signature
+    bad = [o for o in sig.output_specs if o.kind != OutputKind.USER_OUTPUT]
+    if bad:
+        raise ExportError(f"the program mutates {bad[0].target!r} ({bad[0].kind.name}); "
+                          "packages are for inference on stateless programs")
+    in_spec = ep.call_spec.in_spec
+    if in_spec is not None:
+        args_spec, kwargs_spec = in_spec.children()
+        if kwargs_spec.num_leaves:
+            raise ExportError("export the program with positional inputs only (no kwargs)")
+    ranges = _ranges(ep)
+    graph = ep.graph_module.graph
+    inputs, consts, tensors = [], [], {}
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        node = next(n for n in graph.nodes if n.op == "placeholder" and n.name == name)
+        if spec.kind == InputKind.USER_INPUT:
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise ExportError(f"input {name!r} is a {type(val).__name__}: packaged "
+                                  "programs take tensors (other inputs were fixed at export)")
+            dims = []
+            for s in val.shape:
+                size = _size(s)
+                if isinstance(size, Sym) and size.text is None and len(size.names) == 1 \
+                        and size.coeff == 1:
+                    lo, hi = ranges.get(size.names[0], (0, None))
+                    dims.append({"sym": size.names[0], "min": lo, "max": hi})
+                elif isinstance(size, Sym):
+                    dims.append({"expr": repr(size)})
+                else:
+                    dims.append(size)
+            inputs.append({"name": name, "dtype": _dtype_name(val.dtype),
+                           "device": val.device.type, "shape": dims})
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            source = ep.state_dict if spec.target in ep.state_dict else ep.constants
+            t = source[spec.target]
+            tensors[name] = t.detach().contiguous()
+            consts.append({"name": name, "target": spec.target})
+        else:
+            raise ExportError(f"input {name!r} of kind {spec.kind.name} cannot be packaged")
+    state = {c["name"]: c["target"] for c in consts}
+    nodes = []
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        written = _written_state(n, state)
+        if written is not None:
+            raise ExportError(f"the program mutates {written!r} (node {n.name}); packages are "
+                              "for inference on stateless programs")
+        if n.op != "call_function":
+            raise ExportError(f"node {n.name} ({n.op}) cannot be packaged: only calls of ATen "
+                              "ops (no submodules or control flow)")
+        where = f"node {n.name}"
+        nodes.append({"name": n.name, "target": _encode_target(n.target, where),
+                      "args": _encode_arg(list(n.args), where),
+                      "kwargs": {k: _encode_arg(v, where) for k, v in n.kwargs.items()},
+                      "meta": encode_meta(_meta_of(n.meta.get("val")))})
+    output = next(n for n in graph.nodes if n.op == "output")
+    doc = {"format": FORMAT, "inputs": inputs, "constants": consts, "nodes": nodes,
+           "output": _encode_arg(output.args[0], "the output"),
+           "out_tree": _encode_tree(ep.call_spec.out_spec, "the output"),
+           "ranges": ranges}
+    return doc, tensors
+
+
+def _written_state(n: Node, state: dict) -> str | None:
+    """The parameter or buffer ``n`` writes in place (through views), if any."""
+    t = n.target
+    if not (isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable) or not n.args:
+        return None
+    src = n.args[0]
+    while isinstance(src, Node) and src.op == "call_function" and src.args and \
+            isinstance(src.target, torch._ops.OpOverload) and \
+            any(r.alias_info is not None for r in src.target._schema.returns):
+        src = src.args[0]
+    if isinstance(src, Node) and src.op == "placeholder" and src.name in state:
+        return state[src.name]
+    return None
+
+
+# --------------------------------------------------------------------------- doc -> graph
+class Rebuilt:
+    """What ``lower_graph`` and ``build_program`` need of a GraphModule: ``graph`` and the
+    constants as attributes (``get_attr`` targets)."""
+
+    def __init__(self, graph: Graph, constants: dict):
+        self.graph = graph
+        self.__dict__.update(constants)
+
+
+def rebuild(doc: dict, tensors: dict[str, torch.Tensor]) -> tuple[Rebuilt, dict]:
+    """(graph object, metadata by node) from ``describe``'s document and the constants."""
+    if doc.get("format") != FORMAT:
+        raise ExportError(f"graph format {doc.get('format')!r}; this Kwker reads {FORMAT}")
+    graph = Graph()
+    by_name: dict[str, Node] = {}
+    metas: dict[Node, object] = {}
+    for inp in doc["inputs"]:
+        n = graph.placeholder(inp["name"])
+        by_name[inp["name"]] = n
+        shape = tuple(d if isinstance(d, int) else Sym.named(d["sym"]) if "sym" in d
+                      else Sym(text=d["expr"]) for d in inp["shape"])
+        metas[n] = TensorMeta(shape, contiguous_strides(shape), _dtype(inp["dtype"]),
+                              inp["device"], False)
+    attrs = {}
+    for c in doc["constants"]:
+        name = c["name"]
+        t = tensors[name]
+        n = graph.get_attr(name)
+        by_name[name], attrs[name] = n, t
+        metas[n] = TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, False)
+    for d in doc["nodes"]:
+        target = resolve_target(d["target"])
+        n = graph.create_node("call_function", target, tuple(_decode_arg(d["args"], by_name)),
+                              {k: _decode_arg(v, by_name) for k, v in d["kwargs"].items()},
+                              name=d["name"])
+        by_name[d["name"]] = n
+        metas[n] = decode_meta(d["meta"])
+    graph.output(_decode_arg(doc["output"], by_name))
+    return Rebuilt(graph, attrs), metas

@@ -1,0 +1,435 @@
+"""Ahead-of-time packages: export once, ship one file, load it in milliseconds.
+
+    ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    kwker.package(ep, "ranker.kwk", targets=["znver3"])      # on the build machine
+    model = kwker.load_package("ranker.kwk")                  # in the serving process
+    scores, items = model(x)
+
+A package is a zip file (stored, not compressed) holding:
+
+- ``kwker-package.json``: the graph (``lowering/exported.py``'s document: ATen ops by name,
+  argument slots, constants, metadata, input ranges), the kernel specs, the versions it was
+  built with, one entry per target (CPU name and features -> object code members) and the
+  SHA-256 of every other member;
+- ``INTEGRITY``: the SHA-256 of ``kwker-package.json``, so any change to any byte is caught;
+- ``weights.bin``: the constants, raw, 64-byte aligned (no pickle: loading runs no code);
+- ``objects/<key>.o``: object code per kernel and target, keyed like the kernel cache;
+- ``exported.pt2``: the ``torch.export`` program, for re-lowering elsewhere; never read by
+  ``load_package``, which therefore imports neither ``torch.export`` nor dynamo.
+
+Loading re-runs Kwker's lowering on the stored graph (the backend's ``inner="eager"`` lowering:
+the same kernels, a flat program) with the object code of the running CPU's target handed to the
+runtime, so nothing compiles. Without a matching target it compiles the package's kernels into
+the kernel cache first, and says so once. Calls are inference only (autograd off, as under
+``torch.no_grad()``) and safe from several threads.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+import time
+import zipfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .lowering import build as B
+from .lowering.exported import ExportError, build_tree, describe, rebuild, tree_is_flat_tuple
+from .lowering.partition import const_nodes, lower_graph
+from .lowering.report import Report, new_graph_id
+from .runtime import cache, kernel
+from .runtime.target import Target, host_target, make_target
+from .spec import spec_from_json
+
+log = logging.getLogger("kwker")
+
+FORMAT = 1
+MANIFEST, INTEGRITY, WEIGHTS, EXPORTED = ("kwker-package.json", "INTEGRITY", "weights.bin",
+                                          "exported.pt2")
+ALIGN = 64
+
+__all__ = ["PackageError", "PackagedModel", "load_package", "package", "package_specs"]
+
+
+class PackageError(RuntimeError):
+    """A file that is not a loadable Kwker package: the message says which file and why."""
+
+
+# --------------------------------------------------------------------------- writing
+def package(exported_program, path, targets=None) -> Path:
+    """Write ``exported_program`` (a ``torch.export.export`` result) to the package ``path``.
+
+    ``targets``: more CPUs to hold object code for, besides this one: CPU names (``"znver3"``,
+    their LLVM features implied) or ``"cpu:features"`` strings (``"znver3:+avx2,+fma"``), as in
+    ``KWKER_CPU``/``KWKER_FEATURES``. Returns the path; raises ExportError for a program a
+    package cannot hold (mutated buffers, custom or higher-order ops), naming the node.
+    """
+    path = Path(path)
+    doc, tensors = describe(exported_program)
+    layout, blob = _pack_weights(doc, tensors)
+    host = host_target()
+    specs = _lower(doc, _tensors_from(layout, bytearray(blob)))[2]
+    per_target = [(host, specs)]
+    for t in targets or ():
+        target = _parse_target(t)
+        if target != host and all(target != p[0] for p in per_target):
+            per_target.append((target, _specs_for(target, doc, layout, blob)))
+    members: dict[str, bytes] = {WEIGHTS: bytes(blob)}
+    entries, all_specs = [], []
+    for target, target_specs in per_target:
+        objects = {}
+        for spec in target_specs:
+            key = cache.entry_key(spec.id, target)
+            members[f"objects/{key}.o"] = kernel.object_for(spec, target)
+            objects[key] = f"objects/{key}.o"
+        entries.append({"target": asdict(target), "describe": target.describe(),
+                        "specs": [s.to_json() for s in target_specs], "objects": objects})
+        all_specs += target_specs
+    saved = _save_exported(exported_program)
+    if saved is not None:
+        members[EXPORTED] = saved
+    manifest = {"kwker_package": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                  time.gmtime()),
+                "versions": {"torch": torch.__version__, "kwker_package": __version__,
+                             **cache.versions()},
+                "graph": doc, "weights": layout, "targets": entries,
+                "spec_modules": {s.family: type(s).__module__ for s in all_specs},
+                "exported": EXPORTED if saved is not None else None,
+                "members": {name: hashlib.sha256(data).hexdigest()
+                            for name, data in members.items()}}
+    text = json.dumps(manifest, indent=1).encode()
+    _write_zip(path, {MANIFEST: text, INTEGRITY: hashlib.sha256(text).hexdigest().encode(),
+                      **members})
+    return path
+
+
+def _parse_target(t) -> Target:
+    if isinstance(t, Target):
+        return t
+    cpu, _, features = str(t).partition(":")
+    return make_target(cpu.strip(), features.strip())
+
+
+def _pack_weights(doc: dict, tensors: dict) -> tuple[list, bytearray]:
+    layout, blob = [], bytearray()
+    for c in doc["constants"]:
+        t = tensors[c["name"]]
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        blob += b"\0" * (-len(blob) % ALIGN)
+        layout.append({"name": c["name"], "dtype": str(t.dtype).removeprefix("torch."),
+                       "shape": list(t.shape), "offset": len(blob), "nbytes": len(data)})
+        blob += data
+    return layout, blob
+
+
+def _tensors_from(layout: list, blob: bytearray) -> dict:
+    out = {}
+    for w in layout:
+        dtype = getattr(torch, w["dtype"])
+        numel = 1
+        for s in w["shape"]:
+            numel *= s
+        if numel == 0:
+            out[w["name"]] = torch.empty(w["shape"], dtype=dtype)
+            continue
+        t = torch.frombuffer(blob, dtype=dtype, count=numel, offset=w["offset"])
+        out[w["name"]] = t.view(w["shape"])
+    return out
+
+
+def _save_exported(ep) -> bytes | None:
+    """``torch.export.save`` bytes; its output structure is stored as a flat tuple (it cannot
+    serialise ``torch.return_types`` outputs such as ``topk``'s; the package's own graph keeps
+    the real structure). None, with a log line, if it still cannot be saved."""
+    from torch.utils import _pytree as pytree
+    sig = ep._module_call_graph[0].signature
+    old = sig.out_spec if sig is not None else None
+    buf = io.BytesIO()
+    try:
+        if old is not None:
+            sig.out_spec = pytree.tree_structure(tuple(range(old.num_leaves)))
+        torch.export.save(ep, buf)
+        return buf.getvalue()
+    except Exception as e:  # noqa: BLE001 - the copy is a convenience, not the package
+        log.warning("kwker: the package holds no exported program (torch.export.save: %s)", e)
+        return None
+    finally:
+        if old is not None:
+            sig.out_spec = old
+
+
+def _write_zip(path: Path, members: dict[str, bytes]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
+            for name, data in members.items():
+                z.writestr(name, data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _specs_for(target: Target, doc: dict, layout: list, blob: bytearray) -> list:
+    """The kernel specs lowering picks on ``target`` (blocking depends on the ISA): lowered in a
+    child process that takes ``target`` as its CPU, which also compiles them into the cache."""
+    import subprocess
+    import sys
+    with tempfile.TemporaryDirectory(prefix="kwker-package-") as tmp:
+        src = Path(tmp) / "graph.kwk"
+        text = json.dumps({"kwker_package": FORMAT, "graph": doc, "weights": layout}).encode()
+        _write_zip(src, {MANIFEST: text, WEIGHTS: bytes(blob)})
+        env = {**os.environ, "KWKER_CPU": target.cpu, "KWKER_FEATURES": target.features}
+        code = ("import json, sys; from kwker.packaging import _child_specs; "
+                "print(json.dumps(_child_specs(sys.argv[1])))")
+        r = subprocess.run([sys.executable, "-c", code, str(src)], env=env,
+                           capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"kwker: lowering for {target.describe()} failed:\n{r.stderr[-2000:]}")
+    return [spec_from_json(s) for s in json.loads(r.stdout.strip().splitlines()[-1])]
+
+
+def _child_specs(path: str) -> list:
+    with zipfile.ZipFile(path) as z:
+        manifest = json.loads(z.read(MANIFEST))
+        blob = bytearray(z.read(WEIGHTS))
+    specs = _lower(manifest["graph"], _tensors_from(manifest["weights"], blob))[2]
+    return [s.to_json() for s in specs]
+
+
+def _lower(doc: dict, tensors: dict):
+    """(program, report, kernel specs) for a stored graph: the backend's lowering, on ``Sym``
+    sizes where the export declared dynamic ones."""
+    graph, metas = rebuild(doc, tensors)
+    report = Report(new_graph_id(), "package", shapes=_inputs_text(doc["inputs"]))
+    with B.collecting() as specs, B.specialising():
+        program, _ = lower_graph(graph, metas, const_nodes(graph, []), report)
+    report.specs = list(dict.fromkeys(specs))
+    return program, report, report.specs
+
+
+def _inputs_text(inputs: list) -> str:
+    def dim(d):
+        if isinstance(d, int):
+            return str(d)
+        if "sym" in d:
+            hi = d["max"] if d["max"] is not None else "inf"
+            return f"{d['sym']}[{d['min']}..{hi}]"
+        return d["expr"]
+    return ", ".join(f"{i['name']}: {i['dtype']}[{', '.join(dim(d) for d in i['shape'])}]"
+                     for i in inputs)
+
+
+# --------------------------------------------------------------------------- reading
+def _open(path: Path) -> tuple[zipfile.ZipFile, dict]:
+    """The zip and its verified manifest; PackageError for anything else."""
+    try:
+        z = zipfile.ZipFile(path)
+    except FileNotFoundError:
+        raise PackageError(f"package {path} does not exist") from None
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise PackageError(f"{path} is not a Kwker package (not a readable zip file: {e}); "
+                           "it may be truncated or of another format") from None
+    try:
+        names = set(z.namelist())
+        if MANIFEST not in names or INTEGRITY not in names:
+            raise PackageError(f"{path} is not a Kwker package (no {MANIFEST})")
+        text = _read(z, path, MANIFEST)
+        if hashlib.sha256(text).hexdigest().encode() != _read(z, path, INTEGRITY).strip():
+            raise PackageError(f"package {path} is corrupted: {MANIFEST} does not match its "
+                               "checksum")
+        manifest = json.loads(text)
+        if not isinstance(manifest, dict) or "kwker_package" not in manifest:
+            raise PackageError(f"{path} is not a Kwker package")
+        if manifest["kwker_package"] != FORMAT:
+            raise PackageError(
+                f"package {path} has format {manifest['kwker_package']}, written by Kwker "
+                f"{manifest.get('versions', {}).get('kwker_package')}; this Kwker "
+                f"({__version__}) reads format {FORMAT}: package the model again with it")
+        return z, manifest
+    except PackageError:
+        z.close()
+        raise
+    except (ValueError, KeyError, zipfile.BadZipFile, OSError) as e:
+        z.close()
+        raise PackageError(f"package {path} is corrupted: {e}") from None
+
+
+def _read(z: zipfile.ZipFile, path: Path, name: str, digest: str | None = None) -> bytes:
+    try:
+        data = z.read(name)
+    except KeyError:
+        raise PackageError(f"package {path} is incomplete: it has no {name}") from None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise PackageError(f"package {path} is corrupted: {name}: {e}") from None
+    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+        raise PackageError(f"package {path} is corrupted: {name} does not match its checksum")
+    return data
+
+
+def package_specs(path) -> list:
+    """The kernel specs a package needs on this CPU (or ``KWKER_CPU``), for ``kwker-cache
+    prewarm --package``: those it records for this target; else (blocking depends on the ISA)
+    those its graph lowers to here, which compiles them into the kernel cache on the way."""
+    path = Path(path)
+    z, manifest = _open(path)
+    with z:
+        entry = _entry_for(manifest, host_target())
+        if entry is None:
+            blob = bytearray(_read(z, path, WEIGHTS, manifest["members"].get(WEIGHTS)))
+    if entry is not None:
+        _import_families(manifest)
+        return [spec_from_json(s) for s in entry["specs"]]
+    try:
+        return _lower(manifest["graph"], _tensors_from(manifest["weights"], blob))[2]
+    except ExportError as e:
+        raise PackageError(f"package {path} cannot be loaded here: {e}") from None
+
+
+def _entry_for(manifest: dict, target: Target) -> dict | None:
+    want = asdict(target)
+    return next((e for e in manifest["targets"] if e["target"] == want), None)
+
+
+def _import_families(manifest: dict) -> None:
+    import importlib
+    for module in (manifest.get("spec_modules") or {}).values():
+        if isinstance(module, str) and module.startswith("kwker."):
+            importlib.import_module(module)
+
+
+def load_package(path) -> "PackagedModel":
+    """The model in the package ``path``, ready to call. PackageError for a file that is not
+    an intact Kwker package, or one whose ops this torch lacks."""
+    path = Path(path)
+    z, manifest = _open(path)
+    with z:
+        digests = manifest["members"]
+        blob = bytearray(_read(z, path, WEIGHTS, digests.get(WEIGHTS)))
+        target = host_target()
+        entry = _entry_for(manifest, target)
+        if entry is not None:
+            kernel.provide({key: _read(z, path, member, digests.get(member))
+                            for key, member in entry["objects"].items()})
+    if entry is None:
+        built = ", ".join(e["describe"] for e in manifest["targets"])
+        log.warning("kwker: package %s has no code for this CPU, %s (it has %s): compiling its "
+                    "kernels into the kernel cache (kwker-cache prewarm --package does it "
+                    "ahead of time)", path, target.describe(), built)
+    try:
+        tensors = _tensors_from(manifest["weights"], blob)
+        program, report, _ = _lower(manifest["graph"], tensors)
+    except ExportError as e:
+        raise PackageError(f"package {path} cannot be loaded here: {e}") from None
+    return PackagedModel(path, manifest, program, report)
+
+
+# --------------------------------------------------------------------------- calling
+class PackagedModel:
+    """A loaded package: ``model(*inputs)`` runs its flat program under autograd off.
+
+    Inputs are checked before any kernel runs: their number, type, dtype, device, rank and
+    sizes (fixed ones exactly, dynamic ones in the exported range and equal wherever the
+    export tied them). ``report`` says which nodes run as Kwker kernels.
+    """
+
+    def __init__(self, path: Path, manifest: dict, program, report: Report):
+        self.path, self.report, self._program = path, report, program
+        graph = manifest["graph"]
+        self.inputs = graph["inputs"]
+        self.versions = manifest["versions"]
+        self._check = _checker(self.inputs)
+        tree = graph["out_tree"]
+        if tree_is_flat_tuple(tree):
+            self._wrap = tuple
+        elif isinstance(tree, dict) and "return_type" in tree and \
+                all(c == "leaf" for c in tree["items"]):
+            self._wrap = getattr(torch.return_types, tree["return_type"])
+        elif tree == "leaf":
+            self._wrap = _first
+        else:
+            self._wrap = lambda flat: build_tree(tree, iter(flat))
+
+    def __call__(self, *args):
+        args = self._check(args)
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            out = self._program(args)
+        finally:
+            torch._C._set_grad_enabled(prev)
+        return self._wrap(out)
+
+    def __repr__(self) -> str:
+        return (f"PackagedModel({str(self.path)!r}, inputs: {_inputs_text(self.inputs)}; "
+                f"{len(self.report.kernels)} Kwker kernels)")
+
+
+def _first(flat):
+    return flat[0]
+
+
+def _checker(inputs: list):
+    """A function validating a call's inputs (contiguous copies of strided ones)."""
+    names = ", ".join(i["name"] for i in inputs)
+    plan = []
+    for pos, i in enumerate(inputs):
+        dims = []
+        for d, s in enumerate(i["shape"]):
+            if isinstance(s, int):
+                dims.append((d, s, None, None, None))
+            elif "sym" in s:
+                dims.append((d, None, s["sym"], s["min"], s["max"]))
+        plan.append((pos, i["name"], getattr(torch, i["dtype"]), i["device"], len(i["shape"]),
+                     i["shape"], tuple(dims)))
+    n = len(plan)
+    tensor = torch.Tensor
+
+    def check(args):
+        if len(args) != n:
+            raise TypeError(f"the packaged model takes {n} input(s) ({names}), "
+                            f"got {len(args)}")
+        out = list(args)
+        syms = {}
+        for pos, name, dtype, device, rank, shape, dims in plan:
+            a = args[pos]
+            if not isinstance(a, tensor):
+                raise TypeError(f"input {name!r} must be a Tensor, not {type(a).__name__}")
+            if a.dtype != dtype or a.device.type != device or a.dim() != rank:
+                raise RuntimeError(
+                    f"input {name!r} must be a {device} {dtype} tensor of rank {rank} "
+                    f"({_shape_text(shape)}), got a {a.device.type} {a.dtype} tensor of shape "
+                    f"{tuple(a.shape)}")
+            size = a.shape
+            for d, fixed, sym, lo, hi in dims:
+                v = size[d]
+                if fixed is not None:
+                    if v != fixed:
+                        raise RuntimeError(f"input {name!r} must have size {fixed} in dim {d} "
+                                           f"({_shape_text(shape)}), got {tuple(size)}")
+                    continue
+                if v < lo or (hi is not None and v > hi):
+                    raise RuntimeError(
+                        f"input {name!r}: dim {d} ({sym}) must be in {lo}..{hi}, the range "
+                        f"it was exported with, got {v}")
+                seen = syms.setdefault(sym, (v, name))
+                if seen[0] != v:
+                    raise RuntimeError(f"input {name!r}: dim {d} ({sym}) is {v}, but input "
+                                       f"{seen[1]!r} has {seen[0]} in the same dim of the "
+                                       "export")
+            if not a.is_contiguous():
+                out[pos] = a.contiguous()
+        return out
+    return check
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(str(s) if isinstance(s, int) else s.get("sym", s.get("expr", "?"))
+                           for s in shape) + "]"
