@@ -56,14 +56,23 @@ from models_overhead import (OVERHEAD_METHOD, OVERHEAD_ROWS,  # noqa: F401 - re-
 from peers import (NOT_INSTALLED, PEER_BUILDERS, PEER_MODULES, PEERS, SETTLE,  # noqa: F401
                    _quiet, export_onnx, onnxruntime_call, openvino_call, peer_missing)
 
-VARIANTS = ("eager", "inductor", "kwker_eager", "kwker")
+VARIANTS = ("eager", "inductor", "kwker_eager", "kwker", "kwker_package")
 LABELS = {"eager": "PyTorch eager", "inductor": "Inductor", "kwker_eager": "Kwker inner=eager",
-          "kwker": "Kwker (default)", "onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
+          "kwker": "Kwker (default)", "kwker_package": "Kwker package",
+          "onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
+_PACKAGES = tempfile.TemporaryDirectory(prefix="kwker-bench-pkg-")
 
 
-def compile_variant(model, variant: str):
+def compile_variant(model, variant: str, inputs=None):
+    """``model`` as ``variant`` runs it; ``kwker_package``: exported at ``inputs``' sizes,
+    packaged (kwker.package) and loaded back (kwker.load_package)."""
     if variant == "eager":
         return model
+    if variant == "kwker_package":
+        import kwker
+        ep = torch.export.export(model, tuple(inputs))
+        path = Path(_PACKAGES.name) / f"model{len(os.listdir(_PACKAGES.name))}.kwk"
+        return kwker.load_package(kwker.package(ep, path))
     if variant == "inductor":
         return torch.compile(model)
     options = {"inner": "eager"} if variant == "kwker_eager" else None
@@ -79,7 +88,7 @@ def probe(name: str, variant: str) -> None:
     t1 = time.perf_counter()
     model, inputs = build(name)
     t2 = time.perf_counter()
-    compiled = compile_variant(model, variant)
+    compiled = compile_variant(model, variant, inputs)
     with torch.no_grad():
         compiled(*inputs)
     t3 = time.perf_counter()
@@ -147,7 +156,7 @@ def speed(name: str, reps: int, rounds: int, peers=PEERS) -> dict:
                 row["peers"][peer] = {"skipped": why}
         for variant in VARIANTS:
             torch._dynamo.reset()
-            fn = compile_variant(model, variant)
+            fn = compile_variant(model, variant, inputs)
             got = fn(*inputs)
             row["check"][variant] = "ok" if variant == "eager" else check(name, expected, got)
             if variant == "kwker_eager":
@@ -186,7 +195,8 @@ def table(rows, markdown=True):
         ms = r["ms"]
         ct = r.get("compile", {})
         bad = [f"{v}: {c}" for v, c in r["check"].items() if v in VARIANTS and c != "ok"]
-        body.append([r["model"], *(common.fmt_ms(ms[v] / 1e3) for v in VARIANTS),
+        body.append([r["model"], *(common.fmt_ms(ms[v] / 1e3) if v in ms else "—"
+                                   for v in VARIANTS),
                      _x(_ratio(ms, "eager", "kwker_eager")), _x(_ratio(ms, "eager", "kwker")),
                      *(f"{_s(ct.get(v, {}).get('cold'))} / {_s(ct.get(v, {}).get('warm'))}"
                        if v in ct else "—" for v in ("inductor", "kwker_eager", "kwker")),

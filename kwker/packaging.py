@@ -377,18 +377,16 @@ def _first(flat):
 
 
 def _checker(inputs: list):
-    """A function validating a call's inputs (contiguous copies of strided ones)."""
+    """A function validating a call's inputs (contiguous copies of strided ones); the common
+    case costs a few attribute reads per input, the messages are built only on failure."""
     names = ", ".join(i["name"] for i in inputs)
     plan = []
     for pos, i in enumerate(inputs):
-        dims = []
-        for d, s in enumerate(i["shape"]):
-            if isinstance(s, int):
-                dims.append((d, s, None, None, None))
-            elif "sym" in s:
-                dims.append((d, None, s["sym"], s["min"], s["max"]))
-        plan.append((pos, i["name"], getattr(torch, i["dtype"]), i["device"], len(i["shape"]),
-                     i["shape"], tuple(dims)))
+        fixed = tuple((d, s) for d, s in enumerate(i["shape"]) if isinstance(s, int))
+        syms = tuple((d, s["sym"], s["min"], s["max"]) for d, s in enumerate(i["shape"])
+                     if isinstance(s, dict) and "sym" in s)
+        plan.append((pos, i, getattr(torch, i["dtype"]), i["device"] == "cpu",
+                     len(i["shape"]), fixed, syms))
     n = len(plan)
     tensor = torch.Tensor
 
@@ -397,37 +395,46 @@ def _checker(inputs: list):
             raise TypeError(f"the packaged model takes {n} input(s) ({names}), "
                             f"got {len(args)}")
         out = list(args)
-        syms = {}
-        for pos, name, dtype, device, rank, shape, dims in plan:
+        seen = {}
+        for pos, spec, dtype, cpu, rank, fixed, syms in plan:
             a = args[pos]
             if not isinstance(a, tensor):
-                raise TypeError(f"input {name!r} must be a Tensor, not {type(a).__name__}")
-            if a.dtype != dtype or a.device.type != device or a.dim() != rank:
-                raise RuntimeError(
-                    f"input {name!r} must be a {device} {dtype} tensor of rank {rank} "
-                    f"({_shape_text(shape)}), got a {a.device.type} {a.dtype} tensor of shape "
-                    f"{tuple(a.shape)}")
+                raise TypeError(f"input {spec['name']!r} must be a Tensor, not "
+                                f"{type(a).__name__}")
+            if a.dtype is not dtype or a.is_cpu is not cpu or a.dim() != rank:
+                _refuse(spec, a)
             size = a.shape
-            for d, fixed, sym, lo, hi in dims:
+            for d, want in fixed:
+                if size[d] != want:
+                    _refuse(spec, a)
+            for d, sym, lo, hi in syms:
                 v = size[d]
-                if fixed is not None:
-                    if v != fixed:
-                        raise RuntimeError(f"input {name!r} must have size {fixed} in dim {d} "
-                                           f"({_shape_text(shape)}), got {tuple(size)}")
-                    continue
                 if v < lo or (hi is not None and v > hi):
                     raise RuntimeError(
-                        f"input {name!r}: dim {d} ({sym}) must be in {lo}..{hi}, the range "
-                        f"it was exported with, got {v}")
-                seen = syms.setdefault(sym, (v, name))
-                if seen[0] != v:
-                    raise RuntimeError(f"input {name!r}: dim {d} ({sym}) is {v}, but input "
-                                       f"{seen[1]!r} has {seen[0]} in the same dim of the "
-                                       "export")
+                        f"input {spec['name']!r}: dim {d} ({sym}) must be in {lo}..{hi}, the "
+                        f"range it was exported with, got {v}")
+                first = seen.setdefault(sym, (v, spec["name"]))
+                if first[0] != v:
+                    raise RuntimeError(
+                        f"input {spec['name']!r}: dim {d} ({sym}) is {v}, but input "
+                        f"{first[1]!r} has {first[0]} in the same dim of the export")
             if not a.is_contiguous():
                 out[pos] = a.contiguous()
         return out
     return check
+
+
+def _refuse(spec: dict, a: torch.Tensor):
+    shape = spec["shape"]
+    want = f"a {spec['device']} {spec['dtype']} tensor of shape {_shape_text(shape)}"
+    got = f"a {a.device.type} {str(a.dtype).removeprefix('torch.')} tensor of shape " \
+          f"{list(a.shape)}"
+    if a.dim() == len(shape) and a.dtype == getattr(torch, spec["dtype"]) and \
+            a.device.type == spec["device"]:
+        d = next(d for d, s in enumerate(shape) if isinstance(s, int) and a.shape[d] != s)
+        raise RuntimeError(f"input {spec['name']!r} must have size {shape[d]} in dim {d}: "
+                           f"expected {want}, got {got}")
+    raise RuntimeError(f"input {spec['name']!r}: expected {want} (rank {len(shape)}), got {got}")
 
 
 def _shape_text(shape) -> str:

@@ -265,13 +265,22 @@ def test_programs_a_package_cannot_hold_are_refused_at_package_time(tmp_path):
 
 
 def test_extra_target_strings(tmp_path):
-    """``cpu:features`` targets are taken as given; the host is never duplicated."""
+    """``cpu:features`` targets are taken as given, the host is never duplicated, and code for
+    a CPU with features this one lacks (AVX-512 and AMX here) is compiled without being run."""
     model = torch.nn.Linear(16, 8).eval()
     ep = torch.export.export(model, (torch.randn(2, 16),))
     host = host_target()
     path = kwker.package(ep, tmp_path / "lin.kwk",
-                         targets=[host.cpu + ":" + host.features, f"{OTHER_CPU}:+avx2,+fma"])
+                         targets=[host.cpu + ":" + host.features, f"{OTHER_CPU}:+avx2,+fma",
+                                  "sapphirerapids"])
     with zipfile.ZipFile(path) as z:
-        targets = json.loads(z.read("kwker-package.json"))["targets"]
-    assert [t["target"]["cpu"] for t in targets] == [host.cpu, OTHER_CPU]
+        manifest = json.loads(z.read("kwker-package.json"))
+        objects = [n for n in z.namelist() if n.startswith("objects/")]
+    targets = manifest["targets"]
+    assert [t["target"]["cpu"] for t in targets] == [host.cpu, OTHER_CPU, "sapphirerapids"]
     assert targets[1]["target"]["features"] == "+avx2,+fma"
+    assert "+avx512f" in targets[2]["target"]["features"]
+    assert len(objects) == sum(len(t["objects"]) for t in targets) and all(
+        t["objects"] for t in targets)
+    x = torch.randn(2, 16)
+    assert_close(kwker.load_package(path)(x), model(x))
