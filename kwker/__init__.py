@@ -6,7 +6,8 @@ is loaded only by the modules that need it.
 """
 __version__ = "0.1.0"
 
-_PACKAGE_API = ("package", "load_package", "package_specs", "PackageError", "PackagedModel")
+_PACKAGE_API = ("package", "load_package", "package_specs", "exported_program", "PackageError",
+                "PackagedModel")
 
 
 def __getattr__(name: str):

@@ -54,7 +54,8 @@ MANIFEST, INTEGRITY, WEIGHTS, EXPORTED = ("kwker-package.json", "INTEGRITY", "we
                                           "exported.pt2")
 ALIGN = 64
 
-__all__ = ["PackageError", "PackagedModel", "load_package", "package", "package_specs"]
+__all__ = ["PackageError", "PackagedModel", "exported_program", "load_package", "package",
+           "package_specs"]
 
 
 class PackageError(RuntimeError):
@@ -291,6 +292,20 @@ def package_specs(path) -> list:
         return _lower(manifest["graph"], _tensors_from(manifest["weights"], blob))[2]
     except ExportError as e:
         raise PackageError(f"package {path} cannot be loaded here: {e}") from None
+
+
+def exported_program(path):
+    """The ``torch.export`` program stored in the package (to re-lower it, e.g. with another
+    Kwker version), checked against its hash. Its output structure is a flat tuple where
+    ``torch.export.save`` could not store the model's own (``torch.return_types``)."""
+    path = Path(path)
+    z, manifest = _open(path)
+    with z:
+        name = manifest.get("exported")
+        if not name:
+            raise PackageError(f"package {path} holds no exported program")
+        data = _read(z, path, name, manifest["members"].get(name))
+    return torch.export.load(io.BytesIO(data))
 
 
 def _entry_for(manifest: dict, target: Target) -> dict | None:

@@ -86,6 +86,15 @@ def test_output_structure_is_the_models(ranker_package, tmp_path):
     assert r.stdout.split()[0] == "topk" and "[3, 10]" in r.stdout
 
 
+def test_the_exported_program_is_kept(ranker_package):
+    """Off the load path, for re-lowering: the same graph, answering as the model does."""
+    model, path = ranker_package
+    ep = kwker.exported_program(path)
+    x = torch.randn(5, 64)
+    values, indices = ep.module()(x)
+    assert torch.equal(values, model(x).values) and torch.equal(indices, model(x).indices)
+
+
 def test_bad_inputs_are_refused_with_a_message(ranker_package, tmp_path):
     _, path = ranker_package
     cases = [(), (torch.randn(2, 64), torch.randn(2, 64)), ([[0.0] * 64],),
