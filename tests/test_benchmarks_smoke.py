@@ -180,3 +180,48 @@ def test_dynamic_problems_report_wrong_tokens_and_memory(bd):
     assert bd.problems({"mlp": {"spec": spec}})[0].startswith("mlp/spec: the reference")
     assert bd.problems({"mlp": {"kwker": _sweep({3: 1.0}, err=1.0)}})[0].startswith(
         "mlp/kwker: max abs error")
+
+
+# ------------------------------------------------------------------ bench_package.py harness
+@pytest.fixture(scope="module")
+def bp():
+    yield from _bench_module("bench_package")
+
+
+def test_package_overhead_is_the_call_without_its_kernels(bp, tmp_path):
+    """The stubbed package answers exactly as the real one (stored kernel answers), so what it
+    costs is everything but the kernels."""
+    import copy
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 8)).eval()
+    import kwker
+    pkg = kwker.load_package(bp.build_package(model, 32, 16, tmp_path))
+    x = torch.randn(3, 32)
+    call, over = bp.overhead_us(pkg, x, reps=2)
+    assert 0 < over < call
+    with torch.no_grad():
+        torch.testing.assert_close(pkg(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def _call_row(model, batch, us, over=1.0):
+    return {"model": model, "batch": batch, "us": us,
+            "ratios": {k: v / us["package"] for k, v in us.items()},
+            "overhead": {"call_us": us["package"], "over_us": over}, "kernels": []}
+
+
+def test_package_targets_can_fail(bp):
+    start = {"total": 0.3, "dynamo": False, "compiles": 0, "import_torch": 1.0, "load": 0.3,
+             "first_call": 0.001, "packaged": 3, "package_mb": 1.0}
+    good = [_call_row("Ranker", 1, {"package": 50.0, "kwker_eager": 80.0, "onnxruntime": 90.0}),
+            _call_row("MLP", 1, {"package": 100.0, "kwker_eager": 140.0, "read_floor": 90.0})]
+    assert all(t["met"] for t in bp.targets(good, start))
+    bad = [_call_row("Ranker", 1, {"package": 50.0, "kwker_eager": 60.0, "onnxruntime": 90.0},
+                     over=9.0)]
+    missed = [t["what"] for t in bp.targets(bad, dict(start, dynamo=True)) if not t["met"]]
+    assert any("inner=eager" in w for w in missed) and any("over the kernels" in w
+                                                           for w in missed)
+    assert any("fresh process" in w for w in missed)
+    md = bp.markdown({"machine": {"cpu": "x", "cores": 2, "torch": "t", "threads": 2,
+                                  "python": "3", "date": "d"}, "calls": good,
+                      "startup": start, "targets": bp.targets(good, start)})
+    assert "| Ranker | 1 | 50.0 | 80.0 (1.60x)" in md and "floor" in md
