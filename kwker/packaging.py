@@ -140,7 +140,9 @@ def _tensors_from(layout: list, blob: bytearray) -> dict:
             out[w["name"]] = torch.empty(w["shape"], dtype=dtype)
             continue
         t = torch.frombuffer(blob, dtype=dtype, count=numel, offset=w["offset"])
-        out[w["name"]] = t.view(w["shape"])
+        # a storage of its own: what only kernels read (packed into them) is freed after
+        # lowering, instead of the whole file's weights staying alive through one buffer
+        out[w["name"]] = t.view(w["shape"]).clone()
     return out
 
 
@@ -191,7 +193,7 @@ def _specs_for(target: Target, doc: dict, layout: list, blob: bytearray) -> list
         code = ("import json, sys; from kwker.packaging import _child_specs; "
                 "print(json.dumps(_child_specs(sys.argv[1])))")
         r = subprocess.run([sys.executable, "-c", code, str(src)], env=env,
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"kwker: lowering for {target.describe()} failed:\n{r.stderr[-2000:]}")
     return [spec_from_json(s) for s in json.loads(r.stdout.strip().splitlines()[-1])]
@@ -320,7 +322,7 @@ def _import_families(manifest: dict) -> None:
             importlib.import_module(module)
 
 
-def load_package(path) -> "PackagedModel":
+def load_package(path) -> PackagedModel:
     """The model in the package ``path``, ready to call. PackageError for a file that is not
     an intact Kwker package, or one whose ops this torch lacks."""
     path = Path(path)

@@ -28,17 +28,26 @@ computed by the bf16 GEMM micro-kernel (``vdpbf16ps`` or widened FMAs, float32 s
 to bf16 as the unfused linear rounds it, into a bf16 tile; the heap compares those rounded scores
 widened to float32 (exact), which is how ATen's top-k compares bf16 values, so the indices are
 ``torch.topk``'s on the bf16 scores. Values are written as bf16.
+
+Screening (float32 with AVX512_BF16): the tile is first computed approximately and only the
+columns whose approximation plus a rigorous error bound could beat the heap root are rescored in
+float32 (``emit_dot``). ``approx="bf16"``: bf16 weights and ``vdpbf16ps``. ``approx="int8"``
+(one to four rows, where the screening is bound by the bytes it reads): int8 weights and
+``vpdpbusd``, half the bytes; see topk_int8.py for its bound. Survivors are rescored either way,
+so results are exact.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from . import bf16 as bf, simd, vmath
+from . import bf16 as bf
+from . import simd, vmath
 from .gemm_bf16 import bound_factor, emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
 from .heap import Heap, lt
 from .irutil import Fn, const, f32, i1, i32, i64, intrinsic, new_module, ptr, void
+from .topk_int8 import MAX_INT8_K, emit_micro_int8, emit_pack_int8
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -59,6 +68,8 @@ class _Emitter:
         self.np = _cdiv(s.n, s.nr)
         self.nr_edge = s.n - (self.np - 1) * s.nr
         self.bf16 = s.approx == "bf16"
+        self.int8 = s.approx == "int8"
+        self.screen = self.bf16 or self.int8
         self.half = s.dtype == "bf16"  # bf16 operands and scores (not the bf16 screening)
         if self.half and (self.bf16 or s.k_dim % 2):
             raise ValueError("kwker topk: bf16 scores need an even K and no screening")
@@ -68,6 +79,13 @@ class _Emitter:
         self.kw = s.k_dim // 2 if self.half else s.k_dim  # k steps (words) of x and W
         if self.bf16 and not (target.has("avx512bf16") and self.L == 16 and s.nr % 16 == 0):
             raise ValueError("kwker topk: bf16 screening needs AVX512_BF16 and 16-lane panels")
+        if self.int8 and not (self.L == 16 and s.nr % 16 == 0 and s.m and s.mr >= s.m
+                              and s.k_dim <= MAX_INT8_K and not self.half):
+            raise ValueError("kwker topk: int8 screening needs 16-lane panels, one row tile "
+                             f"and K <= {MAX_INT8_K}")
+        # k words of a packed A row: k pairs (bf16), k quads (int8), else k steps
+        self.kwa = _cdiv(s.k_dim, 4) if self.int8 else (s.k_dim + 1) // 2 if self.bf16 else \
+            self.kw
         self.heap = Heap(self.module, s.largest)
         self.malloc = intrinsic(self.module, "malloc", ptr, [i64])
         self.free = intrinsic(self.module, "free", void, [ptr])
@@ -120,16 +138,21 @@ class _Emitter:
             simd.store_scalar(b, const(i64, 0), cnt, r)
             simd.store_scalar(b, const(i64, 0), nlog, r)
 
-        kp = (s.k_dim + 1) // 2
-        a_floats = _mul(b, _add(b, m, s.mr), kp if self.bf16 else self.kw)
-        raw_a = b.call(self.malloc, [_v(_add(b, _mul(b, _add(b, a_floats, m), 4), 128))])
+        kp = self.kwa
+        a_floats = _mul(b, _add(b, m, s.mr), kp)
+        raw_a = b.call(self.malloc, [_v(_add(b, _mul(b, _add(b, a_floats, _mul(b, m, 4)), 4),
+                                             128))])
         # the float32 tile, and after it the bf16 tile of rounded scores (bf16 operands)
         raw_t = b.call(self.malloc, [const(i64, s.mr * s.nr * 6 + 128)])
         ap, tile = _align64(b, raw_a), _align64(b, raw_t)
         scores = simd.gep(b, tile, const(i64, s.mr * s.nr + 16)) if self.half else tile
-        qnorm = simd.gep(b, ap, _v(_add(b, a_floats, 16)))  # |x_row|, bf16 screening only
+        # |x_row| (bf16 screening), or 4 words of quantisation data per row (int8)
+        qnorm = simd.gep(b, ap, _v(_add(b, a_floats, 16)))
         x_rows = simd.gep(b, x, b.mul(row0, const(i64, self.kw)))
-        if self.bf16 and s.m:
+        if self.int8:
+            b.call(emit_pack_int8(self.module, s.mr, s.k_dim),
+                   [x_rows, b.sub(row1, row0), ap, qnorm])
+        elif self.bf16 and s.m:
             b.call(emit_pack_bf16(self.module, s.mr, s.k_dim),
                    [x_rows, b.sub(row1, row0), ap, qnorm])
         elif self.bf16:
@@ -140,9 +163,9 @@ class _Emitter:
         nullp = ir.Constant(ptr, None)
         log_base = b.mul(q0.get(), const(i64, s.nr))
         state = (hv, hi, cnt, nlog, logv, logi, b.zext(split_cols, i64), log_base)
-        a_tile_size = s.mr * (kp if self.bf16 else self.kw)
+        a_tile_size = s.mr * kp
         with f.for_range(q0.get(), q1.get(), name="q") as q:
-            wq = simd.gep(b, w, b.mul(q, const(i64, (kp if self.bf16 else self.kw) * s.nr)))
+            wq = simd.gep(b, w, b.mul(q, const(i64, kp * s.nr)))
             with f.for_range(t0.get(), t1.get(), name="t") as t:
                 a_tile = simd.gep(b, ap, b.mul(b.sub(t, t0.get()), const(i64, a_tile_size)))
                 row_t = b.mul(t, const(i64, s.mr))
@@ -150,11 +173,13 @@ class _Emitter:
                 def filter_rows(rows, cols):
                     with f.for_range(0, rows, name="fr") as r:
                         extra = []
-                        if self.bf16:
+                        if self.screen:
                             i_rel = b.sub(b.add(row_t, r), row0)
+                            qn = simd.gep(b, qnorm, b.mul(i_rel, const(i64, 4))) if self.int8 \
+                                else simd.load_scalar(b, qnorm, i_rel)
                             extra = [simd.gep(b, x, b.mul(b.add(row_t, r),
                                                           const(i64, s.k_dim))),
-                                     simd.load_scalar(b, qnorm, i_rel), w_exact, evec]
+                                     qn, w_exact, evec]
                         b.call(self.filter_row, [
                             simd.gep(b, scores, b.mul(r, const(i64, s.nr)),
                                      ir.IntType(16) if self.half else f32),
@@ -164,7 +189,10 @@ class _Emitter:
                 cols = b.select(last_q, const(i64, self.nr_edge), const(i64, s.nr))
                 last_t = b.icmp_signed("==", t, _v(_add(b, mt, -1)))
                 rows_v = b.select(last_t, _v(mr_edge), const(i64, s.mr))
-                if self.bf16 and s.m:  # zero-padded operands: one full-tile variant
+                if self.int8:
+                    b.call(emit_micro_int8(self.module, s.mr, s.nr // 16, s.nr, kp),
+                           [a_tile, wq, tile])
+                elif self.bf16 and s.m:  # zero-padded operands: one full-tile variant
                     b.call(emit_micro_bf16(self.module, s.mr, s.nr // 16, s.nr),
                            [a_tile, wq, tile, const(i64, kp)])
                 elif self.bf16:  # the edge tile is packed at its height
@@ -183,13 +211,12 @@ class _Emitter:
                     if not s.m:  # generic: one filter per column variant, not per tile variant
                         for ncols in _variants(f, cols, s.nr, self.nr_edge, last_q):
                             filter_rows(rows_v, const(i64, ncols))
-                if self.bf16:
+                if self.screen:
                     filter_rows(rows_v, cols)
         # row mode: this thread's rows are final
-        with f.if_(b.not_(split_cols)):
-            with f.for_range(row0, row1, name="out") as r:
-                self.emit_output(f, r, simd.gep(b, hv, b.mul(r, const(i64, s.k))),
-                                 simd.gep(b, hi, b.mul(r, const(i64, s.k)), i32), vals, idx)
+        with f.if_(b.not_(split_cols)), f.for_range(row0, row1, name="out") as r:
+            self.emit_output(f, r, simd.gep(b, hv, b.mul(r, const(i64, s.k))),
+                             simd.gep(b, hi, b.mul(r, const(i64, s.k)), i32), vals, idx)
         b.call(self.free, [raw_a])
         b.call(self.free, [raw_t])
         return f.finish()
@@ -225,11 +252,11 @@ class _Emitter:
         a lane survives if approx +- e_j |q| can beat the root, and survivors are rescored in
         float32 before the exact heap step."""
         s, L = self.s, self.L
-        extra_t = [ptr, f32, ptr, ptr] if self.bf16 else []
+        extra_t = [ptr, ptr if self.int8 else f32, ptr, ptr] if self.screen else []
         f = Fn(self.module, f"{s.symbol}.filter_row", void,
                [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64] + extra_t,
                ["row", "i", "col0", "cols", "hv", "hi", "cnt", "nlog", "logv", "logi",
-                "logging", "log_base"] + (["xrow", "qn", "wx", "ev"] if self.bf16 else []))
+                "logging", "log_base"] + (["xrow", "qn", "wx", "ev"] if self.screen else []))
         f.fn.attributes.add("alwaysinline")  # once per tile row: a call of 12+ args per row
         b = f.b
         row, i, col0, cols, hv, hi, cnt, nlog, logv, logi, logging, log_base = f.args[:12]
@@ -238,9 +265,15 @@ class _Emitter:
         rhi = simd.gep(b, hi, b.mul(i, k), i32)
         rcnt = simd.gep(b, cnt, i, i64)
         log = (nlog, logv, logi, b.icmp_signed("!=", logging, const(i64, 0)), log_base)
-        if self.bf16:
+        if self.screen:
             xrow, qn, wx, ev = f.args[12:]
             dot = emit_dot(self.module, s.k_dim, L)
+        if self.int8:  # qn: the row's (t, alpha, beta, 128 sum q8) (emit_pack_int8)
+            t_v, al_v, be_v = (simd.broadcast(b, simd.load_scalar(b, qn, const(i64, j)), L)
+                               for j in range(3))
+            c_v = simd.broadcast(b, simd.load_scalar(b, qn, const(i64, 3), i32), L)
+            slack_v = simd.broadcast(b, ir.Constant(f32, (s.k_dim + 64) * 2.0 ** -122), L)
+        elif self.bf16:
             # denormals (flushed by vdpbf16ps) add at most 2^-126 K (|w| + |q| + 1); with
             # e_j = c |w_j| that is e_j * C1 + (|q| + 1) * C2
             c1, c2 = 2.0 ** -126 * s.k_dim / bound_factor(s.k_dim), 2.0 ** -126 * s.k_dim * 1.01
@@ -250,7 +283,7 @@ class _Emitter:
 
         def push(c):
             j = b.add(col0, c)
-            if self.bf16:
+            if self.screen:
                 v = b.call(dot, [xrow, simd.gep(b, wx, b.mul(j, const(i64, s.k_dim)))])
             elif self.half:
                 v = bf.widen_scalar(b, simd.load_scalar(b, row, c, ir.IntType(16)))
@@ -258,32 +291,62 @@ class _Emitter:
                 v = simd.load_scalar(b, row, c)
             self.push(f, i, rhv, rhi, rcnt, v, j, log)
 
-        full = b.icmp_signed(">=", b.load(rcnt, typ=i64), k)
-        with f.if_else(full, likely=True) as (fast, slow):
-            with fast:
-                for v in range(s.nr // L):
-                    live = simd.lane_mask(b, L, b.sub(cols, const(i64, v * L)))
-                    xv = bf.load(b, row, const(i64, v * L), L, mask=live) if self.half else \
-                        simd.load_vec(b, row, const(i64, v * L), L)
-                    thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
-                    if self.bf16:
-                        e = vmath.fma(b, simd.masked_load(b, ev, b.add(col0, const(i64, v * L)),
-                                                          live, L), qn_v, slack_v)
-                        hit = b.fcmp_unordered(">", b.fadd(xv, e), thr) if s.largest else \
-                            b.fcmp_unordered("<", b.fsub(xv, e), thr)
-                    else:
-                        hit = lt(b, xv, thr, s.largest)
-                    hit = b.and_(hit, live)
-                    word = f.var(i64, b.zext(b.bitcast(hit, ir.IntType(L)), i64), "bits")
-                    with f.while_(lambda: b.icmp_unsigned("!=", word.get(), const(i64, 0))):
-                        wv = word.get()
-                        lane = f.call_intrinsic("llvm.cttz.i64", i64, [wv, const(i1, 0)])
-                        word.set(b.and_(wv, b.sub(wv, const(i64, 1))))
-                        push(b.add(const(i64, v * L), lane))
-            with slow:
-                with f.for_range(0, cols, name="c") as c:
-                    push(c)
+        # until the heap is full every element enters it (no screening); from the column where
+        # it fills, the rest of the tile is screened: a first tile is not rescored whole
+        start = f.var(i64, const(i64, 0), "start")
+        with f.if_(b.icmp_signed("<", b.load(rcnt, typ=i64), k), likely=False):
+            with f.while_(lambda: b.and_(b.icmp_signed("<", start.get(), cols),
+                                         b.icmp_signed("<", b.load(rcnt, typ=i64), k))):
+                push(start.get())
+                start.set(b.add(start.get(), const(i64, 1)))
+        first = start.get()
+        for v in range(s.nr // L):
+            live = simd.lane_mask(b, L, b.sub(cols, const(i64, v * L)))
+            xv = bf.load(b, row, const(i64, v * L), L, mask=live) if self.half else \
+                simd.load_vec(b, row, const(i64, v * L), L)
+            thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
+            if self.int8:
+                xv, e = self.int8_approx(b, row, ev, col0, v, live, t_v, al_v, be_v, c_v,
+                                         slack_v)
+            elif self.bf16:
+                e = vmath.fma(b, simd.masked_load(b, ev, b.add(col0, const(i64, v * L)),
+                                                  live, L), qn_v, slack_v)
+            if self.screen:
+                hit = b.fcmp_unordered(">", b.fadd(xv, e), thr) if s.largest else \
+                    b.fcmp_unordered("<", b.fsub(xv, e), thr)
+            else:
+                hit = lt(b, xv, thr, s.largest)
+            hit = b.and_(hit, live)
+            bits = b.zext(b.bitcast(hit, ir.IntType(L)), i64)
+            # lanes before the first screened column were pushed above
+            skip = b.sub(first, const(i64, v * L))
+            skip = b.select(b.icmp_signed("<", skip, const(i64, 0)), const(i64, 0),
+                            b.select(b.icmp_signed(">", skip, const(i64, L)), const(i64, L),
+                                     skip))
+            bits = b.and_(bits, b.shl(const(i64, -1), skip))
+            word = f.var(i64, bits, "bits")
+            with f.while_(lambda: b.icmp_unsigned("!=", word.get(), const(i64, 0))):
+                wv = word.get()
+                lane = f.call_intrinsic("llvm.cttz.i64", i64, [wv, const(i1, 0)])
+                word.set(b.and_(wv, b.sub(wv, const(i64, 1))))
+                push(b.add(const(i64, v * L), lane))
         return f.finish()
+
+    def int8_approx(self, b, row, ev, col0, v, live, t_v, al_v, be_v, c_v, slack_v):
+        """int8 screening of 16 lanes: (approx score, its bound e). The tile holds
+        sum_i (w8_ij + 128) q8_i; less 128 sum_i q8_i that is D = q8 . w8, exact in float32
+        (|D| <= K 127^2 < 2^24), and approx = D s_j t = q^ . w^. ``ev`` is (s_j, E1_j, E2_j)
+        by column; e = alpha E1_j + beta E2_j + slack (see ``emit_pack_int8``)."""
+        L, n = self.L, self.s.n
+        acc = b.load(simd.gep(b, row, const(i64, v * L), i32), typ=ir.VectorType(i32, L),
+                      align=4)
+        d = b.sitofp(b.sub(acc, c_v), simd.vty(L))
+        col = b.add(col0, const(i64, v * L))
+        sj, e1, e2 = (simd.masked_load(b, ev, b.add(col, const(i64, j * n)), live, L)
+                      for j in range(3))
+        approx = b.fmul(b.fmul(d, sj), t_v)
+        e = b.fadd(vmath.fma(b, e1, al_v, b.fmul(e2, be_v)), slack_v)
+        return approx, e
 
     def push(self, f, i, rhv, rhi, rcnt, v, col, log):
         """One exact heap step; in column mode, log the element if it entered the heap."""

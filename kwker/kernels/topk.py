@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..codegen.fused_topk import MAX_INT8_K
 from ..codegen.gemm_bf16 import bound_factor
 from ..runtime.target import host_target
 from . import blocking
@@ -14,6 +15,11 @@ from .linear import make_linear, pack_bf16_panels, pack_panels
 from .specs import TopkGemmSpec
 
 MIN_BF16_K = 32  # below this the float32 rescoring of survivors costs more than screening saves
+MAX_INT8_ROWS = 4  # up to this many rows (one row tile) the screening reads int8 weights
+# CPUs LLVM knows with AVX512_VNNI (every AVX512_BF16 CPU has it; the target lists only some
+# features, so the name is what tells)
+VNNI_CPUS = ("cooperlake", "sapphirerapids", "emeraldrapids", "graniterapids",
+             "graniterapids-d", "diamondrapids", "znver4", "znver5")
 
 
 def _tile(m: int | None, bf16: bool) -> tuple[int, int]:
@@ -33,6 +39,35 @@ def _bounds(w: torch.Tensor) -> torch.Tensor:
     norms = torch.linalg.vector_norm(w.detach().double(), dim=1)
     e = (norms * bound_factor(w.shape[1]) * (1 + 2.0 ** -20)).float()
     return torch.nextafter(e, torch.full_like(e, math.inf)).contiguous()
+
+
+def _int8_pack(w: torch.Tensor, nr: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 screening data of float32 (N, K) weights: panels of int32 words (panels,
+    ceil(K/4), nr), four bytes w8 + 128 per column (w8 = round(w / s_j) in [-127, 127], s_j =
+    max|w_j| / 127, never subnormal; zero past N and K), and float32 (3, N) by column: s_j,
+    E1_j >= |w_j - s_j w8_j| and E2_j >= |s_j w8_j| (normal floats, rounded up). A row with
+    inf or NaN or a norm past 2^60 gets E1_j = NaN: it always passes (codegen/fused_topk.py
+    emit_pack_int8 has the bound)."""
+    n, k = w.shape
+    kq, npan = -(-k // 4), -(-n // nr)
+    wd = w.detach().double()
+    ok = torch.isfinite(wd).all(dim=1)
+    wd = torch.where(ok[:, None], wd, 0.0)
+    ok &= torch.linalg.vector_norm(wd, dim=1) <= 2.0 ** 60
+    wd = torch.where(ok[:, None], wd, 0.0)
+    s = (wd.abs().amax(dim=1) / 127).float().clamp(min=2.0 ** -100)
+    w8 = (wd / s.double()[:, None]).round().clamp(-127, 127)
+    what = w8 * s.double()[:, None]
+
+    def up(e):
+        e = (e * (1 + 2.0 ** -30)).clamp(min=2.0 ** -126).float()
+        return torch.nextafter(e, torch.full_like(e, math.inf))
+    e1 = torch.where(ok, up(torch.linalg.vector_norm(wd - what, dim=1)), math.nan)
+    e2 = up(torch.linalg.vector_norm(what, dim=1))
+    u8 = torch.full((npan * nr, kq * 4), 128, dtype=torch.uint8)
+    u8[:n, :k] = (w8 + 128).to(torch.uint8)
+    panels = u8.view(npan, nr, kq, 4).permute(0, 2, 1, 3).contiguous().view(torch.int32)
+    return panels.view(npan, kq, nr), torch.stack([s, e1.float(), e2.float()]).contiguous()
 
 
 def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: bool = True,
@@ -81,10 +116,17 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
     elif screen and not can_screen:
         raise NotImplementedError("make_linear_topk: bf16 screening needs AVX512_BF16")
     mr, nr = _tile(m, screen)
-    spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, "bf16" if screen else "none")
+    # few rows: int8 weights halve the bytes read per score (the screening is bandwidth bound)
+    int8 = screen and m is not None and m <= MAX_INT8_ROWS and kd <= MAX_INT8_K and (
+        target.has("avx512vnni") or target.cpu in VNNI_CPUS)
+    approx = "int8" if int8 else "bf16" if screen else "none"
+    spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, approx)
 
     def pack():
         w32 = weight_rows.detach().to(torch.float32).contiguous()
+        if int8:
+            panels, evec = _int8_pack(w32, nr)
+            return panels, w32, evec
         if screen:
             return pack_bf16_panels(w32, nr), w32, _bounds(w32)
         return pack_panels(w32, nr), None, None

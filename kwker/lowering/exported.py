@@ -261,7 +261,7 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
                           "packages are for inference on stateless programs")
     in_spec = ep.call_spec.in_spec
     if in_spec is not None:
-        args_spec, kwargs_spec = in_spec.children()
+        _, kwargs_spec = in_spec.children()
         if kwargs_spec.num_leaves:
             raise ExportError("export the program with positional inputs only (no kwargs)")
     ranges = _ranges(ep)

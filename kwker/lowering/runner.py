@@ -206,6 +206,9 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
         for r in reads:
             last[slot_of[r]] = idx
     n_in = len(placeholders)
+    for n, s in slot_of.items():  # constants only kernels read (packed into them): not held
+        if n.op == "get_attr" and s not in last:
+            template[s] = None
     dead_at: dict[int, list[int]] = {}
     for s, idx in last.items():
         if s >= n_in and template[s] is None:

@@ -13,7 +13,7 @@ import time
 import torch
 
 t0 = time.perf_counter()
-import kwker  # noqa: E402
+import kwker
 
 
 def _flat(out):

@@ -102,3 +102,77 @@ def test_bf16_screening_extreme_magnitudes(sx, sw):
     rv, ri = torch.topk(x @ w.t(), 10)
     assert (i == ri).float().mean().item() >= 0.99
     torch.testing.assert_close(v, rv, rtol=1e-4, atol=0)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("largest", [True, False])
+def test_int8_screening_is_exact(m, largest, threads):
+    """One to four rows screen with int8 weights (vpdpbusd): tie-heavy scores exact in float32,
+    ATen's indices and values bit for bit."""
+    torch.manual_seed(200 + m)
+    w = torch.randint(-3, 4, (3000, 64)).float() * 0.25
+    x = torch.randint(-8, 9, (m, 64)).float() * (1025 / 1024)
+    f = make_linear_topk(w, m, 40, largest, screen=True)
+    assert f.spec.approx == "int8"
+    v, i = f(x)
+    rv, ri = torch.topk(x @ w.t(), 40, largest=largest)
+    assert torch.equal(i, ri) and torch.equal(v, rv)
+
+
+@needs_bf16
+@pytest.mark.parametrize("case", ["nan_w", "inf_w", "nan_x", "zero_x", "zero_rows"])
+def test_int8_screening_non_finite_and_zero(case, threads):
+    """Rows the int8 bound cannot cover (NaN, inf) always pass the screen; the answers are
+    ATen's, NaN included."""
+    torch.manual_seed(300)
+    w, x = torch.randn(2000, 48), torch.randn(2, 48)
+    if case == "nan_w":
+        w[[3, 777, 1999], 5] = float("nan")
+    elif case == "inf_w":
+        w[[10, 11], 0] = float("inf")
+        w[12, 1] = float("-inf")
+    elif case == "nan_x":
+        x[1, 7] = float("nan")
+    elif case == "zero_x":
+        x[0] = 0.0
+    else:
+        w[::7] = 0.0
+    f = make_linear_topk(w, 2, 10, screen=True)
+    assert f.spec.approx == "int8"
+    v, i = f(x)
+    rv, ri = torch.topk(x @ w.t(), 10)
+    assert torch.equal(i, ri)
+    torch.testing.assert_close(v, rv, rtol=1e-5, atol=0, equal_nan=True)
+
+
+@needs_bf16
+@pytest.mark.parametrize("sx,sw", [(1e-40, 1.0), (1e-20, 1e-20), (1e-30, 1e10), (1e15, 1e15),
+                                   (1.0, 1e-42)])
+def test_int8_screening_extreme_magnitudes(sx, sw):
+    """Subnormal and huge scales: the bound's underflow slack and overflow guard hold."""
+    torch.manual_seed(13)
+    w, x = torch.randn(3000, 64) * sw, torch.randn(1, 64) * sx
+    f = make_linear_topk(w, 1, 10, screen=True)
+    assert f.spec.approx == "int8"
+    v, i = f(x)
+    rv, ri = torch.topk(x @ w.t(), 10)
+    assert torch.equal(i, ri)
+    torch.testing.assert_close(v, rv, rtol=1e-5, atol=0)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 3])
+def test_int8_screening_close_scores(m, threads):
+    """Scores closer together than int8's quantisation error (rows perturbations of one row):
+    only the error bound keeps the true top-k in; any shortfall would change the indices."""
+    torch.manual_seed(400 + m)
+    base = torch.randn(1, 96)
+    w = (base + 1e-3 * torch.randn(4000, 96)) * (1 + 1e-3 * torch.randn(4000, 1))
+    x = torch.randn(m, 96)
+    f = make_linear_topk(w, m, 20, screen=True)
+    assert f.spec.approx == "int8"
+    v, i = f(x)
+    rv, ri = torch.topk(x @ w.t(), 20)
+    assert torch.equal(i, ri)
+    torch.testing.assert_close(v, rv, rtol=1e-5, atol=0)
