@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from model_defs import Ranker, _mlp  # noqa: E402
-from peers import export_onnx, onnxruntime_call, peer_missing  # noqa: E402
+import common
+from model_defs import Ranker, _mlp
+from peers import export_onnx, onnxruntime_call, peer_missing
 
-import kwker  # noqa: E402
+import kwker
 
 TARGETS = {("Ranker", 1): {"kwker_eager": 1.5, "onnxruntime": 1.5},
            ("Ranker", 32): {"kwker_eager": 1.05}, ("MLP", 1): {"kwker_eager": 1.3}}
@@ -112,18 +112,18 @@ def calls(reps: int, quick: bool) -> list[dict]:
             for b in batches:
                 x = torch.randn(b, features)
                 torch._dynamo.reset()
-                variants = {"package": lambda: pkg(x)}
+                variants = {"package": lambda pkg=pkg, x=x: pkg(x)}
                 for v, opts in (("kwker_eager", {"inner": "eager"}), ("kwker", {})):
                     c = torch.compile(model, backend="kwker", options=opts)
                     c(x), c(x)
-                    variants[v] = (lambda c=c: c(x))
+                    variants[v] = (lambda c=c, x=x: c(x))
                 missing = peer_missing("onnxruntime")
                 if missing is None:
                     path = str(folder / f"b{b}.onnx")
                     how = export_onnx(model, (x,), path)
-                    variants["onnxruntime"] = onnxruntime_call(model, (x,),
-                                                               lambda: (path, how))[0]
-                variants["eager"] = lambda: model(x)
+                    variants["onnxruntime"] = onnxruntime_call(
+                        model, (x,), lambda path=path, how=how: (path, how))[0]
+                variants["eager"] = lambda model=model, x=x: model(x)
                 if name == "MLP":
                     variants["read_floor"] = read_floor(model)
                 sides = [common.Side(k, f) for k, f in variants.items()]
@@ -144,6 +144,7 @@ def read_floor(model):
     read probe of kernels_bf16.py): the memory floor of a batch-1 call, which reads each weight
     once. The buffer is larger than the L3, as the weights are."""
     from kernels_bf16 import _read_probe
+
     from kwker.codegen import simd
     from kwker.runtime.target import host_target
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

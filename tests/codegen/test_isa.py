@@ -80,6 +80,16 @@ def test_topk_bf16_screening_uses_vdpbf16ps():
     assert re.search(r"vfmadd\d{3}ps\s+[^\n]*%zmm", asm)  # the float32 rescoring
 
 
+def test_topk_int8_screening_uses_vpdpbusd():
+    """One to four rows screen with int8 weights: checked in the assembly, so a CPU without
+    AVX512_VNNI (which cannot run it) still checks the code."""
+    target = make_target("znver4")
+    spec = TopkGemmSpec(1, 20000, 128, 10, True, 1, 64, "int8")
+    _, asm = compile_assembly(str(emit(spec, target)), target)
+    assert re.search(r"vpdpbusd\s+[^\n]*%zmm", asm)
+    assert re.search(r"vfmadd\d{3}ps\s+[^\n]*%zmm", asm)  # the float32 rescoring
+
+
 BF16_TARGETS = {  # name -> (target, register, instruction of the k step)
     "avx512bf16": (make_target("znver4", AVX512.features + ",+avx512bf16"), "zmm", "vdpbf16ps"),
     "avx512f": (AVX512, "zmm", "vfmadd231ps"),
