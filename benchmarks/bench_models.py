@@ -206,7 +206,7 @@ def table(rows, markdown=True):
 
 def peer_table(rows, markdown=True):
     """Kwker against ONNX Runtime and OpenVINO: peer ms / Kwker ms, > 1 means Kwker is faster."""
-    kw = ("kwker_eager", "kwker")
+    kw = ("kwker_eager", "kwker", "kwker_package")
     headers = ["model", *(LABELS[v] + " ms" for v in (*kw, *PEERS)),
                *(f"{LABELS[k]} vs {LABELS[p]}" for p in PEERS for k in kw),
                "setup s: " + " / ".join(LABELS[p] for p in PEERS), "check"]
@@ -223,7 +223,7 @@ def peer_table(rows, markdown=True):
     for r in rows:
         ms, info = r["ms"], r.get("peers", {})
         bad = [f"{LABELS[p]}: {c}" for p, c in r["check"].items() if p in PEERS and c != "ok"]
-        body.append([r["model"], *(common.fmt_ms(ms[k] / 1e3) for k in kw),
+        body.append([r["model"], *(common.fmt_ms(ms[k] / 1e3) if k in ms else "—" for k in kw),
                      *(peer_ms(r, p) for p in PEERS),
                      *(_x(_ratio(ms, p, k)) for p in PEERS for k in kw),
                      " / ".join(_s(info.get(p, {}).get("setup_s")) for p in PEERS),
