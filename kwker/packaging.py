@@ -332,10 +332,15 @@ def load_package(path) -> PackagedModel:
         blob = bytearray(_read(z, path, WEIGHTS, digests.get(WEIGHTS)))
         target = host_target()
         entry = _entry_for(manifest, target)
-        if entry is not None:
+        stale = _other_versions(manifest)
+        if entry is not None and not stale:
             kernel.provide({key: _read(z, path, member, digests.get(member))
                             for key, member in entry["objects"].items()})
-    if entry is None:
+    if stale:
+        log.warning("kwker: package %s was built by %s, this is %s: its object code does not "
+                    "apply, compiling its kernels into the kernel cache", path, stale[0],
+                    stale[1])
+    elif entry is None:
         built = ", ".join(e["describe"] for e in manifest["targets"])
         log.warning("kwker: package %s has no code for this CPU, %s (it has %s): compiling its "
                     "kernels into the kernel cache (kwker-cache prewarm --package does it "
@@ -346,6 +351,18 @@ def load_package(path) -> PackagedModel:
     except ExportError as e:
         raise PackageError(f"package {path} cannot be loaded here: {e}") from None
     return PackagedModel(path, manifest, program, report)
+
+
+def _other_versions(manifest: dict) -> tuple[str, str] | None:
+    """(built by, this) when the package's Kwker codegen or LLVM differs from this process's:
+    its object code is keyed by them, and its graph is lowered again here either way."""
+    have = cache.versions()
+    built = manifest.get("versions", {})
+    keys = ("kwker", "llvm")
+    if all(built.get(k) == have[k] for k in keys):
+        return None
+    return (", ".join(f"{k} {built.get(k)}" for k in keys),
+            ", ".join(f"{k} {have[k]}" for k in keys))
 
 
 # --------------------------------------------------------------------------- calling

@@ -167,6 +167,27 @@ def test_corrupted_truncated_and_foreign_files_are_refused(ranker_package, tmp_p
     assert "does not exist" in got["missing"][1]
 
 
+def test_a_package_from_another_kwker_version_is_lowered_again(ranker_package, tmp_path):
+    """Another Kwker (codegen) version: its object code does not apply (one log line says
+    so); the graph is lowered and compiled here, and answers as before."""
+    import hashlib
+    model, path = ranker_package
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    manifest = json.loads(members["kwker-package.json"])
+    manifest["versions"]["kwker"] = "0.0.1+000000000000"
+    text = json.dumps(manifest).encode()
+    old = tmp_path / "old.kwk"
+    _zip(old, {**members, "kwker-package.json": text,
+               "INTEGRITY": hashlib.sha256(text).hexdigest().encode()})
+    cases = _ranker_cases()[:2]
+    answers, info = serve(tmp_path, "run", old, cases)
+    assert "was built by kwker 0.0.1+000000000000" in info["stderr"]
+    assert info["stats"]["packaged"] == 0 and info["stats"]["misses"] > 0
+    for (x,), (values, indices) in zip(cases, answers):
+        assert_close(values, model(x).values)
+
+
 def _zip(path: Path, members: dict) -> bytes:
     with zipfile.ZipFile(path, "w") as z:
         for n, d in members.items():
