@@ -211,7 +211,8 @@ def _lower(doc: dict, tensors: dict):
     """(program, report, kernel specs) for a stored graph: the backend's lowering, on ``Sym``
     sizes where the export declared dynamic ones."""
     graph, metas = rebuild(doc, tensors)
-    report = Report(new_graph_id(), "package", shapes=_inputs_text(doc["inputs"]))
+    # the rest runs as ATen calls in the flat program, as under inner="eager"
+    report = Report(new_graph_id(), "eager", shapes=_inputs_text(doc["inputs"]))
     with B.collecting() as specs, B.specialising():
         program, _ = lower_graph(graph, metas, const_nodes(graph, []), report)
     report.specs = list(dict.fromkeys(specs))
