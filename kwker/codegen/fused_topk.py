@@ -35,6 +35,12 @@ float32 (``emit_dot``). ``approx="bf16"``: bf16 weights and ``vdpbf16ps``. ``app
 (one to four rows, where the screening is bound by the bytes it reads): int8 weights and
 ``vpdpbusd``, half the bytes; see topk_int8.py for its bound. Survivors are rescored either way,
 so results are exact.
+
+Deferred rescoring (topk_int8.Deferred): with screening and one row tile (the generic kernel: at
+one row), the kernel first tries a path with no heap replay and no malloc: threads screen their
+columns against the k-th best lower bound and keep candidates; after the join only those that can
+still reach the top k are rescored. When their top k is unambiguous (k distinct values, nothing
+tied with the k-th, no NaN) it is the answer; otherwise the exact schedule above runs.
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
 from .heap import Heap, lt
 from .irutil import Fn, const, f32, i1, i32, i64, intrinsic, new_module, ptr, void
-from .topk_int8 import MAX_INT8_K, emit_micro_int8, emit_pack_int8
+from .topk_int8 import MAX_INT8_K, Deferred, emit_micro_int8, emit_pack_int8
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -90,6 +96,9 @@ class _Emitter:
         self.malloc = intrinsic(self.module, "malloc", ptr, [i64])
         self.free = intrinsic(self.module, "free", void, [ptr])
         self.filter_row = self.emit_filter_row()
+        # one row tile of screened scores: screen all, rescore the few that can make the top k
+        self.fast = Deferred(self, s.m, s.mr) if self.screen and 0 < s.m <= s.mr else \
+            Deferred(self, 1, 1) if self.bf16 and not s.m else None
         body = self.emit_body()
         self.emit_main(body)
 
@@ -268,18 +277,8 @@ class _Emitter:
         if self.screen:
             xrow, qn, wx, ev = f.args[12:]
             dot = emit_dot(self.module, s.k_dim, L)
-        if self.int8:  # qn: the row's (t, alpha, beta, 128 sum q8) (emit_pack_int8)
-            t_v, al_v, be_v = (simd.broadcast(b, simd.load_scalar(b, qn, const(i64, j)), L)
-                               for j in range(3))
-            c_v = simd.broadcast(b, simd.load_scalar(b, qn, const(i64, 3), i32), L)
-            slack_v = simd.broadcast(b, ir.Constant(f32, (s.k_dim + 64) * 2.0 ** -122), L)
-        elif self.bf16:
-            # denormals (flushed by vdpbf16ps) add at most 2^-126 K (|w| + |q| + 1); with
-            # e_j = c |w_j| that is e_j * C1 + (|q| + 1) * C2
-            c1, c2 = 2.0 ** -126 * s.k_dim / bound_factor(s.k_dim), 2.0 ** -126 * s.k_dim * 1.01
-            qn_v = simd.broadcast(b, b.fadd(qn, ir.Constant(f32, c1)), L)
-            slack_v = simd.broadcast(b, b.fmul(b.fadd(qn, ir.Constant(f32, 1.0)),
-                                               ir.Constant(f32, c2)), L)
+        if self.screen:
+            setup = self.screen_setup(b, qn)
 
         def push(c):
             j = b.add(col0, c)
@@ -305,13 +304,8 @@ class _Emitter:
             xv = bf.load(b, row, const(i64, v * L), L, mask=live) if self.half else \
                 simd.load_vec(b, row, const(i64, v * L), L)
             thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
-            if self.int8:
-                xv, e = self.int8_approx(b, row, ev, col0, v, live, t_v, al_v, be_v, c_v,
-                                         slack_v)
-            elif self.bf16:
-                e = vmath.fma(b, simd.masked_load(b, ev, b.add(col0, const(i64, v * L)),
-                                                  live, L), qn_v, slack_v)
             if self.screen:
+                xv, e = self.screen_lanes(b, setup, row, ev, col0, v, live)
                 hit = b.fcmp_unordered(">", b.fadd(xv, e), thr) if s.largest else \
                     b.fcmp_unordered("<", b.fsub(xv, e), thr)
             else:
@@ -332,16 +326,40 @@ class _Emitter:
                 push(b.add(const(i64, v * L), lane))
         return f.finish()
 
-    def int8_approx(self, b, row, ev, col0, v, live, t_v, al_v, be_v, c_v, slack_v):
-        """int8 screening of 16 lanes: (approx score, its bound e). The tile holds
-        sum_i (w8_ij + 128) q8_i; less 128 sum_i q8_i that is D = q8 . w8, exact in float32
-        (|D| <= K 127^2 < 2^24), and approx = D s_j t = q^ . w^. ``ev`` is (s_j, E1_j, E2_j)
-        by column; e = alpha E1_j + beta E2_j + slack (see ``emit_pack_int8``)."""
+    def screen_setup(self, b, qn):
+        """Per-row broadcasts of the screening bound. int8: ``qn`` points at the row's (t,
+        alpha, beta, 128 sum q8) (emit_pack_int8); bf16: ``qn`` is |x_row| rounded up."""
+        L, kd = self.L, self.s.k_dim
+        if self.int8:
+            t_v, al_v, be_v = (simd.broadcast(b, simd.load_scalar(b, qn, const(i64, j)), L)
+                               for j in range(3))
+            c_v = simd.broadcast(b, simd.load_scalar(b, qn, const(i64, 3), i32), L)
+            slack_v = simd.broadcast(b, ir.Constant(f32, (kd + 64) * 2.0 ** -122), L)
+            return t_v, al_v, be_v, c_v, slack_v
+        # denormals (flushed by vdpbf16ps) add at most 2^-126 K (|w| + |q| + 1); with
+        # e_j = c |w_j| that is e_j * C1 + (|q| + 1) * C2
+        c1, c2 = 2.0 ** -126 * kd / bound_factor(kd), 2.0 ** -126 * kd * 1.01
+        return (simd.broadcast(b, b.fadd(qn, ir.Constant(f32, c1)), L),
+                simd.broadcast(b, b.fmul(b.fadd(qn, ir.Constant(f32, 1.0)),
+                                         ir.Constant(f32, c2)), L))
+
+    def screen_lanes(self, b, setup, row, ev, col0, v, live):
+        """(approx score, its bound e) of 16 tile lanes from column ``col0 + 16 v``:
+        |float32 score - approx| <= e. bf16: the tile holds the approximations and
+        e = e_j |q| + slack. int8: the tile holds sum_i (w8_ij + 128) q8_i; less 128 sum_i
+        q8_i that is D = q8 . w8, exact in float32 (|D| <= K 127^2 < 2^24), approx = D s_j t
+        = q^ . w^, and with ``ev`` (s_j, E1_j, E2_j) by column, e = alpha E1_j + beta E2_j +
+        slack (see ``emit_pack_int8``)."""
         L, n = self.L, self.s.n
+        col = b.add(col0, const(i64, v * L))
+        if self.bf16:
+            qn_v, slack_v = setup
+            return (simd.load_vec(b, row, const(i64, v * L), L),
+                    vmath.fma(b, simd.masked_load(b, ev, col, live, L), qn_v, slack_v))
+        t_v, al_v, be_v, c_v, slack_v = setup
         acc = b.load(simd.gep(b, row, const(i64, v * L), i32), typ=ir.VectorType(i32, L),
                       align=4)
         d = b.sitofp(b.sub(acc, c_v), simd.vty(L))
-        col = b.add(col0, const(i64, v * L))
         sj, e1, e2 = (simd.masked_load(b, ev, b.add(col, const(i64, j * n)), live, L)
                       for j in range(3))
         approx = b.fmul(b.fmul(d, sj), t_v)
@@ -394,6 +412,10 @@ class _Emitter:
         x, w, vals, idx, w_exact, evec = f.args[:6]
         nreq = f.args[-1]
         m = s.m or f.args[6]
+        if self.fast:  # usually decides alone; ties, NaN or overflow take the exact path
+            one = const(i1, 1) if s.m else b.icmp_signed("==", m, const(i64, 1))
+            with f.if_(one), f.if_(b.call(self.fast.fn, [x, w, vals, idx, w_exact, evec, nreq])):
+                f.ret()
         mt, _ = self.row_tiles(b, m)
         if s.m:
             cap = const(i64, max(1, min(max(mt, self.np), 2 * s.m * s.n * s.k_dim >> 18)))
