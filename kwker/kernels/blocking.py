@@ -66,11 +66,9 @@ def lanes(target: Target | None = None) -> int:
 
 
 def choose(m: int | None, n: int, k: int, target: Target | None = None,
-           small_ok: bool = True, b_layout: str = "packed", dtype: str = "f32",
-           nr: int | None = None) -> Blocking:
+           small_ok: bool = True, b_layout: str = "packed", dtype: str = "f32") -> Blocking:
     """Blocking for an (m, k) x (k, n) product on ``target`` (default: this machine); for
-    ``dtype="bf16"`` ``k`` counts k pairs and a runtime B is always packed. ``nr``: the panel
-    width of few-row products, to read panels packed for another kernel of the same weight.
+    ``dtype="bf16"`` ``k`` counts k pairs and a runtime B is always packed.
 
     ``b_layout`` is the B operand's layout (packed, kn or nk, see GemmSpec): a runtime
     row-major B read in place by the small-M schedule gets wide panels, so each k step reads
@@ -94,10 +92,7 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
         if b_layout == "kn":
             nv, ksplit = max(1, min(16, budget // m, _cdiv(n, L))), 1
         else:
-            if nr is not None and nr % L == 0 and nr // L * m <= budget:
-                nv = nr // L
-            else:
-                nv = max(1, min(4 if L == 16 else 3, budget // m))
+            nv = max(1, min(4 if L == 16 else 3, budget // m))
             ksplit = max(1, min(4, budget // (m * nv)))
             ksplit = 1 << (ksplit.bit_length() - 1)
         nr = nv * L

@@ -84,16 +84,14 @@ def shared_panels(weight: torch.Tensor, nr: int, bf16: bool, source: torch.Tenso
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None = None,
                 epilogue: str = "none", residual: bool = False,
-                dtype: torch.dtype | None = None, source: torch.Tensor | None = None,
-                nr: int | None = None):
+                dtype: torch.dtype | None = None, source: torch.Tensor | None = None):
     """``callable(x (m, K)[, residual (m, N)]) -> (m, N)``.
 
     ``m=None`` builds the kernel generic over the row count: one compile and one packed copy
     of the weights serve every batch size and sequence length. An int ``m`` specialises the
     kernel to it (the small-M schedule for decode-sized M, no run-time edge dispatch).
     ``source``: the parameter ``weight`` comes from; kernels of one source share its packed
-    copy (see ``shared_panels``). ``nr``: the panel width a few-row kernel reads, to share the
-    panels of another kernel of the same weight (default: its own best width).
+    copy (see ``shared_panels``).
 
     ``dtype`` (default: the weight's) is the type of x, the residual and the output: float32,
     or bfloat16 (weights rounded to bf16 once here, the bias added in float32 to the float32
@@ -119,7 +117,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
         raise ValueError(f"make_linear: bias must be ({n},), got {tuple(bias.shape)}")
     bf16 = dt == "bf16"
     kk = k + (k % 2) if bf16 else k          # bf16 kernels step over k pairs
-    blk = blocking.choose(m, n, kk // 2 if bf16 else k, dtype=dt, nr=nr)
+    blk = blocking.choose(m, n, kk // 2 if bf16 else k, dtype=dt)
     spec = GemmSpec(m or 0, n, kk, 1, "packed", bias is not None, epilogue, residual,
                     **blk.as_kwargs(), dtype=dt)
     fn = entry(spec, 5, 2 if generic else 1)

@@ -222,11 +222,6 @@ def _linear(m: Match, metas, consts):
         fn, why = _make("make_linear", w, bias, None, epilogue=m.params["epilogue"],
                         residual=res is not None, dtype=xm.dtype,
                         source=consts[m.inputs["weight"]])
-        if fn is not None and _hot_single_row():
-            one, _ = _make("make_linear", w, bias, 1, epilogue=m.params["epilogue"],
-                           residual=res is not None, dtype=xm.dtype,
-                           source=consts[m.inputs["weight"]], nr=fn.spec.nr)
-            fn = _single_row_first(fn, one)
         if fn is None or len(lead) == 1:
             return _mark(fn, True), why
         if res is None:
@@ -290,10 +285,10 @@ def _linear_topk(m: Match, metas, consts):
 
 
 def _hot_single_row() -> bool:
-    """Whether a kernel generic over rows also gets one specialised to a single row: in
-    packages, for batch-1 serving (the fused top-k screens one row with int8 weights, ~25%
-    faster; a small linear saves its row dispatch, ~0.4 us). A single-row linear reads the
-    generic kernel's packed panels, so the weights are packed once."""
+    """Whether a fused top-k generic over rows also gets one specialised to a single row: in
+    packages, for batch-1 serving (one row screens with int8 weights and rescores only what can
+    still win: 36 -> 23 us for the tutorial Ranker). Linears do not: their generic kernel is as
+    fast at one row, and faster than a single-row one when memory bandwidth is scarce."""
     return getattr(_specialising, "on", False)
 
 
