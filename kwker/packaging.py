@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -40,7 +41,15 @@ import torch
 
 from . import __version__
 from .lowering import build as B
-from .lowering.exported import ExportError, build_tree, describe, rebuild, tree_is_flat_tuple
+from .lowering.exported import (
+    ExportError,
+    build_tree,
+    describe,
+    dtype_name,
+    dtype_of,
+    rebuild,
+    tree_is_flat_tuple,
+)
 from .lowering.partition import const_nodes, lower_graph
 from .lowering.report import Report, new_graph_id
 from .runtime import cache, kernel
@@ -123,7 +132,7 @@ def _pack_weights(doc: dict, tensors: dict) -> tuple[list, bytearray]:
         t = tensors[c["name"]]
         data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         blob += b"\0" * (-len(blob) % ALIGN)
-        layout.append({"name": c["name"], "dtype": str(t.dtype).removeprefix("torch."),
+        layout.append({"name": c["name"], "dtype": dtype_name(t.dtype),
                        "shape": list(t.shape), "offset": len(blob), "nbytes": len(data)})
         blob += data
     return layout, blob
@@ -132,10 +141,8 @@ def _pack_weights(doc: dict, tensors: dict) -> tuple[list, bytearray]:
 def _tensors_from(layout: list, blob: bytearray) -> dict:
     out = {}
     for w in layout:
-        dtype = getattr(torch, w["dtype"])
-        numel = 1
-        for s in w["shape"]:
-            numel *= s
+        dtype = dtype_of(w["dtype"])
+        numel = math.prod(w["shape"])
         if numel == 0:
             out[w["name"]] = torch.empty(w["shape"], dtype=dtype)
             continue
@@ -203,8 +210,7 @@ def _child_specs(path: str) -> list:
     with zipfile.ZipFile(path) as z:
         manifest = json.loads(z.read(MANIFEST))
         blob = bytearray(z.read(WEIGHTS))
-    specs = _lower(manifest["graph"], _tensors_from(manifest["weights"], blob))[2]
-    return [s.to_json() for s in specs]
+    return [s.to_json() for s in _lower_stored(Path(path), manifest, blob)[2]]
 
 
 def _lower(doc: dict, tensors: dict):
@@ -280,21 +286,19 @@ def _read(z: zipfile.ZipFile, path: Path, name: str, digest: str | None = None) 
 
 def package_specs(path) -> list:
     """The kernel specs a package needs on this CPU (or ``KWKER_CPU``), for ``kwker-cache
-    prewarm --package``: those it records for this target; else (blocking depends on the ISA)
-    those its graph lowers to here, which compiles them into the kernel cache on the way."""
+    prewarm --package``: those it records for this target and this Kwker and LLVM; else
+    (blocking depends on the ISA, specs on the version) those its graph lowers to here, which
+    compiles them into the kernel cache on the way."""
     path = Path(path)
     z, manifest = _open(path)
     with z:
-        entry = _entry_for(manifest, host_target())
+        entry = _code_for_here(manifest)
         if entry is None:
             blob = bytearray(_read(z, path, WEIGHTS, manifest["members"].get(WEIGHTS)))
     if entry is not None:
         _import_families(manifest)
         return [spec_from_json(s) for s in entry["specs"]]
-    try:
-        return _lower(manifest["graph"], _tensors_from(manifest["weights"], blob))[2]
-    except ExportError as e:
-        raise PackageError(f"package {path} cannot be loaded here: {e}") from None
+    return _lower_stored(path, manifest, blob)[2]
 
 
 def exported_program(path):
@@ -316,6 +320,22 @@ def _entry_for(manifest: dict, target: Target) -> dict | None:
     return next((e for e in manifest["targets"] if e["target"] == want), None)
 
 
+def _code_for_here(manifest: dict) -> dict | None:
+    """The target entry whose object code this process can link: built for this CPU (or
+    ``KWKER_CPU``) by this Kwker codegen and LLVM (object code is keyed by both)."""
+    if _other_versions(manifest):
+        return None
+    return _entry_for(manifest, host_target())
+
+
+def _lower_stored(path: Path, manifest: dict, blob: bytearray):
+    """``_lower`` of the package's graph; PackageError where this torch cannot run it."""
+    try:
+        return _lower(manifest["graph"], _tensors_from(manifest["weights"], blob))
+    except ExportError as e:
+        raise PackageError(f"package {path} cannot be loaded here: {e}") from None
+
+
 def _import_families(manifest: dict) -> None:
     import importlib
     for module in (manifest.get("spec_modules") or {}).values():
@@ -331,12 +351,11 @@ def load_package(path) -> PackagedModel:
     with z:
         digests = manifest["members"]
         blob = bytearray(_read(z, path, WEIGHTS, digests.get(WEIGHTS)))
-        target = host_target()
-        entry = _entry_for(manifest, target)
-        stale = _other_versions(manifest)
-        if entry is not None and not stale:
+        entry = _code_for_here(manifest)
+        if entry is not None:
             kernel.provide({key: _read(z, path, member, digests.get(member))
                             for key, member in entry["objects"].items()})
+    stale = _other_versions(manifest)
     if stale:
         log.warning("kwker: package %s was built by %s, this is %s: its object code does not "
                     "apply, compiling its kernels into the kernel cache", path, stale[0],
@@ -345,12 +364,8 @@ def load_package(path) -> PackagedModel:
         built = ", ".join(e["describe"] for e in manifest["targets"])
         log.warning("kwker: package %s has no code for this CPU, %s (it has %s): compiling its "
                     "kernels into the kernel cache (kwker-cache prewarm --package does it "
-                    "ahead of time)", path, target.describe(), built)
-    try:
-        tensors = _tensors_from(manifest["weights"], blob)
-        program, report, _ = _lower(manifest["graph"], tensors)
-    except ExportError as e:
-        raise PackageError(f"package {path} cannot be loaded here: {e}") from None
+                    "ahead of time)", path, host_target().describe(), built)
+    program, report, _ = _lower_stored(path, manifest, blob)
     return PackagedModel(path, manifest, program, report)
 
 
@@ -420,7 +435,7 @@ def _checker(inputs: list):
         fixed = tuple((d, s) for d, s in enumerate(i["shape"]) if isinstance(s, int))
         syms = tuple((d, s["sym"], s["min"], s["max"]) for d, s in enumerate(i["shape"])
                      if isinstance(s, dict) and "sym" in s)
-        plan.append((pos, i, getattr(torch, i["dtype"]), i["device"] == "cpu",
+        plan.append((pos, i, dtype_of(i["dtype"]), i["device"] == "cpu",
                      len(i["shape"]), fixed, syms))
     n = len(plan)
     tensor = torch.Tensor
@@ -437,11 +452,11 @@ def _checker(inputs: list):
                 raise TypeError(f"input {spec['name']!r} must be a Tensor, not "
                                 f"{type(a).__name__}")
             if a.dtype is not dtype or a.is_cpu is not cpu or a.dim() != rank:
-                _refuse(spec, a)
+                _refuse(spec, dtype, a)
             size = a.shape
             for d, want in fixed:
                 if size[d] != want:
-                    _refuse(spec, a)
+                    _refuse(spec, dtype, a)
             for d, sym, lo, hi in syms:
                 v = size[d]
                 if v < lo or (hi is not None and v > hi):
@@ -459,12 +474,12 @@ def _checker(inputs: list):
     return check
 
 
-def _refuse(spec: dict, a: torch.Tensor):
+def _refuse(spec: dict, dtype: torch.dtype, a: torch.Tensor):
     shape = spec["shape"]
     want = f"a {spec['device']} {spec['dtype']} tensor of shape {_shape_text(shape)}"
     got = f"a {a.device.type} {str(a.dtype).removeprefix('torch.')} tensor of shape " \
           f"{list(a.shape)}"
-    if a.dim() == len(shape) and a.dtype == getattr(torch, spec["dtype"]) and \
+    if a.dim() == len(shape) and a.dtype == dtype and \
             a.device.type == spec["device"]:
         d = next(d for d, s in enumerate(shape) if isinstance(s, int) and a.shape[d] != s)
         raise RuntimeError(f"input {spec['name']!r} must have size {shape[d]} in dim {d}: "

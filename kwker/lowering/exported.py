@@ -64,11 +64,11 @@ def _meta_of(v):
     return None
 
 
-def _dtype_name(d: torch.dtype) -> str:
+def dtype_name(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
     d = getattr(torch, name, None)
     if not isinstance(d, torch.dtype):
         raise ExportError(f"unknown dtype {name!r}")
@@ -79,7 +79,7 @@ def encode_meta(m):
     if isinstance(m, TensorMeta):
         return {"tensor": {"shape": [_enc_size(s) for s in m.shape],
                            "stride": [_enc_size(s) for s in m.stride],
-                           "dtype": _dtype_name(m.dtype), "device": m.device}}
+                           "dtype": dtype_name(m.dtype), "device": m.device}}
     if isinstance(m, tuple):
         return {"tuple": [encode_meta(x) for x in m]}
     if isinstance(m, Sym):
@@ -95,7 +95,7 @@ def decode_meta(d):
             t = d["tensor"]
             return TensorMeta(tuple(_dec_size(s) for s in t["shape"]),
                               tuple(_dec_size(s) for s in t["stride"]),
-                              _dtype(t["dtype"]), str(t["device"]), False)
+                              dtype_of(t["dtype"]), str(t["device"]), False)
         if "tuple" in d:
             return tuple(decode_meta(x) for x in d["tuple"])
         if "float" in d:
@@ -128,7 +128,7 @@ def _encode_arg(a, where: str):
     if isinstance(a, list):
         return [_encode_arg(x, where) for x in a]
     if isinstance(a, torch.dtype):
-        return {"dtype": _dtype_name(a)}
+        return {"dtype": dtype_name(a)}
     if isinstance(a, torch.device):
         return {"device": str(a)}
     for key, (kind, _) in _ENUMS.items():
@@ -149,7 +149,7 @@ def _decode_arg(d, nodes: dict):
     if "float" in d:
         return float(d["float"])
     if "dtype" in d:
-        return _dtype(d["dtype"])
+        return dtype_of(d["dtype"])
     if "device" in d:
         return torch.device(d["device"])
     for key, (kind, mod) in _ENUMS.items():
@@ -286,7 +286,7 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
                     dims.append({"expr": repr(size)})
                 else:
                     dims.append(size)
-            inputs.append({"name": name, "dtype": _dtype_name(val.dtype),
+            inputs.append({"name": name, "dtype": dtype_name(val.dtype),
                            "device": val.device.type, "shape": dims})
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             source = ep.state_dict if spec.target in ep.state_dict else ep.constants
@@ -357,7 +357,7 @@ def rebuild(doc: dict, tensors: dict[str, torch.Tensor]) -> tuple[Rebuilt, dict]
         by_name[inp["name"]] = n
         shape = tuple(d if isinstance(d, int) else Sym.named(d["sym"]) if "sym" in d
                       else Sym(text=d["expr"]) for d in inp["shape"])
-        metas[n] = TensorMeta(shape, contiguous_strides(shape), _dtype(inp["dtype"]),
+        metas[n] = TensorMeta(shape, contiguous_strides(shape), dtype_of(inp["dtype"]),
                               inp["device"], False)
     attrs = {}
     for c in doc["constants"]:

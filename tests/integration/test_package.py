@@ -186,6 +186,14 @@ def test_a_package_from_another_kwker_version_is_lowered_again(ranker_package, t
     assert info["stats"]["packaged"] == 0 and info["stats"]["misses"] > 0
     for (x,), (values, indices) in zip(cases, answers):
         assert_close(values, model(x).values)
+    # prewarming it (lowered here, as load does) leaves nothing to compile when loading
+    cache = tmp_path / "warm-cache"
+    r = subprocess.run([sys.executable, "-m", "cache_tools", "prewarm", "--package", str(old)],
+                       env={**os.environ, "KWKER_CACHE_DIR": str(cache)}, capture_output=True,
+                       text=True, cwd=Path(__file__).parents[2], check=False)
+    assert r.returncode == 0, r.stderr
+    _, info = serve(tmp_path, "run", old, cases, name="warm")
+    assert info["stats"]["misses"] == 0, info["stats"]
 
 
 def _zip(path: Path, members: dict) -> bytes:
