@@ -6,8 +6,9 @@ inputs it does not cover (other dtypes), so the caller can keep ATen for them.
 from .eltwise import make_eltwise, make_gelu
 from .linear import make_linear
 from .matmul import make_matmul
+from .norm import make_layer_norm
 from .sdpa import make_sdpa
 from .topk import make_linear_topk
 
-__all__ = ["make_eltwise", "make_gelu", "make_linear", "make_linear_topk", "make_matmul",
-           "make_sdpa"]
+__all__ = ["make_eltwise", "make_gelu", "make_layer_norm", "make_linear", "make_linear_topk",
+           "make_matmul", "make_sdpa"]

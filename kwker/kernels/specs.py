@@ -1,4 +1,4 @@
-"""Specs of the compute-kernel families (GEMM, elementwise, attention, fused top-k).
+"""Specs of the compute-kernel families (GEMM, elementwise, attention, fused top-k, LayerNorm).
 
 A spec holds every choice that changes the emitted code: shapes, flags and the blocking the
 factory picked for this CPU (so two CPUs with different caches get different specs, and the
@@ -140,4 +140,27 @@ class TopkGemmSpec(Spec):
         return (f"kw_linear_topk_{self.m}x{self.n}x{self.k_dim}_k{self.k}_l{int(self.largest)}"
                 f"_t{self.mr}x{self.nr}"  # screening and operand type named apart: one symbol
                 + ("" if self.approx == "none" else f"_screen_{self.approx}")  # per kernel
+                + ("" if self.dtype == "f32" else "_" + self.dtype))
+
+
+@register_spec
+@dataclass(frozen=True)
+class LayerNormSpec(Spec):
+    """``out = (x - mean) * rstd * w + b`` over ``rows`` rows of ``d`` contiguous elements (see
+    codegen/layernorm.py); ``rows`` 0: any row count, passed per call (one compile for every
+    batch and sequence size). ``weight``/``bias``: whether w and b are read (float32 buffers)."""
+    d: int
+    rows: int
+    eps: float
+    weight: bool
+    bias: bool
+    dtype: str = "f32"     # element type of x and out ("f32" | "bf16"); maths in float32
+    family = "layernorm"
+
+    @property
+    def symbol(self) -> str:
+        import struct
+        eps = struct.unpack("<Q", struct.pack("<d", self.eps))[0]  # bit-exact: one symbol per eps
+        return (f"kw_layernorm_d{self.d}_r{self.rows}_e{eps:016x}"
+                f"_w{int(self.weight)}_b{int(self.bias)}"
                 + ("" if self.dtype == "f32" else "_" + self.dtype))

@@ -410,6 +410,28 @@ def _gelu(m: Match, metas, consts):
     return _make("make_gelu", xm.numel, approximate=approximate, dtype=xm.dtype)
 
 
+def _layer_norm(m: Match, metas, consts):
+    xm: TensorMeta = metas[m.inputs["x"]]
+    d, eps = m.params["d"], m.params["eps"]
+    if pinned(xm.shape[-1], True) != d:
+        return None, f"normalised over {d} features, the input has {xm.shape[-1]}"
+    w, b = (consts[m.inputs[k]].detach() if m.inputs[k] is not None else None
+            for k in ("weight", "bias"))
+    lead = xm.shape[:-1]
+    if not known(*lead):
+        fn, why = _make("make_layer_norm", d, w, b, eps, None, dtype=xm.dtype)
+        if fn is None:
+            return None, why
+        layer_norm = torch.nn.functional.layer_norm
+
+        def run(x):  # a strided input: ATen's, which reads any layout
+            return fn(x) if x.is_contiguous() else layer_norm(x, (d,), w, b, eps)
+        return _mark(run, True), None
+    if not xm.contiguous or xm.numel == 0:
+        return None, "non-contiguous or empty input"
+    return _make("make_layer_norm", d, w, b, eps, _prod(lead), dtype=xm.dtype)
+
+
 def _sdpa(m: Match, metas, consts):
     qm, km, vm = (metas[m.inputs[k]] for k in "qkv")
     three = len(qm.shape) == 3
@@ -508,7 +530,7 @@ def _sorting(m: Match, metas, consts):
 
 
 _BUILDERS = {"linear": _linear, "linear_topk": _linear_topk, "matmul": _matmul, "gelu": _gelu,
-             "sdpa": _sdpa, "sorting": _sorting}
+             "sdpa": _sdpa, "layer_norm": _layer_norm, "sorting": _sorting}
 
 
 def restrided(fn, meta: TensorMeta):

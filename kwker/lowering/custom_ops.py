@@ -37,6 +37,7 @@ _SCHEMAS = {
                    "-> (Tensor, Tensor)",
     "matmul": "matmul(Tensor a, Tensor b) -> Tensor",
     "gelu": "gelu(Tensor x, str approximate) -> Tensor",
+    "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, int d, float eps) -> Tensor",
     "sdpa": "sdpa(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale) "
             "-> Tensor",
 }
@@ -165,6 +166,15 @@ def gelu_kernel(numel, approximate, dtype=torch.float32, build=True):
         "gelu", {"x": "x"}, {"x": (numel,)}, {"approximate": approximate}, dtype=dtype), build)
 
 
+def layer_norm_kernel(x_shape, weight, bias, eps, dtype=torch.float32, build=True):
+    key = ("layer_norm", tuple(x_shape), _ptr(weight), _ptr(bias), eps, dtype)
+    consts = tuple(t for t in (weight, bias) if t is not None)
+    return kernel_for(key, consts, lambda: _make(
+        "layer_norm", {"x": "x", "weight": "w" if weight is not None else None,
+                       "bias": "b" if bias is not None else None}, {"x": x_shape},
+        {"d": x_shape[-1], "eps": eps}, {"w": weight, "b": bias}, dtype=dtype), build)
+
+
 def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
                 qkv_strides=(None, None, None), dtype=torch.float32, build=True):
     """``qkv_strides``: the layouts q, k, v arrive in (read in place by a specialised kernel;
@@ -261,6 +271,22 @@ def _gelu_fake(x, approximate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _layer_norm(x, weight, bias, d, eps):
+    fn = None
+    if x.is_contiguous():
+        fn, _ = layer_norm_kernel(x.shape, weight, bias, eps, x.dtype, False)
+        if fn is None:
+            g = generic_shapes("layer_norm", {"x": x.shape})["x"]
+            fn, _ = layer_norm_kernel(g, weight, bias, eps, x.dtype)
+    if fn is not None:
+        return fn(x)
+    return F.layer_norm(x, (d,), weight, bias, eps).contiguous()
+
+
+def _layer_norm_fake(x, weight, bias, d, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _sdpa(q, k, v, mask, causal, scale):
     kind = None if mask is None else ("bool" if mask.dtype == torch.bool else "float")
     ms = None if mask is None else mask.shape
@@ -308,7 +334,7 @@ def _sorting(v):
 
 _IMPLS = {"linear": (_linear, _linear_fake), "linear_topk": (_linear_topk, _linear_topk_fake),
           "matmul": (_matmul, _matmul_fake), "gelu": (_gelu, _gelu_fake),
-          "sdpa": (_sdpa, _sdpa_fake)}
+          "sdpa": (_sdpa, _sdpa_fake), "layer_norm": (_layer_norm, _layer_norm_fake)}
 for _v in _SORTING:
     _IMPLS[_v] = _sorting(_v)
 for _name, (_impl, _fake) in _IMPLS.items():

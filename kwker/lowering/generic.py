@@ -11,7 +11,7 @@ from .shapes import known_size
 
 # inputs whose sizes a kernel depends on, and their names in ``generic_shapes``
 SIZED_INPUTS = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("a", "b"),
-                "gelu": ("x",), "sdpa": ("q", "k", "v", "mask")}
+                "gelu": ("x",), "sdpa": ("q", "k", "v", "mask"), "layer_norm": ("x",)}
 SHORT_NAMES = {"residual": "r", "mask": "m"}
 
 
@@ -40,6 +40,8 @@ def generic_shapes(kind: str, shapes: dict) -> dict:
         n = len(shape)
         return tuple(pinned(d, pin) if i in keep or i - n in keep else None
                      for i, d in enumerate(shape))
+    if kind == "layer_norm":  # rows vary, the normalised size shapes the code
+        return {"x": fixed(shapes["x"], {-1})}
     if kind in ("linear", "linear_topk"):
         return {"x": fixed(shapes["x"], {-1}), "r": None if shapes.get("r") is None else
                 fixed(shapes["r"], {-1})}

@@ -28,7 +28,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass
 class Match:
-    kind: str                 # linear | matmul | gelu | sdpa | linear_topk | sorting
+    kind: str                 # linear | matmul | gelu | sdpa | linear_topk | layer_norm | sorting
     output: Node              # the node whose value the kernel produces
     covers: list              # every node the kernel replaces, in graph order
     inputs: dict              # name -> Node (runtime tensor) or constant
@@ -152,6 +152,8 @@ class Matcher:
                 return Match("gelu", n, [n], {"x": b["input"]}, {"approximate": b["approximate"]})
         if kind == "sdpa":
             return self.sdpa(n)
+        if kind == "layer_norm":
+            return self.layer_norm(n)
         if kind in S.OPS and self.sorting:
             b = bind(n)
             if b is None or not isinstance(b["input"], Node) or not _meta(self.metas, b["input"]):
@@ -288,6 +290,31 @@ class Matcher:
         if ry != 2 and ra != ry:
             return None
         return Match("matmul", n, [n], {"a": a, "b": y}, {})
+
+    # ----------------------------------------------------------------------- layer norm
+    def layer_norm(self, n: Node) -> Match | None:
+        """LayerNorm over the last dim, with constant (or no) weight and bias: float32 ones, or
+        of x's dtype (ATen's mixed bf16 input with float32 parameters included)."""
+        b = bind(n, "layer_norm")
+        if b is None:
+            return None
+        x, shape, eps = b["input"], b["normalized_shape"], b["eps"]
+        if not isinstance(x, Node) or not _fits(self.metas, x, n, rank=tuple(range(1, 9))):
+            return None
+        dt = _dtype(self.metas, x)
+        if _dtype(self.metas, n) != dt or not isinstance(shape, (list, tuple)) or \
+                len(shape) != 1 or type(shape[0]) is not int or \
+                not isinstance(eps, (int, float)) or isinstance(eps, bool):
+            return None
+        covers, inputs = [n], {"x": x}
+        for key in ("weight", "bias"):
+            v, casts = (None, []) if b[key] is None else _through_cast(b[key], self.consts)
+            if v is not None and (v not in self.consts or not _fits(self.metas, v, rank=(1,))
+                                  or _dtype(self.metas, v) not in (dt, torch.float32)):
+                return None
+            covers[:0] = casts
+            inputs[key] = v
+        return Match("layer_norm", n, covers, inputs, {"d": shape[0], "eps": float(eps)})
 
     # ------------------------------------------------------------------------ attention
     def sdpa(self, n: Node) -> Match | None:

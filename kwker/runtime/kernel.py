@@ -30,6 +30,7 @@ EMITTERS = {
     "gemm": "kwker.codegen.gemm",
     "attention": "kwker.codegen.attention",
     "topk_gemm": "kwker.codegen.fused_topk",
+    "layernorm": "kwker.codegen.layernorm",
 }
 
 stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0, "packaged": 0}

@@ -109,18 +109,28 @@ def test_dump_dir_receives_ir_and_assembly(tmp_path):
     assert wide in asm
 
 
-class TwoNormed(Two):
-    """Work left for Inductor (a layer norm), so the kernels run as its custom ops."""
+class TwoTail(Two):
+    """Work left for Inductor (an elementwise chain it fuses), so the kernels run as its custom
+    ops."""
 
     def forward(self, x):
-        return torch.nn.functional.layer_norm(super().forward(x), (8,))
+        h = super().forward(x)
+        return torch.tanh(h) * 2 + h.sigmoid()
+
+
+class TwoGlue(Two):
+    """Besides the kernels only data movement and one add: nothing worth Inductor's compile."""
+
+    def forward(self, x):
+        h = super().forward(x)
+        return torch.cat([h, h + 1]), torch.arange(3)
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_kernels_named_in_profiler_traces(inner):
     torch.manual_seed(3)
     torch._dynamo.reset()
-    model = TwoNormed().eval()
+    model = TwoTail().eval()
     compiled = torch.compile(model, backend="kwker", options={"inner": inner})
     x = torch.randn(3, 24)
     with torch.no_grad():
@@ -134,11 +144,13 @@ def test_kernels_named_in_profiler_traces(inner):
 
 
 def test_fully_lowered_graph_skips_inductor():
-    """A graph that is all Kwker kernels runs as the flat program under the default inner too
-    (Inductor would only add its wrappers); one with work left runs the custom ops."""
+    """A graph that is all Kwker kernels, or leaves only data movement and a couple of ops
+    besides them, runs as the flat program under the default inner too (Inductor would only add
+    its wrappers and its compile); one with work to fuse runs the custom ops."""
     torch.manual_seed(5)
     x = torch.randn(3, 24)
-    for model, custom_ops in ((Two().eval(), False), (TwoNormed().eval(), True)):
+    for model, custom_ops in ((Two().eval(), False), (TwoGlue().eval(), False),
+                              (TwoTail().eval(), True)):
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="kwker")
         with torch.no_grad():

@@ -37,14 +37,15 @@ CASES = {  # name -> (model factory, inputs, expected kernels in either form)
     "mlp": (lambda: MLP(), lambda: (torch.randn(37, 256),), ["linear_gelu", "linear_residual"]),
     "mlp_b1": (lambda: MLP(), lambda: (torch.randn(1, 256),), ["linear_gelu", "linear_residual"]),
     "encoder_layer": (encoder_layer, lambda: (torch.randn(2, 64, 256),),
-                      ["linear", "linear_gelu", "linear_residual", "linear_residual", "sdpa"]),
+                      ["linear", "linear_gelu", "linear_residual", "linear_residual", "sdpa",
+                       "layer_norm", "layer_norm"]),
     "encoder_2_layers": (lambda: torch.nn.TransformerEncoder(encoder_layer(), 2),
                          lambda: (torch.randn(2, 32, 256),),
                          ["linear", "linear_gelu", "linear_residual", "linear_residual",
-                          "sdpa"] * 2),
+                          "sdpa", "layer_norm", "layer_norm"] * 2),
     "decoder_block": (lambda: DecoderBlock(), lambda: (torch.randn(1, 128, 384),),
                       ["linear", "linear_gelu_tanh", "linear_residual", "linear_residual",
-                       "sdpa"]),
+                       "sdpa", "layer_norm", "layer_norm"]),
     "ranker": (lambda: Ranker(n_items=3000), lambda: (torch.randn(32, 64),),
                ["linear", "linear_gelu", "linear_topk"]),
     "gqa": (lambda: GroupedQuery(repeat="flag"), lambda: (torch.randn(2, 45, 256),),
@@ -59,7 +60,8 @@ CASES = {  # name -> (model factory, inputs, expected kernels in either form)
 # expansion is bf16 throughout, residuals included.
 AUTOCAST_KERNELS = {
     "mlp": ["linear", "linear_gelu"], "mlp_b1": ["linear", "linear_gelu"],
-    "decoder_block": ["linear", "linear", "linear", "linear_gelu_tanh", "sdpa"],
+    "decoder_block": ["linear", "linear", "linear", "linear_gelu_tanh", "sdpa", "layer_norm",
+                      "layer_norm"],
 }
 
 
@@ -99,8 +101,12 @@ def test_bf16_model(name, form, inner):
     assert_no_misses(reports)
     kernels = sorted(k for r in reports for k in r.kernel_names)
     assert kernels == sorted(expected), [str(r) for r in reports]
-    dtypes = {k[2] for r in reports for k in r.kernels if k[0] != "topk"}
+    # layer norms run in their input's dtype, as under autocast (on neither of its lists): the
+    # float32 residual stream of a pre-LN block under autocast is normalised in float32
+    dtypes = {k[2] for r in reports for k in r.kernels if k[0] not in ("topk", "layer_norm")}
     assert dtypes == {"bfloat16"}, [str(r) for r in reports]
+    norms = {k[2] for r in reports for k in r.kernels if k[0] == "layer_norm"}
+    assert norms <= ({"bfloat16"} if form == "bf16" else {"bfloat16", "float32"}), norms
 
 
 def test_ranker_topk_follows_aten_on_the_bf16_scores():

@@ -61,7 +61,7 @@ def test_transformer_encoder_layer(inner):
     # the fused native layer is split so its GEMMs and attention become kernels
     assert [op for _, op in reports[-1].decomposed] == ["_transformer_encoder_layer_fwd"]
     assert kernels(reports) == sorted(["linear", "sdpa", "linear_residual", "linear_gelu",
-                                       "linear_residual"])
+                                       "linear_residual", "layer_norm", "layer_norm"])
     if inner == "eager":  # attention reads q/k/v in place and writes ATen's output layout
         sdpa = [s for s in reports[-1].specs if type(s).__name__ == "AttentionSpec"]
         assert len(sdpa) == 1 and sdpa[0].strides, sdpa
@@ -185,4 +185,5 @@ def test_stacked_encoder_layers_all_lowered(inner):
     assert_close(out, ref)
     assert_no_misses(reports)
     assert kernels(reports) == sorted(["linear", "linear_gelu", "linear_residual",
-                                       "linear_residual", "sdpa"] * 3)
+                                       "linear_residual", "sdpa", "layer_norm",
+                                       "layer_norm"] * 3)

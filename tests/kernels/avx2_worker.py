@@ -9,6 +9,7 @@ from kwker.kernels import blocking
 from kwker.kernels.eltwise import make_gelu
 from kwker.kernels.linear import make_linear
 from kwker.kernels.matmul import make_matmul
+from kwker.kernels.norm import make_layer_norm
 from kwker.kernels.sdpa import make_sdpa
 from kwker.kernels.topk import make_linear_topk
 from kwker.runtime.target import host_target
@@ -47,6 +48,30 @@ def sdpa_generic(checks: dict) -> None:
                 checks[f"sdpa generic {dtype} {b}x{lq}x{lk}{name}"] = bool(ok)
 
 
+def layer_norm(checks: dict) -> None:
+    """Generic and fixed-rows kernels at row lengths around this ISA's lanes (masked tails):
+    float32 against float64 (rows far from 0 included), bf16 against ATen's bits (but for rare
+    one-ulp roundings)."""
+    for dt in (torch.float32, torch.bfloat16):
+        for d in (1, 3, 9, 33, 100, 384):
+            w, b = torch.randn(d), torch.randn(d)
+            f, g = make_layer_norm(d, w, b, 1e-5, dtype=dt), \
+                make_layer_norm(d, w, None, 1e-5, rows=5, dtype=dt)
+            x = (torch.randn(70, d) * 2 + torch.randn(70, 1) * (300 if dt == F32 else 3)).to(dt)
+            pairs = [(f(x[:n]), x[:n], b) for n in (1, 2, 70)] + [(g(x[:5]), x[:5], None)]
+            oks = []
+            for y, xs, bias in pairs:
+                if dt == F32:
+                    ref = F.layer_norm(xs.double(), (d,), w.double(),
+                                       None if bias is None else bias.double())
+                    oks.append(close(y.double(), ref, 1e-5))
+                else:
+                    ref = F.layer_norm(xs, (d,), w, bias).float()
+                    oks.append(bool((y.float() != ref).float().mean() < 0.01) and torch.allclose(
+                        y.float(), ref, rtol=2 ** -7, atol=1e-3))
+            checks[f"layer_norm {dt} d={d}"] = all(oks)
+
+
 def main() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(2)
@@ -77,6 +102,7 @@ def main() -> int:
         checks[f"sdpa causal={causal}"] = close(
             y, F.scaled_dot_product_attention(q, kk, v, is_causal=causal))
     sdpa_generic(checks)
+    layer_norm(checks)
     w = torch.randint(-2, 3, (2000, 16)).float()
     x = torch.randint(-2, 3, (9, 16)).float()
     vals, idx = make_linear_topk(w, 9, 20)(x)
