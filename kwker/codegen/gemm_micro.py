@@ -172,7 +172,8 @@ def _epilogue_pass(f: Fn, mk: Micro, c, res, out, last_active: int) -> None:
             active = last_active if v == mk.nv - 1 else L
             idx = b.add(row, const(i64, v * L))
             oidx = b.add(orow, const(i64, v * L))
-            x = vmath.activation(b, mk.epilogue, simd.load_any(b, c, idx, L, active))
+            x = vmath.activation(b, mk.epilogue, simd.load_any(b, c, idx, L, active),
+                                 mk.bf16)
             if mk.residual:
                 x = b.fadd(x, bf16.load_as(b, dtype, res, oidx, L, active))
             bf16.store_as(b, dtype, x, out, oidx, active)

@@ -98,6 +98,20 @@ def test_linear_bf16(case):
     assert ok, why
 
 
+def test_gelu_epilogue_rounds_the_exact_gelu():
+    """The bf16 GELU epilogue uses a cheaper erf (2e-6): its output is still the exact GELU of
+    the float32 accumulator, rounded to bf16, to within that rounding (half an ulp, plus the
+    float32 sum's own error), over the whole range GELU bends in and both tails."""
+    torch.manual_seed(11)
+    k = 64
+    w = (torch.randn(512, k) / k ** 0.5).to(BF16)
+    x = (torch.randn(96, k) * torch.linspace(0.1, 12, 96)[:, None]).to(BF16)
+    got = make_linear(w, None, 96, "gelu")(x).double()
+    ref = F.gelu(x.double() @ w.double().T)
+    assert ((got - ref).abs() <= ref.abs() * 2.0 ** -8 * 1.01 + 1e-5).all()
+    assert got.min() < -0.1 and got.max() > 10  # the bend and the tails were reached
+
+
 @pytest.mark.parametrize("case", MATMUL_CASES, ids=str)
 def test_matmul_bf16(case):
     ok, why = check_matmul(*case)
