@@ -141,6 +141,25 @@ class _Emitter:
         return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1, self.v_ld,
                                         not self.bf and s.ev % L != 0, self.ev_pad))
 
+    def share(self, d, tid, nt) -> tuple:
+        """(first item, end, stride) of this thread's items (item = head * nqb + query block).
+        Whole heads, a contiguous range each, when there are enough to balance (at least 4 per
+        thread, or as many per thread): each thread then packs a head's K and V once; round
+        robin over the items otherwise (few heads: the query blocks of a causal head cost
+        more and more, which a contiguous split would give one thread). Measured on the
+        encoder layer's (8, 8, 128, 32) bf16 attention: round robin packed every head on both
+        threads and ran at 1.48x one thread's speed."""
+        b = self.f.b
+        heads = self.f.i64(imul(b, d.batch, self.s.heads))
+        nqb = self.f.i64(d.nqb)
+        whole = b.or_(b.icmp_signed(">=", heads, b.mul(nt, const(i64, 4))),
+                      b.icmp_signed("==", b.srem(heads, nt), const(i64, 0)))
+        first = b.mul(b.sdiv(b.mul(heads, tid), nt), nqb)
+        last = b.mul(b.sdiv(b.mul(heads, b.add(tid, const(i64, 1))), nt), nqb)
+        items = b.mul(heads, nqb)
+        return (b.select(whole, first, tid), b.select(whole, last, items),
+                b.select(whole, const(i64, 1), nt))
+
     def body(self) -> ir.Function:
         s = self.s
         f = omp.body_fn(self.m, f"{s.symbol}.body" + ((".direct" if self.direct else ".blocked")
@@ -185,10 +204,10 @@ class _Emitter:
         pack_k = None if self.qk_pairs else \
             emit_pack_rows(self.m, s.nr, s.e if self.bf else self.k_row, self.L)
 
-        items = f.i64(imul(b, d.batch, s.heads, d.nqb))
+        begin, end, stride = self.share(d, tid, nt)
         cur_kv = f.var(i64, const(i64, -1), "kvhead")
-        it = f.var(i64, tid, "it")  # round-robin: item = tid, tid + nt, ...
-        with f.while_(lambda: b.icmp_signed("<", it.get(), items)):
+        it = f.var(i64, begin, "it")
+        with f.while_(lambda: b.icmp_signed("<", it.get(), end)):
             item = it.get()
             head = b.sdiv(item, f.i64(d.nqb))
             qb = b.srem(item, f.i64(d.nqb))
@@ -226,7 +245,7 @@ class _Emitter:
                     cur_kv.set(kv)
             self.block(head, qb, q_all, vf if self.bf else vh, o_all, kh if self.direct else kp,
                        sbuf, obuf, mrow, lrow)
-            it.set(b.add(item, nt))
+            it.set(b.add(item, stride))
         for r in raws:
             b.call(free, [r])
         return f.finish()
