@@ -186,7 +186,18 @@ def _erf_bf16_body(b: ir.IRBuilder, x):
     for _ in range(4):
         p = b.fmul(p, p)
     one = splat(x.type, 1.0)
-    return _copysign(b, b.fsub(one, b.fdiv(one, p)), x)
+    return _copysign(b, b.fsub(one, _reciprocal_bf16(b, p)), x)
+
+
+def _reciprocal_bf16(b: ir.IRBuilder, p):
+    """1 / p to 2**-14 relative (``vrcp14ps`` on 16-lane vectors: one instruction instead of a
+    division with a reciprocal throughput of 5 cycles), enough for a result rounded to bf16;
+    a division elsewhere."""
+    ty = p.type
+    if isinstance(ty, ir.VectorType) and ty.count == 16:
+        fn = intrinsic(b.module, "llvm.x86.avx512.rcp14.ps.512", ty, [ty, ty, ir.IntType(16)])
+        return b.call(fn, [p, splat(ty, 0.0), ir.Constant(ir.IntType(16), -1)])
+    return b.fdiv(splat(ty, 1.0), p)
 
 
 def _gelu_erf_body(b: ir.IRBuilder, x, erf_body=None):
