@@ -39,7 +39,7 @@ from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
 from .attention_args import align64, emit_copy_rows, emit_generic, icdiv, imul, load_dims, \
-    round_up, scratch, static_dims
+    round_up, scratch, static_dims, thread_items
 from .attention_bf16 import emit_pack_k_pairs, emit_pack_v_pairs, emit_pair_rows, emit_widen, \
     exp2_p, pair_rows_padded, splat_bit, store_p
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
@@ -141,25 +141,6 @@ class _Emitter:
         return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1, self.v_ld,
                                         not self.bf and s.ev % L != 0, self.ev_pad))
 
-    def share(self, d, tid, nt) -> tuple:
-        """(first item, end, stride) of this thread's items (item = head * nqb + query block).
-        Whole heads, a contiguous range each, when there are enough to balance (at least 4 per
-        thread, or as many per thread): each thread then packs a head's K and V once; round
-        robin over the items otherwise (few heads: the query blocks of a causal head cost
-        more and more, which a contiguous split would give one thread). Measured on the
-        encoder layer's (8, 8, 128, 32) bf16 attention: round robin packed every head on both
-        threads and ran at 1.48x one thread's speed."""
-        b = self.f.b
-        heads = self.f.i64(imul(b, d.batch, self.s.heads))
-        nqb = self.f.i64(d.nqb)
-        whole = b.or_(b.icmp_signed(">=", heads, b.mul(nt, const(i64, 4))),
-                      b.icmp_signed("==", b.srem(heads, nt), const(i64, 0)))
-        first = b.mul(b.sdiv(b.mul(heads, tid), nt), nqb)
-        last = b.mul(b.sdiv(b.mul(heads, b.add(tid, const(i64, 1))), nt), nqb)
-        items = b.mul(heads, nqb)
-        return (b.select(whole, first, tid), b.select(whole, last, items),
-                b.select(whole, const(i64, 1), nt))
-
     def body(self) -> ir.Function:
         s = self.s
         f = omp.body_fn(self.m, f"{s.symbol}.body" + ((".direct" if self.direct else ".blocked")
@@ -204,7 +185,7 @@ class _Emitter:
         pack_k = None if self.qk_pairs else \
             emit_pack_rows(self.m, s.nr, s.e if self.bf else self.k_row, self.L)
 
-        begin, end, stride = self.share(d, tid, nt)
+        begin, end, stride = thread_items(f, imul(b, d.batch, s.heads), d.nqb, tid, nt)
         cur_kv = f.var(i64, const(i64, -1), "kvhead")
         it = f.var(i64, begin, "it")
         with f.while_(lambda: b.icmp_signed("<", it.get(), end)):

@@ -1,4 +1,5 @@
-"""Sizes and strides of the attention kernel: compile-time, or read at call time (generic form).
+"""Sizes and strides of the attention kernel (compile-time, or read at call time: the generic
+form), and how its items are split between threads.
 
 An ``AttentionSpec`` with ``batch = lq = lk = 0`` is generic: one kernel per (heads, e, ev, flags,
 dtype) serves every batch, query length, key length and layout. Its ABI:
@@ -158,3 +159,21 @@ def emit_generic(module: ir.Module, s, direct: ir.Function, blocked: ir.Function
         return b.select(b.icmp_signed("<", items, cap), items, cap)
 
     omp.emit_parallel(module, s.symbol, ARGS, f.finish(), max_threads=max_threads)
+
+
+def thread_items(f: Fn, heads, nqb, tid, nt) -> tuple:
+    """(first item, end, stride) of thread ``tid``'s items (item = head * nqb + query block;
+    ``heads`` counts batch x heads). Whole heads, a contiguous range each, when there are enough
+    to balance (at least 4 per thread, or as many per thread): each thread then packs a head's K
+    and V once. Round robin over the items otherwise (few heads: the query blocks of a causal
+    head cost more and more, which a contiguous split would give one thread). Measured on the
+    encoder layer's (8, 8, 128, 32) bf16 attention: round robin packed every head on both
+    threads and ran at 1.48x one thread's speed, whole heads at 1.99x."""
+    b = f.b
+    heads, nqb = f.i64(heads), f.i64(nqb)
+    whole = b.or_(b.icmp_signed(">=", heads, b.mul(nt, const(i64, 4))),
+                  b.icmp_signed("==", b.srem(heads, nt), const(i64, 0)))
+    first = b.mul(b.sdiv(b.mul(heads, tid), nt), nqb)
+    last = b.mul(b.sdiv(b.mul(heads, b.add(tid, const(i64, 1))), nt), nqb)
+    return (b.select(whole, first, tid), b.select(whole, last, b.mul(heads, nqb)),
+            b.select(whole, const(i64, 1), nt))
