@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,17 @@ def test_a_directory_where_an_entry_should_be_is_not_fatal(root, caplog):
     with caplog.at_level(logging.WARNING, "kwker"):
         assert cache.get_or_build(key, HEADER, HEADER, lambda: b"obj") == (b"obj", False)
     assert "is not a regular file; remove it" in caplog.text
+
+
+def test_directory_created_by_another_job_meanwhile_is_used(root, monkeypatch):
+    """Prewarm jobs create the cache at the same time: a directory that appears between the
+    check that it is missing and the next one is taken, not reported as "not a directory"."""
+    real_exists = Path.exists
+
+    def exists_after_another_job(self, *args, **kwargs):
+        if self == root and not real_exists(self):
+            self.parent.mkdir(parents=True, exist_ok=True)
+            self.mkdir(mode=0o700)  # the other job wins the race
+        return real_exists(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "exists", exists_after_another_job)
+    assert cache.ensure_dir(root) == root and root.is_dir()
