@@ -477,7 +477,7 @@ def _checker(inputs: list):
 def _refuse(spec: dict, dtype: torch.dtype, a: torch.Tensor):
     shape = spec["shape"]
     want = f"a {spec['device']} {spec['dtype']} tensor of shape {_shape_text(shape)}"
-    got = f"a {a.device.type} {str(a.dtype).removeprefix('torch.')} tensor of shape " \
+    got = f"a {a.device.type} {dtype_name(a.dtype)} tensor of shape " \
           f"{list(a.shape)}"
     if a.dim() == len(shape) and a.dtype == dtype and \
             a.device.type == spec["device"]:

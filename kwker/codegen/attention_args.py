@@ -173,7 +173,7 @@ def thread_items(f: Fn, heads, nqb, tid, nt) -> tuple:
     heads, nqb = f.i64(heads), f.i64(nqb)
     whole = b.or_(b.icmp_signed(">=", heads, b.mul(nt, const(i64, 4))),
                   b.icmp_signed("==", b.srem(heads, nt), const(i64, 0)))
-    first = b.mul(b.sdiv(b.mul(heads, tid), nt), nqb)
-    last = b.mul(b.sdiv(b.mul(heads, b.add(tid, const(i64, 1))), nt), nqb)
-    return (b.select(whole, first, tid), b.select(whole, last, b.mul(heads, nqb)),
+    first, last = omp.split(f, heads, tid, nt)
+    return (b.select(whole, b.mul(first, nqb), tid),
+            b.select(whole, b.mul(last, nqb), b.mul(heads, nqb)),
             b.select(whole, const(i64, 1), nt))

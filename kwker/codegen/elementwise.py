@@ -106,8 +106,6 @@ def emit(spec, target) -> ir.Module:
         omp.emit_parallel(module, spec.symbol, [ptr, ptr], body.fn,
                           max_threads=max(1, spec.numel // grain))
     else:  # the same cap, from the numel argument
-        def max_threads(b, args):
-            cap = b.udiv(args[2], const(i64, grain))
-            return b.select(b.icmp_signed("<", cap, const(i64, 1)), const(i64, 1), cap)
-        omp.emit_parallel(module, spec.symbol, [ptr, ptr, i64], body.fn, max_threads)
+        omp.emit_parallel(module, spec.symbol, [ptr, ptr, i64], body.fn,
+                          lambda b, args: omp.per_grain(b, args[2], grain))
     return module

@@ -151,8 +151,7 @@ def emit(spec, target) -> ir.Module:
         omp.emit_parallel(module, spec.symbol, [ptr] * 4, body.fn,
                           max_threads=max(1, spec.rows * spec.d // grain))
     else:  # the same cap, from the rows argument
-        def max_threads(b, args):
-            cap = b.udiv(b.mul(args[4], const(i64, spec.d)), const(i64, grain))
-            return b.select(b.icmp_signed("<", cap, const(i64, 1)), const(i64, 1), cap)
-        omp.emit_parallel(module, spec.symbol, [ptr] * 4 + [i64], body.fn, max_threads)
+        omp.emit_parallel(module, spec.symbol, [ptr] * 4 + [i64], body.fn,
+                          lambda b, args: omp.per_grain(b, b.mul(args[4], const(i64, spec.d)),
+                                                        grain))
     return module

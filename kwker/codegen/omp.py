@@ -69,6 +69,13 @@ def emit_parallel(module: ir.Module, symbol: str, arg_types: list[ir.Type],
     return main.finish()
 
 
+def per_grain(b: ir.IRBuilder, elements: ir.Value, grain: int) -> ir.Value:
+    """``max(1, elements // grain)``: a ``max_threads`` cap computed at call time, for kernels
+    whose threads pay only from ``grain`` elements each."""
+    cap = b.udiv(elements, const(i64, grain))
+    return b.select(b.icmp_signed("<", cap, const(i64, 1)), const(i64, 1), cap)
+
+
 def split(fn: Fn, total, tid: ir.Value, nt: ir.Value) -> tuple[ir.Value, ir.Value]:
     """Contiguous share [begin, end) of ``total`` items for thread ``tid`` of ``nt``."""
     b = fn.b

@@ -178,11 +178,9 @@ def ensure_dir(root: Path) -> Path:
     missing = []
     d = root
     while not d.is_dir():
-        if d.exists():
+        if d.exists() or d == d.parent:
             if d.is_dir():  # another process or prewarm job created it just now
                 break
-            raise UnusableCache(f"cache path {d} is not a directory (check KWKER_CACHE_DIR)")
-        if d == d.parent:
             raise UnusableCache(f"cache path {d} is not a directory (check KWKER_CACHE_DIR)")
         missing.append(d)
         d = d.parent
