@@ -5,11 +5,14 @@ values sorted best first and indices as ``torch.topk`` returns them on those sco
 path, ``k * 64 <= n``: the factory checks). W is pre-packed by the factory into ``nr``-wide
 panels exactly as for ``linear``.
 
-Schedule: the GEMM micro-kernel computes an ``mr x nr`` tile of scores into an L1 buffer (K is
-not blocked, so the tile is final). Each tile row is compared 16 lanes at a time against the
-row's live threshold, the root of its heap, with ATen's NaN-aware strict test; the few survivors
-(a bitmask walked with cttz, in index order) go through the exact heap step of codegen/heap.py.
-The threshold only tightens, so a stale one filters nothing that matters (spec §2.2).
+Schedule: the GEMM micro-kernel computes an ``mr x nr`` tile of scores in registers (K is not
+blocked, so the tile is final) and screens it against each row's heap root as the row's last
+filter left it (``roots``; NaN until the heap is full): only a tile with a lane that may enter
+is stored to an L1 buffer, so most tiles cost no store and no filter. Each row of a stored tile
+is compared 16 lanes at a time against the row's live root with ATen's NaN-aware strict test;
+the few survivors (a bitmask walked with cttz, in index order) go through the exact heap step of
+codegen/heap.py. The threshold only tightens, so a stale one filters nothing that matters (spec
+§2.2).
 
 Threads split the row tiles when there are enough, each thread owning whole rows and scanning
 columns in order: its heaps are the exact ones. With fewer row tiles than threads (decode-sized
@@ -24,9 +27,11 @@ tiles and the last tile's height are computed per call, and the row edge is serv
 of every height up to ``mr`` (bf16 screening: the edge tile is packed at its own height).
 
 bf16 (``dtype="bf16"``): x and W hold bf16 (K even, in k-pair words as in gemm.py), the tile is
-computed by the bf16 GEMM micro-kernel (``vdpbf16ps`` or widened FMAs, float32 sums) and rounded
-to bf16 as the unfused linear rounds it, into a bf16 tile; the heap compares those rounded scores
-widened to float32 (exact), which is how ATen's top-k compares bf16 values, so the indices are
+computed by the bf16 GEMM micro-kernel (``vdpbf16ps`` or widened FMAs, float32 sums). The screen
+and the row filter compare those float32 scores: a superset of the test on the rounded ones,
+since rounding is monotone and leaves the (bf16) root as it is. Each candidate is rounded to
+bf16 as the unfused linear rounds it before its heap step, which compares the rounded scores
+widened to float32 (exact), as ATen's top-k compares bf16 values; so the indices are
 ``torch.topk``'s on the bf16 scores. Values are written as bf16.
 
 Screening (float32 with AVX512_BF16): the tile is first computed approximately and only the
@@ -106,7 +111,7 @@ class _Emitter:
         s = self.s
         return emit_micro(self.module, Micro(rows, _cdiv(cols, self.L), self.L, cols, 1, s.mr,
                                              s.nr, False, s.nr, dot=self.dot,
-                                             ldo=s.nr if self.half else 0))
+                                             screen=1 if s.largest else -1))
 
     # -- parallel body: ctx = x, w, vals, idx, split_cols, hv, hi, cnt, logv, logi, logn --------
     def emit_body(self) -> ir.Function:
@@ -151,10 +156,12 @@ class _Emitter:
         a_floats = _mul(b, _add(b, m, s.mr), kp)
         raw_a = b.call(self.malloc, [_v(_add(b, _mul(b, _add(b, a_floats, _mul(b, m, 4)), 4),
                                              128))])
-        # the float32 tile, and after it the bf16 tile of rounded scores (bf16 operands)
-        raw_t = b.call(self.malloc, [const(i64, s.mr * s.nr * 6 + 128)])
+        # the float32 tile, and the stale heap root of each row the micro-kernel screens with
+        raw_t = b.call(self.malloc, [_v(_add(b, _mul(b, m, 4), s.mr * s.nr * 4 + 128))])
         ap, tile = _align64(b, raw_a), _align64(b, raw_t)
-        scores = simd.gep(b, tile, const(i64, s.mr * s.nr + 16)) if self.half else tile
+        roots = simd.gep(b, tile, const(i64, s.mr * s.nr))
+        with f.for_range(row0, row1, name="nan") as r:
+            simd.store_scalar(b, ir.Constant(f32, float("nan")), roots, r)
         # |x_row| (bf16 screening), or 4 words of quantisation data per row (int8)
         qnorm = simd.gep(b, ap, _v(_add(b, a_floats, 16)))
         x_rows = simd.gep(b, x, b.mul(row0, const(i64, self.kw)))
@@ -179,8 +186,10 @@ class _Emitter:
                 a_tile = simd.gep(b, ap, b.mul(b.sub(t, t0.get()), const(i64, a_tile_size)))
                 row_t = b.mul(t, const(i64, s.mr))
 
-                def filter_rows(rows, cols):
-                    with f.for_range(0, rows, name="fr") as r:
+                def filter_rows(rows, cols, which=None):
+                    """Filter the tile's rows (those of the ``which`` bitmask, if given)."""
+                    with f.for_range(0, rows, name="fr") as r, \
+                            f.if_(b.trunc(b.lshr(which, r), i1) if which else const(i1, 1)):
                         extra = []
                         if self.screen:
                             i_rel = b.sub(b.add(row_t, r), row0)
@@ -189,10 +198,12 @@ class _Emitter:
                             extra = [simd.gep(b, x, b.mul(b.add(row_t, r),
                                                           const(i64, s.k_dim))),
                                      qn, w_exact, evec]
+                        i = b.add(row_t, r)
                         b.call(self.filter_row, [
-                            simd.gep(b, scores, b.mul(r, const(i64, s.nr)),
-                                     ir.IntType(16) if self.half else f32),
-                            b.add(row_t, r), b.mul(q, const(i64, s.nr)), cols, *state, *extra])
+                            simd.gep(b, tile, b.mul(r, const(i64, s.nr))), i,
+                            b.mul(q, const(i64, s.nr)), cols, *state, *extra])
+                        if not self.screen:  # the root the next tiles screen with
+                            self.update_root(b, i, hv, cnt, roots)
 
                 last_q = b.icmp_signed("==", q, const(i64, self.np - 1))
                 cols = b.select(last_q, const(i64, self.nr_edge), const(i64, s.nr))
@@ -208,18 +219,22 @@ class _Emitter:
                     for rows in _variants(f, rows_v, s.mr, mr_edge, last_t):
                         b.call(emit_micro_bf16(self.module, rows, s.nr // 16, s.nr),
                                [a_tile, wq, tile, const(i64, kp)])
-                else:  # float32 tiles: variants specialised to the edges
+                else:  # screened float32 tiles: variants specialised to the edges
+                    hit = f.var(i64, const(i64, 0), "hit")
+                    tile_roots = simd.gep(b, roots, row_t)
                     for rows in _variants(f, rows_v, s.mr, mr_edge, last_t):
                         for ncols in _variants(f, cols, s.nr, self.nr_edge, last_q):
-                            b.call(self.micro(rows, ncols),
-                                   [a_tile, wq, tile, const(i64, self.kw),
-                                    const(i64, FIRST | LAST), nullp, nullp]
-                                   + ([scores] if self.half else []))
+                            hit.set(b.call(self.micro(rows, ncols),
+                                           [a_tile, wq, tile, const(i64, self.kw),
+                                            const(i64, FIRST | LAST), nullp, nullp]
+                                           + ([tile] if self.half else []) + [tile_roots]))
                             if s.m:
-                                filter_rows(const(i64, rows), const(i64, ncols))
+                                with f.if_(_nonzero(b, hit.get()), likely=False):
+                                    filter_rows(const(i64, rows), const(i64, ncols), hit.get())
                     if not s.m:  # generic: one filter per column variant, not per tile variant
-                        for ncols in _variants(f, cols, s.nr, self.nr_edge, last_q):
-                            filter_rows(rows_v, const(i64, ncols))
+                        with f.if_(_nonzero(b, hit.get()), likely=False):
+                            for ncols in _variants(f, cols, s.nr, self.nr_edge, last_q):
+                                filter_rows(rows_v, const(i64, ncols), hit.get())
                 if self.screen:
                     filter_rows(rows_v, cols)
         # row mode: this thread's rows are final
@@ -229,6 +244,12 @@ class _Emitter:
         b.call(self.free, [raw_a])
         b.call(self.free, [raw_t])
         return f.finish()
+
+    def update_root(self, b, i, hv, cnt, roots):
+        """roots[i] = row i's heap root once its heap is full, else NaN (every lane passes)."""
+        full = b.icmp_signed("==", simd.load_scalar(b, cnt, i, i64), const(i64, self.s.k))
+        root = simd.load_scalar(b, hv, b.mul(i, const(i64, self.s.k)))
+        simd.store_scalar(b, b.select(full, root, ir.Constant(f32, float("nan"))), roots, i)
 
     def row_tiles(self, b, m):
         """(row tiles, rows in the last one) of ``m`` rows: ints when specialised, else IR."""
@@ -284,8 +305,8 @@ class _Emitter:
             j = b.add(col0, c)
             if self.screen:
                 v = b.call(dot, [xrow, simd.gep(b, wx, b.mul(j, const(i64, s.k_dim)))])
-            elif self.half:
-                v = bf.widen_scalar(b, simd.load_scalar(b, row, c, ir.IntType(16)))
+            elif self.half:  # the bf16 score, as the unfused linear rounds it
+                v = bf.widen_scalar(b, bf.narrow_scalar(b, simd.load_scalar(b, row, c)))
             else:
                 v = simd.load_scalar(b, row, c)
             self.push(f, i, rhv, rhi, rcnt, v, j, log)
@@ -301,8 +322,7 @@ class _Emitter:
         first = start.get()
         for v in range(s.nr // L):
             live = simd.lane_mask(b, L, b.sub(cols, const(i64, v * L)))
-            xv = bf.load(b, row, const(i64, v * L), L, mask=live) if self.half else \
-                simd.load_vec(b, row, const(i64, v * L), L)
+            xv = simd.load_vec(b, row, const(i64, v * L), L)
             thr = simd.broadcast(b, simd.load_scalar(b, rhv, const(i64, 0)), L)
             if self.screen:
                 xv, e = self.screen_lanes(b, setup, row, ev, col0, v, live)
@@ -476,6 +496,10 @@ class _Emitter:
                     b.call(self.heap.push, [rhv, rhi, rcnt, k, simd.load_scalar(b, logv, pos),
                                             simd.load_scalar(b, logi, pos, i32)])
             self.emit_output(f, i, rhv, rhi, vals, idx)
+
+
+def _nonzero(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    return b.icmp_unsigned("!=", x, const(i64, 0))
 
 
 def _v(x) -> ir.Value:

@@ -24,6 +24,13 @@ or chunk of the driver's, row stride ``ldc``); the last K block adds the bias in
 epilogue in float32 and rounds once to bf16 into ``out`` (row stride ``ldo``), reading a bf16
 residual from there. For float32, ``out`` is ``c``.
 
+Screened tiles (``screen`` = 1 largest, -1 smallest; the fused top-k): the last K block stores
+no epilogue. It compares the float32 tile in the registers against ``thr[r]``, a stale heap root
+per row (NaN: every lane passes), stores the tile to ``c`` only if some valid lane may be
+better, and returns the rows that may (bit r: row r; 0: nothing stored). The test is a superset of ATen's (unordered: NaN passes
+either way), and of the test on the bf16-rounded scores too, since rounding is monotone and
+leaves the bf16 root as it is.
+
 Fast-math: none; the products are explicit ``llvm.fma`` (one rounding per step, like MKL).
 """
 from __future__ import annotations
@@ -33,7 +40,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import bf16, simd, vmath
-from .irutil import Fn, const, defined, f32, i16, i32, i64, intrinsic, ptr, void
+from .irutil import Fn, const, defined, f32, i1, i16, i32, i64, intrinsic, ptr, void
 
 FIRST, LAST = 1, 2  # bits of the ``mode`` argument
 
@@ -57,6 +64,7 @@ class Micro:
     unroll: int = 1
     dot: str = "fma"   # fma (float32) | dpbf16 | widen (bf16 pairs, see the module doc)
     ldo: int = 0       # bf16: row stride of ``out`` and the residual
+    screen: int = 0    # 1 / -1: screened tile against per-row roots (see module doc)
 
     @property
     def bf16(self) -> bool:
@@ -66,17 +74,21 @@ class Micro:
     def name(self) -> str:
         return (f"uk.{self.mr}x{self.nv}x{self.lanes}.c{self.cols}.a{self.a_rs}_{self.a_ks}"
                 f".b{self.ldb}{'m' if self.b_masked else ''}.s{self.ksplit}.u{self.unroll}"
-                + ("" if self.dot == "fma" else f".{self.dot}.o{self.ldo}"))
+                + ("" if self.dot == "fma" else f".{self.dot}.o{self.ldo}")
+                + (f".screen{self.screen}" if self.screen else ""))
 
 
 def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
     """``void uk(ptr a, ptr b, ptr c, i64 kc, i64 mode, ptr bias, ptr residual)``, and for bf16
-    an eighth argument ``ptr out``; emitted once per variant."""
+    an eighth argument ``ptr out``; screened: ``i64 uk(..., ptr thr)``, the rows that may
+    enter (``c`` stored if any). Emitted once per variant."""
     existing = defined(module, mk.name)
     if existing is not None:
         return existing
-    names = ["a", "b", "c", "kc", "mode", "bias", "res"] + (["out"] if mk.bf16 else [])
-    f = Fn(module, mk.name, void, [ptr, ptr, ptr, i64, i64, ptr, ptr] + [ptr] * mk.bf16, names)
+    names = ["a", "b", "c", "kc", "mode", "bias", "res"] + (["out"] if mk.bf16 else []) \
+        + (["thr"] if mk.screen else [])
+    f = Fn(module, mk.name, i64 if mk.screen else void,
+           [ptr, ptr, ptr, i64, i64, ptr, ptr] + [ptr] * (mk.bf16 + bool(mk.screen)), names)
     # noinline: a constant kc must not let LLVM unroll the k loop completely (compile time)
     f.fn.attributes.add("noinline")
     a, bp, c, kc, mode, bias, res = f.args[:7]
@@ -129,34 +141,69 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
         total = [[b.fadd(total[r][v], acc[s][r][v].get()) for v in range(nv)] for r in range(mr)]
 
     is_last = b.icmp_unsigned("!=", b.and_(mode, const(i64, LAST)), const(i64, 0))
+    stored = f.var(i64, const(i64, -1), "stored")
     with f.if_else(is_last) as (then, otherwise):
         with then:
-            bias_v = [simd.load_any(b, bias, v * L, L, min(L, mk.cols - v * L)) if mk.bias
-                      else None for v in range(nv)]
-            # an activation goes through the tile once more (see _epilogue_pass); bias and
-            # residual are added in the registers and the result stored (rounded) once
-            act = mk.epilogue != "none"
-            dtype = "bf16" if mk.bf16 else "f32"
-            for r in range(mr):
-                for v in range(nv):
-                    x = total[r][v]
-                    active = last_active if v == nv - 1 else L
-                    if mk.bias:
-                        x = b.fadd(x, bias_v[v])
-                    if act:
-                        _store_c(b, x, c, r * mk.ldc + v * L, last_active, v == nv - 1)
-                        continue
-                    oidx = const(i64, r * (mk.ldo if mk.bf16 else mk.ldc) + v * L)
-                    if mk.residual:
-                        x = b.fadd(x, bf16.load_as(b, dtype, res, oidx, L, active))
-                    bf16.store_as(b, dtype, x, out, oidx, active)
-            if act:
-                _epilogue_pass(f, mk, c, res, out, last_active)
+            if mk.screen:
+                stored.set(_screen(f, mk, total, c, f.args[-1], last_active))
+            else:
+                _epilogue(f, mk, total, bias, res, out, last_active)
         with otherwise:
             for r in range(mr):
                 for v in range(nv):
                     _store_c(b, total[r][v], c, r * mk.ldc + v * L, last_active, v == nv - 1)
+    if mk.screen:
+        f.ret(stored.get())
     return f.finish()
+
+
+def _epilogue(f: Fn, mk: Micro, total, bias, res, out, last_active: int) -> None:
+    """The last K block: bias and residual added in the registers and the result stored
+    (rounded) once; an activation goes through the tile once more (see _epilogue_pass)."""
+    b, L, nv = f.b, mk.lanes, mk.nv
+    c = f.args[2]
+    bias_v = [simd.load_any(b, bias, v * L, L, min(L, mk.cols - v * L)) if mk.bias else None
+              for v in range(nv)]
+    act = mk.epilogue != "none"
+    dtype = "bf16" if mk.bf16 else "f32"
+    for r in range(mk.mr):
+        for v in range(nv):
+            x = total[r][v]
+            active = last_active if v == nv - 1 else L
+            if mk.bias:
+                x = b.fadd(x, bias_v[v])
+            if act:
+                _store_c(b, x, c, r * mk.ldc + v * L, last_active, v == nv - 1)
+                continue
+            oidx = const(i64, r * (mk.ldo if mk.bf16 else mk.ldc) + v * L)
+            if mk.residual:
+                x = b.fadd(x, bf16.load_as(b, dtype, res, oidx, L, active))
+            bf16.store_as(b, dtype, x, out, oidx, active)
+    if act:
+        _epilogue_pass(f, mk, c, res, out, last_active)
+
+
+def _screen(f: Fn, mk: Micro, total, c, thr, last_active: int) -> ir.Value:
+    """Store the float32 tile to ``c`` if any valid lane may beat its row's ``thr`` (module
+    doc); the i64 mask of such rows. One branch per tile: the common case stores nothing."""
+    b, L, nv = f.b, mk.lanes, mk.nv
+    op = ">" if mk.screen > 0 else "<"
+    rows = const(i64, 0)
+    for r in range(mk.mr):
+        t = simd.broadcast(b, simd.load_scalar(b, thr, const(i64, r)), L)
+        hits = None
+        for v in range(nv):
+            h = b.fcmp_unordered(op, total[r][v], t)
+            if v == nv - 1 and last_active < L:
+                h = b.and_(h, simd.const_mask(L, last_active))
+            hits = h if hits is None else b.or_(hits, h)
+        hit = b.icmp_unsigned("!=", b.bitcast(hits, ir.IntType(L)), ir.Constant(ir.IntType(L), 0))
+        rows = b.or_(rows, b.shl(b.zext(hit, i64), const(i64, r)))
+    with f.if_(b.icmp_unsigned("!=", rows, const(i64, 0)), likely=False):
+        for r in range(mk.mr):
+            for v in range(nv):
+                _store_c(b, total[r][v], c, r * mk.ldc + v * L, last_active, v == nv - 1)
+    return rows
 
 
 def _epilogue_pass(f: Fn, mk: Micro, c, res, out, last_active: int) -> None:

@@ -92,6 +92,28 @@ def test_linear_topk_bf16(case):
     assert ok, why
 
 
+@pytest.mark.parametrize("m", [3, 32, None], ids=["m3", "m32", "generic"])
+@pytest.mark.parametrize("largest", [True, False])
+def test_linear_topk_bf16_scores_that_round_together(m, largest, threads):
+    """float32 scores that differ by less than a bf16 ulp: the kernel screens float32 scores,
+    but which enter and in what order is decided on the rounded ones. ``x = (1, 1)``, so a score
+    is ``a + b`` exactly, ``a`` one of a few bf16 values and ``b`` far below its half ulp, of
+    either sign (rounding down, up, or to the same value as a bigger float32 score)."""
+    torch.manual_seed(31)
+    n = 6000
+    a = torch.tensor([1.0, 1.0078125, 0.9921875, -1.0, 2.0])[torch.randint(0, 5, (n,))]
+    b = torch.randint(-15, 16, (n,)).float() * 2.0 ** -12
+    w = torch.stack([a, b], 1).to(BF16)
+    rows = 32 if m is None else m
+    x = torch.ones(rows, 2).to(BF16) * torch.tensor([1.0, 1.0]).to(BF16)
+    x[1::2, 1] = -1.0  # the perturbation's sign flips on odd rows
+    values, indices = make_linear_topk(w, m, 50, largest)(x)
+    expected = torch.topk(make_linear(w, None, rows, dtype=BF16)(x), 50, dim=-1,
+                          largest=largest)
+    assert (x.float() @ w.float().t()).unique().numel() >= 5 * 31  # distinct in float32
+    assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+
+
 @pytest.mark.parametrize("case", LINEAR_CASES, ids=str)
 def test_linear_bf16(case):
     ok, why = check_linear(*case)
