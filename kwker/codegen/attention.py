@@ -550,7 +550,8 @@ class _Emitter:
                                                  const(i64, v * L)), L)
                 active = min(L, s.ev - v * L)
                 bf16.store_as(b, self.dt, b.fmul(x, iv), oh,
-                              b.add(b.mul(r, f.i64(os[2])), const(i64, v * L)), active)
+                              b.add(b.mul(r, f.i64(os[2])), const(i64, v * L)), active,
+                              native=self.dot)
 
 
 def transpose_add(b: ir.IRBuilder, vecs: list) -> ir.Value:

@@ -147,29 +147,11 @@ def emit_pack_k_pairs(module: ir.Module, L: int, nr: int, e: int, ld: int) -> ir
     return f.finish()
 
 
-class _BFloat(ir.types.Type):
-    """LLVM's ``bfloat`` (llvmlite.ir has no such type): only to name the result of
-    ``vcvtneps2bf16``, which is bitcast to i16 lanes at once."""
-
-    def _to_string(self) -> str:
-        return "bfloat"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _BFloat)
-
-    def __hash__(self) -> int:
-        return hash("bfloat")
-
-
 def store_p(b: ir.IRBuilder, p: ir.Value, base: ir.Value, index) -> None:
     """Round 16 float32 probabilities to bf16 with ``vcvtneps2bf16`` (round to nearest even,
     as ``bf16.narrow``, except that a P below FLT_MIN becomes 0: nothing next to the row's
     max of 1) and store them at bf16 index ``index``."""
-    lanes = p.type.count
-    cvt = intrinsic(b.module, f"llvm.x86.avx512bf16.cvtneps2bf16.{lanes * 32}",
-                    ir.VectorType(_BFloat(), lanes), [p.type])
-    h = b.bitcast(b.call(cvt, [p]), ir.VectorType(i16, lanes))
-    b.store(h, simd.gep(b, base, index, i16), align=2)
+    b.store(bf16.narrow(b, p, native=True), simd.gep(b, base, index, i16), align=2)
 
 
 # 2**f = 1 + f (c1 + f (c2 + f (c3 + f c4))) on [0, 1): relative error 2.9e-6 (a minimax fit),

@@ -5,6 +5,12 @@ ATen's ``round_to_nearest_even``: add ``0x7FFF`` plus the lowest kept bit, keep 
 and every NaN becomes ``0x7FC0`` (c10/util/BFloat16.h). Integer ops only, so AVX2 and AVX-512
 without AVX512_BF16 emit the same rounding as a CPU with ``vcvtneps2bf16``.
 
+``native=True`` (16 lanes on a CPU with AVX512_BF16) rounds with ``vcvtneps2bf16`` instead: one
+instruction for eight, the same round to nearest even, except that a float32 denormal becomes
+0 (the instruction flushes, as ``vdpbf16ps`` does its inputs) and a NaN keeps its sign and
+payload. GEMM and attention outputs use it (an accuracy contract, and their dot products flush
+denormals anyway); elementwise kernels, bit-identical to ATen's, do not.
+
 Kernels hold bf16 data as ``i16`` lanes; float32 maths happens in between.
 """
 from __future__ import annotations
@@ -34,9 +40,28 @@ def widen(b: ir.IRBuilder, h: ir.Value) -> ir.Value:
     return b.bitcast(wide, simd.vty(lanes))
 
 
-def narrow(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """``<L x float>`` -> ``<L x i16>`` bf16 bits, round to nearest even, NaN -> 0x7FC0."""
+class _BFloat(ir.types.Type):
+    """LLVM's ``bfloat`` (llvmlite.ir has no such type): only to name the result of
+    ``vcvtneps2bf16``, which is bitcast to i16 lanes at once."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+def narrow(b: ir.IRBuilder, x: ir.Value, native: bool = False) -> ir.Value:
+    """``<L x float>`` -> ``<L x i16>`` bf16 bits, round to nearest even, NaN -> 0x7FC0
+    (``native``: see the module doc)."""
     lanes = x.type.count
+    if native:
+        cvt = intrinsic(b.module, f"llvm.x86.avx512bf16.cvtneps2bf16.{lanes * 32}",
+                        ir.VectorType(_BFloat(), lanes), [x.type])
+        return b.bitcast(b.call(cvt, [x]), i16v(lanes))
     bits = b.bitcast(x, i32v(lanes))
     odd = b.and_(b.lshr(bits, _splat_i32(lanes, 16)), _splat_i32(lanes, 1))
     rounded = b.lshr(b.add(bits, b.add(odd, _splat_i32(lanes, 0x7FFF))), _splat_i32(lanes, 16))
@@ -44,8 +69,12 @@ def narrow(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
     return b.trunc(b.select(nan, _splat_i32(lanes, 0x7FC0), rounded), i16v(lanes))
 
 
-def narrow_scalar(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+def narrow_scalar(b: ir.IRBuilder, x: ir.Value, native: bool = False) -> ir.Value:
     """float -> i16 bf16 bits, as ``narrow``."""
+    if native:  # lane 0 of the 16-lane instruction
+        vt = simd.vty(16)
+        v = b.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i32, 0))
+        return b.extract_element(narrow(b, v, True), ir.Constant(i32, 0))
     bits = b.bitcast(x, i32)
     odd = b.and_(b.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
     rounded = b.lshr(b.add(bits, b.add(odd, ir.Constant(i32, 0x7FFF))), ir.Constant(i32, 16))
@@ -77,11 +106,11 @@ def load(b: ir.IRBuilder, base: ir.Value, index, lanes: int, active: int | None 
 
 
 def store(b: ir.IRBuilder, x: ir.Value, base: ir.Value, index, active: int | None = None,
-          mask: ir.Value | None = None) -> None:
-    """Round float32 lanes ``x`` to bf16 and store them at ``base[index]`` (element index);
-    only the first ``active`` lanes (or those of ``mask``) are written."""
+          mask: ir.Value | None = None, native: bool = False) -> None:
+    """Round float32 lanes ``x`` to bf16 (``narrow``) and store them at ``base[index]``
+    (element index); only the first ``active`` lanes (or those of ``mask``) are written."""
     lanes = x.type.count
-    h = narrow(b, x)
+    h = narrow(b, x, native)
     addr = simd.gep(b, base, index, i16)
     if mask is None and (active is None or active >= lanes):
         b.store(h, addr, align=2)
@@ -100,10 +129,11 @@ def load_as(b: ir.IRBuilder, dtype: str, base, index, lanes: int, active: int | 
     return simd.load_any(b, base, index, lanes, lanes if active is None else active)
 
 
-def store_as(b: ir.IRBuilder, dtype: str, x, base, index, active: int | None = None) -> None:
-    """Store float32 lanes ``x`` to a ``dtype`` buffer (rounded once if bf16)."""
+def store_as(b: ir.IRBuilder, dtype: str, x, base, index, active: int | None = None,
+             native: bool = False) -> None:
+    """Store float32 lanes ``x`` to a ``dtype`` buffer (rounded once if bf16, see ``narrow``)."""
     if dtype == "bf16":
-        store(b, x, base, index, active)
+        store(b, x, base, index, active, native=native)
     else:
         simd.store_any(b, x, base, index, x.type.count if active is None else active)
 

@@ -306,7 +306,8 @@ class _Emitter:
             if self.screen:
                 v = b.call(dot, [xrow, simd.gep(b, wx, b.mul(j, const(i64, s.k_dim)))])
             elif self.half:  # the bf16 score, as the unfused linear rounds it
-                v = bf.widen_scalar(b, bf.narrow_scalar(b, simd.load_scalar(b, row, c)))
+                v = bf.widen_scalar(b, bf.narrow_scalar(b, simd.load_scalar(b, row, c),
+                                                        self.dot == "dpbf16"))
             else:
                 v = simd.load_scalar(b, row, c)
             self.push(f, i, rhv, rhi, rcnt, v, j, log)
@@ -407,7 +408,9 @@ class _Emitter:
         with f.for_range(0, s.k, name="o") as j:
             pos = b.add(b.mul(r, const(i64, s.k)), j)
             v = simd.load_scalar(b, rhv, j)
-            simd.store_scalar(b, bf.narrow_scalar(b, v) if self.half else v, vals, pos)
+            if self.half:
+                v = bf.narrow_scalar(b, v, self.dot == "dpbf16")
+            simd.store_scalar(b, v, vals, pos)
             simd.store_scalar(b, b.sext(simd.load_scalar(b, rhi, j, i32), i64), idx, pos)
 
     def emit_main(self, body):

@@ -22,7 +22,7 @@ adds per lane, float32 accumulation), or, elsewhere, the two halves widened to f
 and a mask) and two FMAs (``dot="widen"``). ``c`` then holds float32 partial sums (a scratch tile
 or chunk of the driver's, row stride ``ldc``); the last K block adds the bias in float32, runs the
 epilogue in float32 and rounds once to bf16 into ``out`` (row stride ``ldo``), reading a bf16
-residual from there. For float32, ``out`` is ``c``.
+residual from there; with ``vdpbf16ps`` the rounding is ``vcvtneps2bf16`` (bf16.narrow). For float32, ``out`` is ``c``.
 
 Screened tiles (``screen`` = 1 largest, -1 smallest; the fused top-k): the last K block stores
 no epilogue. It compares the float32 tile in the registers against ``thr[r]``, a stale heap root
@@ -178,7 +178,7 @@ def _epilogue(f: Fn, mk: Micro, total, bias, res, out, last_active: int) -> None
             oidx = const(i64, r * (mk.ldo if mk.bf16 else mk.ldc) + v * L)
             if mk.residual:
                 x = b.fadd(x, bf16.load_as(b, dtype, res, oidx, L, active))
-            bf16.store_as(b, dtype, x, out, oidx, active)
+            bf16.store_as(b, dtype, x, out, oidx, active, native=mk.dot == "dpbf16")
     if act:
         _epilogue_pass(f, mk, c, res, out, last_active)
 
@@ -223,7 +223,7 @@ def _epilogue_pass(f: Fn, mk: Micro, c, res, out, last_active: int) -> None:
                                  mk.bf16)
             if mk.residual:
                 x = b.fadd(x, bf16.load_as(b, dtype, res, oidx, L, active))
-            bf16.store_as(b, dtype, x, out, oidx, active)
+            bf16.store_as(b, dtype, x, out, oidx, active, native=mk.dot == "dpbf16")
 
 
 def _bf16_step(f: Fn, mk: Micro, a, bp, acc):
