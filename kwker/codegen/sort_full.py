@@ -1,0 +1,127 @@
+"""sort: the whole row in ATen's order (§3).
+
+Stable sorts run the LSD radix sort (a short row of 32-bit keys: one sorting network); the others
+std::sort exactly, on packed (key << 32 | index) words for 32-bit keys, with several threads
+sharing one long row when the caller asks for them.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .irutil import Fn, const, i32, i64, intrinsic, ptr, void
+from .sort_rows import RowKernel
+from .sortalgo import SortAlgos, emit_radix_sort
+
+
+def _emit_radix(rk: RowKernel):
+    b = rk.f.b
+    K, I, K2, I2, H = rk.scratch_arrays(["K", "I", "K2", "I2", "H"])
+    rk.fill_keys(K, I)
+    radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")
+    flipped = b.call(radix, [K, I, K2, I2, H, rk.n])
+    rk.write_sorted(b.select(flipped, I2, I), rk.n)
+
+
+def emit_sort(rk: RowKernel):
+    b = rk.f.b
+    if rk.spec.stable:
+        algos = rk.algos(packed=True) if rk.kt == i32 else None
+        if algos is not None and algos.distinct_max:
+            # a short row's packed words (key << 32 | index) are all different: one network
+            # sorts them in the stable order, where the radix sort's histograms would dominate
+            f = rk.f
+            short = b.icmp_signed("<=", rk.n, const(i64, algos.distinct_max))
+            with f.if_else(short) as (network, radix):
+                with network:
+                    P, = rk.scratch_arrays(["P"])
+                    rk.fill_packed(P)
+                    algos.network_sort(f, P, const(i64, 0), rk.n)
+                    rk.write_packed(P, rk.n)
+                with radix:
+                    _emit_radix(rk)
+        else:
+            _emit_radix(rk)
+    elif rk.kt == i32:
+        P, = rk.scratch_arrays(["P"])
+        rk.fill_packed(P)
+        _std_sort_maybe_parallel(rk, rk.algos(packed=True), P, P)
+        rk.write_packed(P, rk.n)
+    else:
+        K, I = rk.scratch_arrays(["K", "I"])
+        rk.fill_keys(K, I)
+        _std_sort_maybe_parallel(rk, rk.algos(), K, I)
+        rk.write_sorted(I, rk.n)
+
+
+SPLIT_LEVELS = 3  # at most this many partition levels before a long row's ranges go to threads
+
+
+def task_slot(t: int) -> int:
+    """Slot of task ``t`` (in split order) in the worker's list, dealt round-robin to threads.
+
+    With fewer partition levels than SPLIT_LEVELS the real ranges sit at every 2**(unused
+    levels)-th task; bit-reversed slots put them first, so they go to different threads."""
+    return int(format(t, f"0{SPLIT_LEVELS}b")[::-1], 2)
+
+
+def _std_sort_maybe_parallel(rk: RowKernel, algos: SortAlgos, K, I):
+    """std::sort of the row; with ``p0`` > 1 threads, one long row is shared between threads.
+
+    introsort_loop(first, last, depth) partitions, recurses on the right part and loops on the
+    left one with the same decremented depth, which is exactly introsort_loop(first, cut,
+    depth). So after SPLIT_LEVELS partitions done here in the same order, the ranges are
+    independent calls that may run on any thread in any order (§2.1; exact-and-fast §5).
+    """
+    f, b = rk.f, rk.f.b
+    zero, one = const(i64, 0), const(i64, 1)
+    threads, levels = rk.a["p0"], rk.a["p1"]  # levels: ceil(log2(threads)), from the caller
+    with f.if_else(b.icmp_signed("<=", threads, one)) as (serial, parallel):
+        with serial:
+            b.call(algos.std_sort(), [K, I, zero, rk.n])
+        with parallel:
+            ntask = 2 ** SPLIT_LEVELS
+            ctx = f.array(i64, 2 + 3 * ntask, "tasks")  # K, I, then (first, last, depth)*
+            f.store(K, ctx, zero)
+            f.store(I, ctx, one)
+            tasks = [(zero, rk.n, algos.depth_limit(f, rk.n))]
+            for level in range(SPLIT_LEVELS):
+                split = []
+                for first, last, depth in tasks:
+                    can = b.and_(b.icmp_signed(">", b.sub(last, first), const(i64, 16)),
+                                 b.icmp_signed(">", depth, zero))
+                    can = b.and_(can, b.icmp_signed(">", levels, const(i64, level)))
+                    cut = f.var(i64, last, "cut")
+                    with f.if_(can):
+                        cut.set(b.call(algos.partition(), [K, I, first, last]))
+                    d = b.select(can, b.sub(depth, one), depth)
+                    # without a partition the left task keeps the whole range, the right none
+                    split += [(first, cut.get(), d), (cut.get(), last, d)]
+                tasks = split
+            for t, (first, last, depth) in enumerate(tasks):
+                slot = task_slot(t)
+                for j, v in enumerate((first, last, depth)):
+                    f.store(v, ctx, const(i64, 2 + 3 * slot + j))
+            worker = _introsort_worker(rk, algos, ntask)
+            gomp = intrinsic(rk.m, "GOMP_parallel", void, [ptr, ptr, i32, i32])
+            b.call(gomp, [worker, ctx, b.trunc(threads, i32), const(i32, 0)])
+
+
+def _introsort_worker(rk: RowKernel, algos: SortAlgos, ntask: int) -> ir.Function:
+    tnum = intrinsic(rk.m, "omp_get_thread_num", i32, [])
+    tcount = intrinsic(rk.m, "omp_get_num_threads", i32, [])
+    w = Fn(rk.m, f"{algos.prefix}.worker", void, [ptr], ["ctx"])
+    b = w.b
+    ctx = w.args[0]
+    K, I = w.arg_ptr(ctx, 0), w.arg_ptr(ctx, 1)
+    tid = b.sext(b.call(tnum, []), i64)
+    nt = b.sext(b.call(tcount, []), i64)
+    with w.for_range(tid, const(i64, ntask), name="task") as t:
+        # tasks of one thread: t = tid, tid + nt, ...; for_range steps by 1, so skip others
+        with w.if_(b.icmp_signed("==", b.srem(b.sub(t, tid), nt), const(i64, 0))):
+            base = b.add(const(i64, 2), b.mul(t, const(i64, 3)))
+            first = w.load(i64, ctx, base)
+            last = w.load(i64, ctx, b.add(base, const(i64, 1)))
+            depth = w.load(i64, ctx, b.add(base, const(i64, 2)))
+            with w.if_(b.icmp_signed("<", first, last)):
+                b.call(algos.introsort_loop(), [K, I, first, last, depth])
+    return w.finish()

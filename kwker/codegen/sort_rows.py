@@ -1,0 +1,242 @@
+"""One sorting op's row function: arguments, order-preserving keys, scratch arrays, outputs.
+
+Keys: every op except ``mode`` works on order-preserving signed integer keys. Floats map
+``-0.0 -> +0.0`` and every NaN to INT_MAX (so NaNs are equivalent and after +inf, as ATen's
+NaN-aware comparators have it), then to two's-complement order; narrow integers widen to i32;
+``descending`` complements the key, which turns ATen's DESC comparator (NaN first) into ascending
+``<``. Output values are always re-read from the input through the index, so NaN payloads and the
+sign of zero are the input's own. ``mode`` uses ATen's plain, not NaN-aware, ``<`` on raw values.
+
+Layout: argument slots (after the common four of rows.py) are listed in ``SLOTS``; scratch per
+thread holds the key and index arrays (and the radix sort's second buffers and histograms, or the
+quantile selection's bucket starts).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .irutil import (
+    DTYPES,
+    HALF_FLOATS,
+    Fn,
+    const,
+    f32,
+    i1,
+    i16,
+    i32,
+    i64,
+    intrinsic,
+    ptr,
+    vec,
+    void,
+)
+from .rows import FIRST_OP_SLOT
+from .sortalgo import SortAlgos, radix_hist_bytes
+
+SLOTS = {name: FIRST_OP_SLOT + i for i, name in enumerate(
+    ("src", "in_rs", "n", "out_v", "out_v_rs", "out_v_es", "out_i", "out_i_rs", "out_i_es",
+     "p0", "p1", "p2", "p3"))}
+NARG = FIRST_OP_SLOT + len(SLOTS)
+# bytes before and after each scratch array: stopper masks may read 64 keys past the end
+PAD = 512
+SELECT_BUCKETS = 2048  # quantile selection buckets: the top 11 bits of the unsigned key
+
+
+def key_type(dtype: str) -> ir.IntType:
+    return i64 if dtype in ("float64", "int64") else i32
+
+
+def hist_bytes(kt: ir.IntType) -> int:
+    """Counters for the radix sort, or the quantile selection's bucket starts."""
+    return max(radix_hist_bytes(kt), (SELECT_BUCKETS + 1) * 8)
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 63) // 64 * 64
+
+
+def scratch_layout(op: str, dtype: str, n: int, stable: bool = False) -> dict[str, int]:
+    """Byte offsets of the per-thread scratch arrays, and the total under ``"size"``."""
+    kb = key_type(dtype).width // 8
+    sizes = [("K", n * kb), ("I", n * 4)]
+    if stable or op in ("quantile", "nanquantile"):
+        sizes += [("K2", n * kb), ("I2", n * 4), ("H", hist_bytes(key_type(dtype)))]
+    out, pos = {}, 0
+    for name, size in sizes:
+        out[name] = pos + PAD
+        pos += _align(size + 2 * PAD)
+    out["size"] = pos
+    return out
+
+
+class RowKernel:
+    """Shared pieces of one op's row function: arguments, keys, outputs."""
+
+    def __init__(self, module: ir.Module, spec, target):
+        self.m, self.spec = module, spec
+        self.vt, self.is_float, self.signed = DTYPES[spec.dtype]
+        self.kt = key_type(spec.dtype)
+        self.f = f = Fn(module, f"{spec.symbol}.row", void, [ptr, i64, ptr],
+                        ["args", "row", "scratch"])
+        self.args, self.row, self.scratch = f.args
+        b = f.b
+        self.a = {name: (f.arg_ptr(self.args, s) if name in ("src", "out_v", "out_i")
+                         else f.arg_i64(self.args, s)) for name, s in SLOTS.items()}
+        self.n = self.a["n"]
+        self.src = f.gep(self.a["src"], b.mul(self.row, self.a["in_rs"]), self.vt)
+        lanes = max(target.vector_bits // self.kt.width, 4)
+        self.lanes = min(lanes, 16)
+        self._algos: dict[tuple, SortAlgos] = {}
+
+    def lt(self, b, x, y):
+        return b.icmp_signed("<", x, y)
+
+    def algos(self, lanes: int | None = None, packed: bool = False) -> SortAlgos:
+        """The exact algorithms on this op's keys (one set per module and variant)."""
+        lanes = self.lanes if lanes is None else lanes
+        if packed:
+            lanes = max(lanes // 2, 4)  # i64 words per vector
+        key = (lanes, packed)
+        if key not in self._algos:
+            self._algos[key] = SortAlgos(self.m, self.kt, self.lt,
+                                         f"{self.spec.symbol}.algo{lanes}{'p' * packed}",
+                                         vector_lanes=lanes, packed=packed)
+        return self._algos[key]
+
+    def fill_packed(self, P):
+        """P[j] = (key(src[j]) << 32) | j: one word per element for 32-bit keys."""
+        f, b = self.f, self.f.b
+        with f.for_range(const(i64, 0), self.n, name="fillp") as j:
+            k = b.shl(b.sext(self.key(f.load(self.vt, self.src, j)), i64), const(i64, 32))
+            f.store(b.or_(k, j), P, j)
+
+    def write_packed(self, P, count):
+        """Values (gathered from the row: keys do not keep NaN payloads) and indices of the
+        packed words; 16 at a time when both outputs are contiguous along the row."""
+        f, b, a = self.f, self.f.b, self.a
+        start = const(i64, 0)
+        W = 16
+        if self.lanes >= 8 and self.vt in (f32, i32) and not (
+                self.spec.op == "topk" and self.spec.dtype == "bfloat16"):
+            one = const(i64, 1)
+            dense = b.and_(b.icmp_signed("==", a["out_v_es"], one),
+                           b.icmp_signed("==", a["out_i_es"], one))
+            full = b.select(dense, b.and_(count, const(i64, -W)), const(i64, 0))
+            out_v = f.gep(a["out_v"], b.mul(self.row, a["out_v_rs"]), self.vt)
+            out_i = f.gep(a["out_i"], b.mul(self.row, a["out_i_rs"]), i64)
+            vt, it = vec(self.vt, W), vec(i64, W)
+            gname = f"llvm.masked.gather.v{W}{'f32' if self.vt == f32 else 'i32'}.v{W}p0"
+            gather = intrinsic(self.m, gname, vt, [vec(ptr, W), i32, vec(i1, W), vt])
+            with f.for_range(const(i64, 0), full, step=W, name="outv") as j:
+                idx = b.and_(f.load_vec(i64, W, P, j), ir.Constant(it, [0xFFFFFFFF] * W))
+                ptrs = b.gep(self.src, [idx], inbounds=True, source_etype=self.vt)
+                ptrs.type = vec(ptr, W)  # llvmlite types a vector GEP as a scalar pointer
+                v = b.call(gather, [ptrs, const(i32, 4), ir.Constant(vec(i1, W), [1] * W),
+                                    ir.Constant(vt, None)])
+                b.store(v, f.gep(out_v, j, self.vt), align=4)
+                b.store(idx, f.gep(out_i, j, i64), align=8)
+            start = full
+        with f.for_range(start, count, name="outp") as j:
+            self.write(j, b.and_(f.load(i64, P, j), const(i64, 0xFFFFFFFF)))
+
+    def scratch_arrays(self, names):
+        """Pointers to the scratch arrays: offsets computed at run time from n."""
+        b, kb = self.f.b, self.kt.width // 8
+        sizes = {"K": b.mul(self.n, const(i64, kb)), "I": b.mul(self.n, const(i64, 4)),
+                 "P": b.mul(self.n, const(i64, 8))}
+        pad = const(i64, PAD)
+        if names == ["P"]:  # P spans the K and I regions of scratch_layout
+            return [self.f.gep(self.scratch, pad, ir.IntType(8))]
+        sizes["K2"], sizes["I2"] = sizes["K"], sizes["I"]
+        sizes["H"] = const(i64, hist_bytes(self.kt))
+        out, pos = {}, const(i64, 0)
+        for name in ("K", "I", "K2", "I2", "H"):
+            out[name] = self.f.gep(self.scratch, b.add(pos, pad), ir.IntType(8))
+            size = b.add(sizes[name], const(i64, 2 * PAD + 63))
+            pos = b.add(pos, b.and_(size, const(i64, ~63)))
+            if name == names[-1]:
+                break
+        return [out[nm] for nm in names]
+
+    # ------------------------------------------------------------------ keys
+    def as_float(self, v):
+        """A stored value as a float: float16/bfloat16 bits widen exactly to float32, which is
+        how ATen compares them."""
+        if self.spec.dtype not in HALF_FLOATS:
+            return v
+        b = self.f.b
+        lanes = v.type.count if isinstance(v.type, ir.VectorType) else None
+        if self.spec.dtype == "float16":
+            return b.fpext(b.bitcast(v, vec(ir.HalfType(), lanes) if lanes else ir.HalfType()),
+                           vec(f32, lanes) if lanes else f32)
+        wide = b.zext(v, vec(i32, lanes) if lanes else i32)
+        wide = b.shl(wide, ir.Constant(vec(i32, lanes), [16] * lanes) if lanes else const(i32, 16))
+        return b.bitcast(wide, vec(f32, lanes) if lanes else f32)
+
+    def key(self, v, descending=None):
+        """Order-preserving signed integer key of a value (scalar or vector)."""
+        b = self.f.b
+        desc = self.spec.descending if descending is None else descending
+        if self.is_float:
+            v = self.as_float(v)
+        vty = v.type
+        lanes = vty.count if isinstance(vty, ir.VectorType) else None
+
+        def c(ty, x):
+            return ir.Constant(vec(ty, lanes), [x] * lanes) if lanes else const(ty, x)
+        kt = self.kt
+        if self.is_float:
+            ity = vec(kt, lanes) if lanes else kt
+            bits = b.bitcast(v, ity)
+            zero = b.fcmp_ordered("==", v, c(vty.element if lanes else vty, 0.0))
+            bits = b.select(zero, c(kt, 0), bits)
+            maxpos = (1 << (kt.width - 1)) - 1
+            k = b.xor(bits, b.and_(b.ashr(bits, c(kt, kt.width - 1)), c(kt, maxpos)))
+            k = b.select(b.fcmp_unordered("uno", v, v), c(kt, maxpos), k)
+        elif self.vt.width < kt.width:
+            ity = vec(kt, lanes) if lanes else kt
+            k = b.sext(v, ity) if self.signed else b.zext(v, ity)
+        else:
+            k = v
+        if desc:
+            k = b.xor(k, c(kt, -1))
+        return k
+
+    def nan_key(self):
+        return const(self.kt, (1 << (self.kt.width - 1)) - 1)
+
+    def fill_keys(self, K, I, count_nan=False):
+        """K[j] = key(src[j]), I[j] = j; returns the NaN count when asked (floats)."""
+        f, b = self.f, self.f.b
+        nnan = f.var(i64, const(i64, 0), "nnan")
+        with f.for_range(const(i64, 0), self.n, name="fill") as j:
+            k = self.key(f.load(self.vt, self.src, j))
+            f.store(k, K, j)
+            f.store(b.trunc(j, i32), I, j)
+            if count_nan and self.is_float:
+                isn = b.icmp_signed("==", k, self.nan_key())
+                nnan.set(b.add(nnan.get(), b.zext(isn, i64)))
+        return nnan.get()
+
+    # ------------------------------------------------------------------ outputs
+    def write(self, j, idx):
+        """Output slot ``j`` of this row gets src[idx] and idx."""
+        f, b, a = self.f, self.f.b, self.a
+        vpos = b.add(b.mul(self.row, a["out_v_rs"]), b.mul(j, a["out_v_es"]))
+        v = f.load(self.vt, self.src, idx)
+        if self.spec.op == "topk" and self.spec.dtype == "bfloat16":
+            # ATen's bfloat16 topk round-trips values through float32, which makes NaNs canonical
+            v = b.select(b.fcmp_unordered("uno", self.as_float(v), self.as_float(v)),
+                         const(i16, 0x7FC0), v)
+        f.store(v, a["out_v"], vpos)
+        ipos = b.add(b.mul(self.row, a["out_i_rs"]), b.mul(j, a["out_i_es"]))
+        f.store(idx, a["out_i"], ipos)
+
+    def write_sorted(self, I, count):
+        f, b = self.f, self.f.b
+        with f.for_range(const(i64, 0), count, name="out") as j:
+            self.write(j, b.sext(f.load(i32, I, j), i64))
+
+    def finish(self):
+        self.f.finish()
+        return self.f.fn

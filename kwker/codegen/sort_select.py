@@ -1,0 +1,209 @@
+"""The ops that pick from the row's order: topk (§4), kthvalue (§5), median (§6), mode (§7).
+
+Each emulates the ATen algorithm that decides its tie order or, where the result is fixed
+whatever the algorithm, runs a cheaper one; each emitter says which.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from .irutil import HALF_FLOATS, const, f32, i1, i16, i32, i64, vec
+from .sort_rows import RowKernel
+from .sortalgo import SortAlgos
+
+
+def emit_topk(rk: RowKernel):
+    """§4: heap path (k*64 <= n) with an exact vector pre-filter (§2.2), else the nth path.
+
+    32-bit keys travel as packed (key << 32 | index) words, halving the moves of each sift.
+    """
+    f, b = rk.f, rk.f.b
+    k, is_sorted = rk.a["p0"], rk.a["p1"]
+    packed = rk.kt == i32
+    if packed:
+        P, = rk.scratch_arrays(["P"])
+        K = I = P
+    else:
+        K, I = rk.scratch_arrays(["K", "I"])
+    algos = rk.algos(packed=packed)
+    zero = const(i64, 0)
+
+    def element(j):
+        key = rk.key(f.load(rk.vt, rk.src, j))
+        if packed:
+            return key, [b.or_(b.shl(b.sext(key, i64), const(i64, 32)), j)]
+        return key, [key, b.trunc(j, i32)]
+    heap = b.icmp_signed("<=", b.mul(k, const(i64, 64)), rk.n)
+    with f.if_else(heap) as (heap_path, nth_path):
+        with heap_path:
+            with f.for_range(zero, k, name="init") as j:
+                algos._put(f, K, I, j, element(j)[1])
+            b.call(algos.make_heap(), [K, I, zero, k])
+            sift = algos.sift_down()
+
+            def offer(j):
+                kj, elem = element(j)
+                with f.if_(b.icmp_signed("<", kj, algos.key_at(f, K, zero))):
+                    b.call(sift, [K, I, zero, zero, k, *elem])
+            L = rk.lanes
+            j = f.var(i64, k, "j")
+            with f.while_(lambda: b.icmp_signed("<=", b.add(j.get(), const(i64, L)), rk.n)):
+                keys = rk.key(f.load_vec(rk.vt, L, rk.src, j.get()))
+                root = algos.key_at(f, K, zero)
+                splat = b.insert_element(ir.Constant(vec(rk.kt, L), None), root, const(i32, 0))
+                splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, L), [0] * L))
+                m = b.zext(b.bitcast(b.icmp_signed("<", keys, splat), ir.IntType(L)), i64)
+                mask = f.var(i64, m, "mask")
+                with f.while_(lambda: b.icmp_unsigned("!=", mask.get(), zero)):
+                    t = f.call_intrinsic("llvm.cttz.i64", i64, [mask.get(), const(i1, 0)])
+                    offer(b.add(j.get(), t))
+                    mask.set(b.and_(mask.get(), b.sub(mask.get(), const(i64, 1))))
+                j.set(b.add(j.get(), const(i64, L)))
+            with f.for_range(j.get(), rk.n, name="tail") as t:
+                offer(t)
+            b.call(algos.sort_heap(), [K, I, zero, k])
+        with nth_path:
+            if packed:
+                rk.fill_packed(P)
+            else:
+                rk.fill_keys(K, I)
+            km1 = b.sub(k, const(i64, 1))
+            b.call(algos.nth_element(), [K, I, zero, km1, rk.n])
+            with f.if_(b.icmp_signed("!=", is_sorted, zero)):
+                b.call(algos.std_sort(), [K, I, zero, km1])
+    if packed:
+        rk.write_packed(P, k)
+    else:
+        rk.write_sorted(I, k)
+
+
+def emit_kthvalue(rk: RowKernel):
+    """§5. If the k-th key occurs once in the row, its value and index are fixed whatever the
+    algorithm, so the vectorised introselect finds it; a tie at the k-th key needs ATen's own
+    quickselect, step by step, on a fresh copy."""
+    f, b = rk.f, rk.f.b
+    K, I = rk.scratch_arrays(["K", "I"])
+    rk.fill_keys(K, I)
+    zero = const(i64, 0)
+    k0 = rk.a["p0"]  # 0-based
+    b.call(rk.algos().nth_element(), [K, I, zero, k0, rk.n])
+    kv = f.load(rk.kt, K, k0)
+    same = f.var(i64, zero, "same")
+    with f.for_range(zero, rk.n, name="count") as j:
+        same.set(b.add(same.get(), b.zext(b.icmp_signed("==", f.load(rk.kt, K, j), kv), i64)))
+    with f.if_else(b.icmp_signed("==", same.get(), const(i64, 1))) as (unique, tied):
+        with unique:
+            rk.write(zero, b.sext(f.load(i32, I, k0), i64))
+        with tied:
+            rk.fill_keys(K, I)
+            b.call(rk.algos().aten_quickselect(), [K, I, rk.n, k0])
+            rk.write(zero, b.sext(f.load(i32, I, k0), i64))
+
+
+def _first_match(rk: RowKernel, pred, skip):
+    """Index of the ``skip``-th (0-based) element j, in index order, with pred(key(src[j]))."""
+    f, b = rk.f, rk.f.b
+    seen = f.var(i64, const(i64, 0), "seen")
+    found = f.var(i64, const(i64, 0), "found")
+    with f.for_range(const(i64, 0), rk.n, name="scan") as j:
+        with f.if_(pred(rk.key(f.load(rk.vt, rk.src, j)))):
+            with f.if_(b.icmp_signed("==", seen.get(), skip)):
+                found.set(j)
+                f.break_()
+            seen.set(b.add(seen.get(), const(i64, 1)))
+    return found.get()
+
+
+def emit_median_dim(rk: RowKernel, nan_ignoring: bool):
+    """§6.1 closed form: element (n-1)//2 (or the nanmedian rank) of the stable ascending sort."""
+    f, b = rk.f, rk.f.b
+    K, I = rk.scratch_arrays(["K", "I"])
+    nnan = rk.fill_keys(K, I, count_nan=True)
+    zero, one, two = const(i64, 0), const(i64, 1), const(i64, 2)
+    nan_key = rk.nan_key()
+    if not nan_ignoring and rk.is_float:
+        with f.if_(b.icmp_signed(">", nnan, zero)):
+            first_nan = _first_match(rk, lambda k: b.icmp_signed("==", k, nan_key), zero)
+            rk.write(zero, first_nan)
+            f.ret()
+    if nan_ignoring and rk.is_float:
+        with f.if_(b.icmp_signed("==", nnan, rk.n)):  # all NaN: introselect decides the index
+            b.call(rk.algos().nth_element(), [K, I, zero, zero, rk.n])
+            rk.write(zero, b.sext(f.load(i32, I, zero), i64))
+            f.ret()
+        m = b.sdiv(b.sub(b.sub(rk.n, nnan), one), two)
+    else:
+        m = b.sdiv(b.sub(rk.n, one), two)
+    b.call(rk.algos().nth_element(), [K, I, zero, m, rk.n])
+    kv = f.load(rk.kt, K, m)
+    less = f.var(i64, zero, "less")
+    with f.for_range(zero, rk.n, name="count") as j:
+        less.set(b.add(less.get(), b.zext(b.icmp_signed("<", f.load(rk.kt, K, j), kv), i64)))
+    rk.write(zero, _first_match(rk, lambda k: b.icmp_signed("==", k, kv),
+                                b.sub(m, less.get())))
+
+
+def emit_median_all(rk: RowKernel, nan_ignoring: bool):
+    """§6.2: introselect on the flattened copy; median() of data with NaN is the canonical NaN."""
+    f, b = rk.f, rk.f.b
+    K, I = rk.scratch_arrays(["K", "I"])
+    nnan = rk.fill_keys(K, I, count_nan=True)
+    zero, one, two = const(i64, 0), const(i64, 1), const(i64, 2)
+    if not nan_ignoring and rk.is_float:
+        with f.if_(b.icmp_signed(">", nnan, zero)):
+            canonical = {"float16": 0x7E00, "bfloat16": 0x7FC0}  # float NaN narrowed
+            nan = (const(i16, canonical[rk.spec.dtype]) if rk.spec.dtype in HALF_FLOATS
+                   else ir.Constant(rk.vt, float("nan")))
+            f.store(nan, rk.a["out_v"], zero)
+            f.store(const(i64, -1), rk.a["out_i"], zero)
+            f.ret()
+    nth = b.sdiv(b.sub(b.sub(rk.n, nnan), one), two)
+    b.call(rk.algos().nth_element(), [K, I, zero, nth, rk.n])
+    rk.write(zero, b.sext(f.load(i32, I, nth), i64))
+
+
+def emit_mode(rk: RowKernel):
+    """§7: std::sort with ATen's plain ``<`` on raw values, then the run scan.
+
+    Without NaN, plain ``<`` and the key order make every comparison agree (±0 tie under
+    both), so such rows use the vectorised key sort; rows with NaN sort raw values.
+    """
+    f, b = rk.f, rk.f.b
+    K, I = rk.scratch_arrays(["K", "I"])
+    zero, one = const(i64, 0), const(i64, 1)
+    nnan = rk.fill_keys(K, I, count_nan=True)
+    sorted_as = f.var(i1, const(i1, 1), "keys")  # true: K holds keys, else raw values
+    if not rk.is_float:
+        b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
+    if rk.is_float:
+        ft = f32 if rk.spec.dtype in HALF_FLOATS else rk.vt  # raw values, as floats
+        raw = SortAlgos(rk.m, ft, lambda bb, x, y: bb.fcmp_ordered("<", x, y),
+                        f"{rk.spec.symbol}.raw")
+        with f.if_else(b.icmp_signed("==", nnan, zero)) as (keys, raws):
+            with keys:
+                b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
+            with raws:
+                with f.for_range(zero, rk.n, name="fill_raw") as j:
+                    f.store(rk.as_float(f.load(rk.vt, rk.src, j)), K, j)
+                    f.store(b.trunc(j, i32), I, j)
+                b.call(raw.std_sort(), [K, I, zero, rk.n])
+                sorted_as.set(const(i1, 0))
+
+    def differ(i, j):
+        d = b.icmp_signed("!=", f.load(rk.kt, K, i), f.load(rk.kt, K, j))
+        if rk.is_float:  # raw values: every NaN ends a run
+            d = b.select(sorted_as.get(), d,
+                         b.fcmp_unordered("!=", f.load(ft, K, i), f.load(ft, K, j)))
+        return d
+    freq, maxf, mode_i = (f.var(i64, zero, nm) for nm in ("freq", "maxf", "mode_i"))
+    last = b.sub(rk.n, one)
+    with f.for_range(zero, rk.n, name="run") as i:
+        freq.set(b.add(freq.get(), one))
+        nxt = b.select(b.icmp_signed("<", i, last), b.add(i, one), i)
+        end = b.or_(b.icmp_signed("==", i, last), differ(i, nxt))
+        with f.if_(end):
+            with f.if_(b.icmp_signed(">", freq.get(), maxf.get())):
+                maxf.set(freq.get())
+                mode_i.set(b.sext(f.load(i32, I, i), i64))
+            freq.set(zero)
+    rk.write(zero, mode_i.get())
