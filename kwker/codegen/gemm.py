@@ -15,7 +15,10 @@ micro-kernel. Edge tiles use micro-kernel variants specialised to the leftover r
 Threads split the batch, or else the M tiles or the N panels (whichever has enough work; N when
 B is packed at run time, so no two threads pack the same panels), never K: each C tile is owned
 by one thread, so the K blocks accumulate without synchronisation and the epilogue runs once,
-on the last K block.
+on the last K block. Pre-packed panels are split by work, in (panel, row tile) units weighted
+by their vectors, so the narrow edge panel does not leave a thread idle: a boundary may fall
+inside a panel, whose row tiles the two threads then share (1024 columns in 48-wide panels: 11
+and 10 1/3 panels, 3% idle, before).
 
 bfloat16 (``dtype="bf16"``): A, B, the residual and C are bf16, the bias float32. The loop nest
 is the float32 one over k *pairs* (32-bit words of two bf16, see gemm_micro.py), so blocking,
@@ -172,6 +175,20 @@ def _max_threads_at_run_time(b: ir.IRBuilder, p: _Plan, ints: list) -> ir.Value:
     return b.select(b.icmp_signed("<", cap, const(i64, 1)), const(i64, 1), cap)
 
 
+def _work_bound(f: Fn, p: _Plan, mt, k, nt) -> ir.Value:
+    """The first (panel, row tile) unit of thread ``k`` of ``nt`` (``k = nt``: the end) when
+    pre-packed panels are split by work: a full panel's tile weighs its ``nv`` vectors, the
+    edge panel's its own count."""
+    b = f.b
+    nv, nv_edge = p.s.nr // p.lanes, _cdiv(p.nr_edge, p.lanes)
+    full_units = b.mul(mt, const(i64, p.np - 1))
+    total = b.add(b.mul(full_units, const(i64, nv)), b.mul(mt, const(i64, nv_edge)))
+    work = b.sdiv(b.mul(total, k), nt)
+    full_work = b.mul(full_units, const(i64, nv))
+    past = b.add(full_units, b.sdiv(b.sub(work, full_work), const(i64, nv_edge)))
+    return b.select(b.icmp_signed("<", work, full_work), b.sdiv(work, const(i64, nv)), past)
+
+
 def _aligned_malloc(f: Fn, nbytes: int) -> tuple[ir.Value, ir.Value]:
     """(raw pointer to free, 64-byte aligned pointer) of a ``nbytes`` heap buffer."""
     b = f.b
@@ -194,6 +211,8 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
     # -- who does what: batch items, else row tiles or column panels -------------------------
     t0, t1 = f.var(i64, const(i64, 0)), f.var(i64, mt)
     q0, q1 = f.var(i64, const(i64, 0)), f.var(i64, const(i64, p.np))
+    # this thread's (panel q, row tile t) units u = q * mt + t, in [u0, u1)
+    u0, u1 = f.var(i64, const(i64, 0)), f.var(i64, b.mul(mt, const(i64, p.np)))
     bt0, bt1 = f.var(i64, const(i64, 0)), f.var(i64, n_batch)
     with f.if_else(b.icmp_signed(">=", n_batch, nt)) as (by_batch, inside):
         with by_batch:
@@ -221,9 +240,17 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
                     t0.set(lo)
                     t1.set(hi)
                 with by_cols:
-                    lo, hi = omp.split(f, p.np, tid, nt)
-                    q0.set(lo)
-                    q1.set(hi)
+                    if s.b_layout == "packed" and not p.pack_b:
+                        lo = _work_bound(f, p, mt, tid, nt)
+                        hi = _work_bound(f, p, mt, b.add(tid, const(i64, 1)), nt)
+                        u0.set(lo)
+                        u1.set(hi)
+                        q0.set(b.sdiv(lo, mt))
+                        q1.set(b.sdiv(b.add(hi, b.sub(mt, const(i64, 1))), mt))
+                    else:
+                        lo, hi = omp.split(f, p.np, tid, nt)
+                        q0.set(lo)
+                        q1.set(hi)
 
     free = intrinsic(module, "free", ir.VoidType(), [ptr])
     raws = []
@@ -332,7 +359,10 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
                                     b.mul(q, const(i64, s.nr))))
                                 args = [a_tile, b_tile, a_off, kcl, mode, bias_t, r_tile,
                                         c_tile]
-                            _dispatch(f, p, variants, t, q, args, mt, m_rows)
+                            unit = b.add(b.mul(q, mt), t)
+                            with f.if_(b.and_(b.icmp_signed(">=", unit, u0.get()),
+                                              b.icmp_signed("<", unit, u1.get()))):
+                                _dispatch(f, p, variants, t, q, args, mt, m_rows)
     for raw in raws:
         b.call(free, [raw])
     return f.finish()

@@ -27,6 +27,27 @@ def test_odd_team_sizes(nthreads):
         assert torch.equal(i, torch.topk(x @ w.t(), 30).indices)
 
 
+@pytest.mark.parametrize("nthreads", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_split_by_work_shares_panels(nthreads, dtype):
+    """Pre-packed weights split by work: a thread's range may start or end inside a panel (its
+    row tiles shared with the next thread) and the narrow edge panel counts for less. Every
+    (panel, row tile) must be computed exactly once, at every team size, specialised and
+    generic, with and without the edge panel."""
+    torch.set_num_threads(nthreads)
+    torch.manual_seed(40 + nthreads)
+    for m, n, k in [(40, 1024, 96), (64, 2000, 64), (29, 1536, 48), (50, 16 * 48, 32)]:
+        w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+        x = torch.randn(m, k).to(dtype)
+        ref = F.linear(x.float(), w.float(), b.float())
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else \
+            dict(rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+        for rows in (m, None):
+            got = make_linear(w, b, rows)(x)
+            assert not got.float().isnan().any()
+            torch.testing.assert_close(got.float(), ref, **tol)
+
+
 def test_concurrent_calls_from_python_threads():
     torch.manual_seed(0)
     w, b = torch.randn(300, 200), torch.randn(300)
