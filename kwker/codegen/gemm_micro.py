@@ -22,14 +22,15 @@ adds per lane, float32 accumulation), or, elsewhere, the two halves widened to f
 and a mask) and two FMAs (``dot="widen"``). ``c`` then holds float32 partial sums (a scratch tile
 or chunk of the driver's, row stride ``ldc``); the last K block adds the bias in float32, runs the
 epilogue in float32 and rounds once to bf16 into ``out`` (row stride ``ldo``), reading a bf16
-residual from there; with ``vdpbf16ps`` the rounding is ``vcvtneps2bf16`` (bf16.narrow). For float32, ``out`` is ``c``.
+residual from there; with ``vdpbf16ps`` the rounding is ``vcvtneps2bf16`` (bf16.narrow). For
+float32, ``out`` is ``c``.
 
 Screened tiles (``screen`` = 1 largest, -1 smallest; the fused top-k): the last K block stores
 no epilogue. It compares the float32 tile in the registers against ``thr[r]``, a stale heap root
 per row (NaN: every lane passes), stores the tile to ``c`` only if some valid lane may be
-better, and returns the rows that may (bit r: row r; 0: nothing stored). The test is a superset of ATen's (unordered: NaN passes
-either way), and of the test on the bf16-rounded scores too, since rounding is monotone and
-leaves the bf16 root as it is.
+better, and returns the rows that may (bit r: row r; 0: nothing stored). The test is a superset
+of ATen's (unordered: NaN passes either way), and of the test on the bf16-rounded scores too,
+since rounding is monotone and leaves the bf16 root as it is.
 
 Fast-math: none; the products are explicit ``llvm.fma`` (one rounding per step, like MKL).
 """
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import bf16, simd, vmath
-from .irutil import Fn, const, defined, f32, i1, i16, i32, i64, intrinsic, ptr, void
+from .irutil import Fn, const, defined, f32, i16, i32, i64, intrinsic, ptr, void
 
 FIRST, LAST = 1, 2  # bits of the ``mode`` argument
 
