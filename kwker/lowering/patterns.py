@@ -11,6 +11,7 @@ writes the score matrix.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +78,27 @@ def _through_cast(n, consts, metas=None) -> tuple:
                             _transposed_const(src, metas, consts) is not None):
         return src, [n]
     return n, []
+
+
+def _flattened(metas, x: Node, n: Node) -> tuple[Node, Node, list] | None:
+    """(X, V, [x if covered]) when a 2-D product ``n`` is ``X.view(-1, K) @ W`` viewed back as
+    ``V = n.view(*X.shape[:-1], N)`` (``torch.addmm(b, x.view(-1, k), w).view(...)``): then it
+    is the linear of X, and an epilogue after V fuses. Known sizes only."""
+    src = x.args[0] if x.op in ("call_function", "call_method") and x.args else None
+    out = _sole_user(n)
+    if not isinstance(src, Node) or out is None or _op_name(x) not in ("view", "reshape") or \
+            _op_name(out) not in ("view", "reshape"):
+        return None
+    ms, mx, mn, mo = (_meta(metas, v) for v in (src, x, n, out))
+    if None in (ms, mx, mn, mo) or not _fits(metas, src, rank=tuple(range(3, 9))):
+        return None
+    shapes = (ms.shape, mx.shape, mn.shape, mo.shape)
+    if any(d is None or not isinstance(d, int) for sh in shapes for d in sh):
+        return None
+    lead = ms.shape[:-1]
+    if mx.shape != (math.prod(lead), ms.shape[-1]) or mo.shape != (*lead, mn.shape[-1]):
+        return None
+    return src, out, [x] if _sole_user(x) is n else []
 
 
 def _sole_user(n: Node) -> Node | None:
@@ -208,8 +230,14 @@ class Matcher:
         dt = _dtype(self.metas, x)
         if _dtype(self.metas, n) != dt:
             return None
-        inputs = {"x": x, "weight": w, "transposed": transposed, "bias": bias, "residual": None}
         covers = views + [n]
+        if kind in ("mm", "addmm"):
+            flat = _flattened(self.metas, x, n)
+            if flat is not None:  # an N-D linear written as rows (transformers' Conv1D)
+                x, out_view, x_views = flat
+                covers += x_views + [out_view]
+                n = out_view
+        inputs = {"x": x, "weight": w, "transposed": transposed, "bias": bias, "residual": None}
         user = _sole_user(n)
         if bias is None and user is not None and canon(user) == "topk":
             m = self._topk_after(n, user, inputs, covers)

@@ -74,3 +74,49 @@ def test_handwritten_gelu_and_dropout(act, dtype):
         assert_close(got, eager)
     else:
         assert_bf16_contract(got, eager, reference)
+
+
+class Conv1D(torch.nn.Module):      # transformers' Conv1D (GPT-2): a linear written as rows
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf) / nx ** 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(nf) / 10)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class Conv1DBlock(torch.nn.Module):  # GPT-2's MLP with its residual
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.proj = Conv1D(160, 64), NewGELU(), Conv1D(64, 160)
+
+    def forward(self, x):
+        return x + self.proj(self.act(self.fc(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_rows_linear_fuses_its_epilogue_through_the_views(dtype, inner):
+    """``addmm(b, x.view(-1, k), w).view(*x.shape[:-1], n)`` is the linear of the 3-D x: the
+    GELU and the residual after the view fuse into it, as after nn.Linear."""
+    torch.manual_seed(14)
+    model = Conv1DBlock().eval()
+    x = torch.randn(3, 5, 64)
+    low = copy.deepcopy(model).to(dtype)
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(low, backend="kwker", options={"inner": inner})
+    with torch.no_grad():
+        got, eager = compiled(x.to(dtype)), low(x.to(dtype))
+        reference = model(x)
+    report = kd.last_report()
+    assert sorted(report.kernel_names) == ["linear_gelu_tanh", "linear_residual"], str(report)
+    assert got.shape == eager.shape
+    if dtype == torch.float32:
+        assert_close(got, eager)
+    else:
+        assert_bf16_contract(got, eager, reference)

@@ -120,16 +120,18 @@ def test_linear_bf16(case):
     assert ok, why
 
 
-def test_gelu_epilogue_rounds_the_exact_gelu():
-    """The bf16 GELU epilogue uses a cheaper erf (2e-6): its output is still the exact GELU of
-    the float32 accumulator, rounded to bf16, to within that rounding (half an ulp, plus the
-    float32 sum's own error), over the whole range GELU bends in and both tails."""
+@pytest.mark.parametrize("epilogue", ["gelu", "gelu_tanh"])
+def test_gelu_epilogue_rounds_the_exact_gelu(epilogue):
+    """The bf16 GELU epilogues use cheaper forms (one erf polynomial; a sigmoid with a short
+    exp2): their output is still the exact GELU of the float32 accumulator, rounded to bf16, to
+    within that rounding (half an ulp, plus the float32 sum's own error), over the whole range
+    GELU bends in and both tails."""
     torch.manual_seed(11)
     k = 64
     w = (torch.randn(512, k) / k ** 0.5).to(BF16)
     x = (torch.randn(96, k) * torch.linspace(0.1, 12, 96)[:, None]).to(BF16)
-    got = make_linear(w, None, 96, "gelu")(x).double()
-    ref = F.gelu(x.double() @ w.double().T)
+    got = make_linear(w, None, 96, epilogue)(x).double()
+    ref = ACT[epilogue](x.double() @ w.double().T)
     assert ((got - ref).abs() <= ref.abs() * 2.0 ** -8 * 1.01 + 1e-5).all()
     assert got.min() < -0.1 and got.max() > 10  # the bend and the tails were reached
 
