@@ -414,7 +414,8 @@ def main(argv=None) -> int:
     peer_list = () if args.no_peers else PEERS
     out = args.out or (None if args.quick else common.RESULTS)
     old = {}
-    if out is not None and sections != set(SECTIONS):  # keep the sections not run this time
+    if out is not None and (sections != set(SECTIONS) or args.models):
+        # keep the sections, and the rows of the models, not run this time
         with contextlib.suppress(OSError, ValueError):
             old = json.loads((out / "models.json").read_text())
     data = {"benchmark": "models", "script": "bench_models.py", "machine": info, "reps": reps,
@@ -425,7 +426,7 @@ def main(argv=None) -> int:
             data["rows"], run_f32(names, reps, rounds, peer_list, args.compile_times),
             args.models))
         data["overhead"] = over = (overhead(TUTORIAL, reps, rounds) if TUTORIAL in names
-                                   else None)
+                                   else data.get("overhead") if args.models else None)
         print_f32(data["rows"], over)
     bf16 = data.setdefault("bf16", {}) if sections & {"bf16", "avx2"} else data.get("bf16")
     if "bf16" in sections:
