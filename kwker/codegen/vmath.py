@@ -224,9 +224,7 @@ def _gelu_tanh_bf16_body(b: ir.IRBuilder, x):
     t = b.fmul(x, fma(b, b.fmul(x, x), splat(ty, _K1), splat(ty, _K0)))
     t = b.select(b.fcmp_ordered(">", t, splat(ty, 126.0)), splat(ty, 126.0), t)
     t = b.select(b.fcmp_ordered("<", t, splat(ty, -126.0)), splat(ty, -126.0), t)
-    n = unary(b, "rint", t)
-    f = b.fsub(t, n)
-    p = fma(b, horner(b, EXP2_P[2:], f), f, splat(ty, 1.0))
+    p, n = _exp2_split(b, t, EXP2_P[2:])
     e = b.fmul(p, _pow2(b, b.fptosi(n, _int_type(ty))))
     y = b.fmul(x, _reciprocal_bf16(b, b.fadd(e, splat(ty, 1.0))))
     # ATen's 0.5 x (1 + tanh z) is -inf * 0 there
@@ -327,15 +325,21 @@ EXP2_P = (0.00015461447765119374, 0.0013390866806730628, 0.009618056938052177,
           0.055503569543361664, 0.24022650718688965, 0.6931471824645996)
 
 
+def _exp2_split(b: ir.IRBuilder, t, coeffs):
+    """(2**f, n) with t = n + f, n = rint(t), |f| <= 1/2, 2**f = 1 + f P(f) from ``coeffs``
+    (EXP2_P or a shorter tail of it): the caller scales by 2**n as its range allows."""
+    n = unary(b, "rint", t)
+    f = b.fsub(t, n)
+    return fma(b, horner(b, coeffs, f), f, splat(t.type, 1.0)), n
+
+
 def exp2_softmax(b: ir.IRBuilder, t, avx512: bool):
     """2**t for softmax arguments already in log2 units (t <= 0 or -inf), <= 1 ulp before the
     scaling; results below FLT_MIN flush to 0 without AVX-512. ~10 vector ops: the attention
     kernel folds scale * log2(e) into one FMA, so no separate exp range reduction is needed."""
     ty = t.type
     tc = b.select(b.fcmp_ordered("<", t, splat(ty, -150.0)), splat(ty, -150.0), t)
-    n = unary(b, "rint", tc)
-    f = b.fsub(tc, n)
-    p = fma(b, horner(b, EXP2_P, f), f, splat(ty, 1.0))
+    p, n = _exp2_split(b, tc, EXP2_P)
     if _has_scalef(ty, avx512):
         return _scale_pow2(b, p, n, avx512)
     return b.select(b.fcmp_ordered("<", tc, splat(ty, -126.0)), splat(ty, 0.0),

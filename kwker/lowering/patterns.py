@@ -93,7 +93,7 @@ def _flattened(metas, x: Node, n: Node) -> tuple[Node, Node, list] | None:
     if None in (ms, mx, mn, mo) or not _fits(metas, src, rank=tuple(range(3, 9))):
         return None
     shapes = (ms.shape, mx.shape, mn.shape, mo.shape)
-    if any(d is None or not isinstance(d, int) for sh in shapes for d in sh):
+    if any(not isinstance(d, int) for sh in shapes for d in sh):
         return None
     lead = ms.shape[:-1]
     if mx.shape != (math.prod(lead), ms.shape[-1]) or mo.shape != (*lead, mn.shape[-1]):
