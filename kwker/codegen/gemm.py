@@ -45,10 +45,10 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import omp, simd
+from . import gemm_tile, omp, simd
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, const, i8, i16, i64, intrinsic, new_module, ptr
+from .irutil import Fn, aligned_malloc, const, i16, i64, intrinsic, new_module, ptr
 
 MIN_FLOPS_PER_THREAD = 1 << 18  # ~2.5 us of FMAs: a fork (~1 us) pays off above it
 SMALL_ROWS = 8  # generic over M with packed weights: up to this many rows, the small-M schedule
@@ -74,6 +74,15 @@ class _Plan:
         if self.bf16:
             self.dot = "dpbf16" if self.lanes == 16 and target.has("avx512bf16") else "widen"
         self.kw = spec.k // 2 if self.bf16 else spec.k  # k steps of A and B (words)
+        self.tiles = spec.path == "tile"
+        self.tile_mode = target.tiles
+        if self.tiles and (not self.bf16 or target.tiles not in ("amx", "emulated")
+                           or (spec.mr, spec.nr) != gemm_tile.TILE_BLOCK):
+            raise ValueError(f"kwker gemm: the tile path needs bf16, a target with tiles (this "
+                             f"one: {target.tiles or 'none'}) and a {gemm_tile.TILE_BLOCK} "
+                             f"block, not {spec.dtype} {spec.mr}x{spec.nr}")
+        # k words of one pre-packed panel: the tile path pads K to whole tiles with zeros
+        self.kw_panel = gemm_tile.padded_k(self.kw) if self.tiles else self.kw
         self.dyn_m, self.dyn_batch = spec.m == 0, spec.batch == 0
         if self.dyn_batch and spec.b_layout == "packed":
             raise ValueError("kwker gemm: a runtime batch needs a runtime B (kn or nk)")
@@ -189,16 +198,6 @@ def _work_bound(f: Fn, p: _Plan, mt, k, nt) -> ir.Value:
     return b.select(b.icmp_signed("<", work, full_work), b.sdiv(work, const(i64, nv)), past)
 
 
-def _aligned_malloc(f: Fn, nbytes: int) -> tuple[ir.Value, ir.Value]:
-    """(raw pointer to free, 64-byte aligned pointer) of a ``nbytes`` heap buffer."""
-    b = f.b
-    malloc = intrinsic(f.module, "malloc", ptr, [i64])
-    raw = b.call(malloc, [const(i64, nbytes + 64)])
-    addr = b.ptrtoint(raw, i64)
-    pad = b.and_(b.sub(const(i64, 64), b.and_(addr, const(i64, 63))), const(i64, 63))
-    return raw, b.gep(raw, [pad], inbounds=True, source_etype=i8)
-
-
 def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
     s, L = p.s, p.lanes
     f = omp.body_fn(module, f"{s.symbol}.body")
@@ -253,19 +252,46 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
                         q1.set(hi)
 
     free = intrinsic(module, "free", ir.VoidType(), [ptr])
-    raws = []
-    ap = bp = acc = None
-    if s.a_pack:
-        raw, ap = _aligned_malloc(f, s.mc * p.kc * 4)
-        raws.append(raw)
-    if p.pack_b:
-        raw, bp = _aligned_malloc(f, s.nb * s.nr * p.kc * 4)
-        raws.append(raw)
-    if p.bf16:
-        rows = s.mr if p.one_block else p.tiles_per_chunk * s.mr
-        raw, acc = _aligned_malloc(f, rows * (s.nr if p.one_block else s.n) * 4)
-        raws.append(raw)
+    ptrs = (a_all, b_all, bias, res_all, c_all)
+    split = (bt0, bt1, t0, t1, q0, q1, u0, u1)
+    if p.tiles:
+        raws, bufs = gemm_tile.allocate(f, p)
+        acc = bufs[-1]
+    else:
+        raws = []
+        ap = bp = acc = None
+        if s.a_pack:
+            raw, ap = aligned_malloc(f, s.mc * p.kc * 4)
+            raws.append(raw)
+        if p.pack_b:
+            raw, bp = aligned_malloc(f, s.nb * s.nr * p.kc * 4)
+            raws.append(raw)
+        if p.bf16:
+            rows = s.mr if p.one_block else p.tiles_per_chunk * s.mr
+            raw, acc = aligned_malloc(f, rows * (s.nr if p.one_block else s.n) * 4)
+            raws.append(raw)
+        bufs = (ap, bp, acc)
 
+    if p.small:
+        with f.if_(b.icmp_signed("<=", m_rows, const(i64, p.small_rows))):
+            _emit_small_rows(f, p, m_rows, ptrs, acc, tid, nt)
+            bt1.set(bt0.get())  # the blocked loop nest below has nothing left to do
+
+    if p.tiles:
+        gemm_tile.emit_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs)
+    else:
+        _emit_vector_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs)
+    for raw in raws:
+        b.call(free, [raw])
+    return f.finish()
+
+
+def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
+    """The BLIS loop nest around the register micro-kernels (module doc)."""
+    s, L, b, module = p.s, p.lanes, f.b, f.module
+    a_all, b_all, bias, res_all, c_all = ptrs
+    bt0, bt1, t0, t1, q0, q1, u0, u1 = split
+    ap, bp, acc = bufs
     variants = {}
     for rows in p.edge_rows():
         for cols in {s.nr, p.nr_edge}:
@@ -283,11 +309,6 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
 
     def at(base, index, ty=None):
         return simd.gep(b, base, index, ty) if ty is not None else simd.gep(b, base, index)
-
-    if p.small:
-        with f.if_(b.icmp_signed("<=", m_rows, const(i64, p.small_rows))):
-            _emit_small_rows(f, p, m_rows, (a_all, b_all, bias, res_all, c_all), acc, tid, nt)
-            bt1.set(bt0.get())  # the blocked loop nest below has nothing left to do
 
     tiles_per_chunk = p.tiles_per_chunk
     with f.for_range(bt0.get(), bt1.get(), name="batch") as bi:
@@ -363,9 +384,6 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
                             with f.if_(b.and_(b.icmp_signed(">=", unit, u0.get()),
                                               b.icmp_signed("<", unit, u1.get()))):
                                 _dispatch(f, p, variants, t, q, args, mt, m_rows)
-    for raw in raws:
-        b.call(free, [raw])
-    return f.finish()
 
 
 def _emit_small_rows(f: Fn, p: _Plan, m_rows, ptrs, acc, tid, nt) -> None:
@@ -384,7 +402,7 @@ def _emit_small_rows(f: Fn, p: _Plan, m_rows, ptrs, acc, tid, nt) -> None:
         r_tile = (simd.gep(b, res, col, ct) if ct is not None else simd.gep(b, res, col)) \
             if s.residual else res
         bias_t = simd.gep(b, bias, col) if s.bias else bias
-        w_tile = simd.gep(b, w, b.mul(q, const(i64, p.kw * s.nr)))
+        w_tile = simd.gep(b, w, b.mul(q, const(i64, p.kw_panel * s.nr)))
         args = [a_mat, w_tile, acc if p.bf16 else c_tile, const(i64, p.kw), first_last, bias_t,
                 r_tile] + ([c_tile] if p.bf16 else [])
 

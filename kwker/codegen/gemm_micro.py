@@ -211,20 +211,32 @@ def _epilogue_pass(f: Fn, mk: Micro, c, res, out, last_active: int) -> None:
     """out = act(C) + residual over the stored tile, one row per iteration: the activation is
     emitted ``nv`` times instead of ``mr * nv`` times (compile time), at the cost of an L1
     round trip per vector. bf16: C is float32, the residual and out bf16 (rounded once)."""
-    b, L = f.b, mk.lanes
-    dtype = "bf16" if mk.bf16 else "f32"
-    with f.for_range(0, mk.mr, name="ep") as r:
-        row = b.mul(r, const(i64, mk.ldc))
-        orow = b.mul(r, const(i64, mk.ldo)) if mk.bf16 else row
-        for v in range(mk.nv):
-            active = last_active if v == mk.nv - 1 else L
-            idx = b.add(row, const(i64, v * L))
+    epilogue_rows(f, const(i64, mk.mr), mk.nv, mk.lanes, last_active, c, mk.ldc, out,
+                  mk.ldo if mk.bf16 else mk.ldc, mk.epilogue, None, res if mk.residual else None,
+                  "bf16" if mk.bf16 else "f32", native=mk.dot == "dpbf16")
+
+
+def epilogue_rows(f: Fn, rows: ir.Value, nv: int, lanes: int, last_active: int, c, ldc: int,
+                  out, ldo: int, epilogue: str, bias, res, dtype: str, native: bool) -> None:
+    """``out[r] = act(c[r] (+ bias)) (+ res[r])`` for the first ``rows`` rows of a float32 tile
+    ``c`` (``nv`` vectors a row, the last with ``last_active`` lanes), rounded once to
+    ``dtype``; ``bias`` (float32) and ``res`` (``dtype``, row stride ``ldo``) may be None."""
+    b, L = f.b, lanes
+    bias_v = [simd.load_any(b, bias, v * L, L, last_active if v == nv - 1 else L)
+              for v in range(nv)] if bias is not None else None
+    with f.for_range(0, rows, name="ep") as r:
+        row = b.mul(r, const(i64, ldc))
+        orow = b.mul(r, const(i64, ldo))
+        for v in range(nv):
+            active = last_active if v == nv - 1 else L
+            x = simd.load_any(b, c, b.add(row, const(i64, v * L)), L, active)
+            if bias_v is not None:
+                x = b.fadd(x, bias_v[v])
+            x = vmath.activation(b, epilogue, x, dtype == "bf16")
             oidx = b.add(orow, const(i64, v * L))
-            x = vmath.activation(b, mk.epilogue, simd.load_any(b, c, idx, L, active),
-                                 mk.bf16)
-            if mk.residual:
+            if res is not None:
                 x = b.fadd(x, bf16.load_as(b, dtype, res, oidx, L, active))
-            bf16.store_as(b, dtype, x, out, oidx, active, native=mk.dot == "dpbf16")
+            bf16.store_as(b, dtype, x, out, oidx, active, native=native)
 
 
 def _bf16_step(f: Fn, mk: Micro, a, bp, acc):
@@ -283,4 +295,4 @@ def tile_shape(mr: int, nr: int, lanes: int) -> tuple[int, int]:
     return mr, nr // lanes
 
 
-__all__ = ["FIRST", "LAST", "Micro", "emit_micro", "f32", "tile_shape"]
+__all__ = ["FIRST", "LAST", "Micro", "emit_micro", "epilogue_rows", "f32", "tile_shape"]

@@ -50,6 +50,17 @@ def intrinsic(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -
     return defined(module, name) or ir.Function(module, ir.FunctionType(ret, args), name)
 
 
+def aligned_malloc(f: "Fn", nbytes) -> tuple[ir.Value, ir.Value]:
+    """(raw pointer to free, 64-byte aligned pointer) of a ``nbytes`` (int or i64) heap buffer."""
+    b = f.b
+    malloc = intrinsic(f.module, "malloc", ptr, [i64])
+    size = nbytes if isinstance(nbytes, ir.Value) else const(i64, nbytes)
+    raw = b.call(malloc, [b.add(size, const(i64, 64))])
+    addr = b.ptrtoint(raw, i64)
+    pad = b.and_(b.sub(const(i64, 64), b.and_(addr, const(i64, 63))), const(i64, 63))
+    return raw, b.gep(raw, [pad], inbounds=True, source_etype=i8)
+
+
 class Var:
     """A mutable local: an alloca that reads and writes like a variable."""
 

@@ -16,9 +16,14 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..codegen.gemm_tile import STEP as TILE_K_STEP
+from ..codegen.gemm_tile import TILE_BLOCK
 from ..runtime.target import Target, host_target
 
 SMALL_M = 8
+# the tile path (codegen/gemm_tile.py) from this many rows up; fewer (decode sizes) stay on the
+# vector path
+TILE_MIN_ROWS = SMALL_M + 1
 # register tiles (rows, vectors): 24 accumulators of 32 zmm / 12 of 16 ymm; first = preferred
 TILES = {16: [(12, 2), (8, 3), (6, 4)], 8: [(6, 2), (4, 3)], 4: [(6, 2), (4, 3)]}
 # bf16 widened to float32: 2 vectors per B vector and per broadcast (30 of 32 zmm, 14 of 16 ymm)
@@ -54,10 +59,16 @@ class Blocking:
     a_pack: bool
     ksplit: int = 1
     unroll: int = 1
+    path: str = "vector"
 
     def as_kwargs(self) -> dict:
         return dict(mr=self.mr, nr=self.nr, kc=self.kc, mc=self.mc, nb=self.nb,
-                    a_pack=self.a_pack, ksplit=self.ksplit, unroll=self.unroll)
+                    a_pack=self.a_pack, ksplit=self.ksplit, unroll=self.unroll, path=self.path)
+
+    @property
+    def k_step(self) -> int:
+        """Pre-packed panels hold K (in k words) rounded up to this: whole tile steps."""
+        return TILE_K_STEP if self.path == "tile" else 1
 
 
 def lanes(target: Target | None = None) -> int:
@@ -82,6 +93,8 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
     if dtype == "bf16" and b_layout == "kn":
         b_layout = "nk"  # packed at run time, like a transposed B
     tiles = WIDEN_TILES[L] if widen else TILES[L]
+    if dtype == "bf16" and target.tiles and (m is None or m >= TILE_MIN_ROWS):
+        return _tile_blocking(k, l1, l2)
     if m is None:
         m, small_ok = 1 << 16, False   # tiles chosen by their padding along N only
     if small_ok and m <= SMALL_M:
@@ -118,6 +131,20 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
     nb = max(1, (l2 // 2) // (nr * kc * 4))
     mc = max(mr, (l2 // 4) // (kc * 4) // mr * mr)
     return Blocking(mr, nr, kc, mc, nb, True)
+
+
+def _tile_blocking(k: int, l1: int, l2: int) -> Blocking:
+    """Blocks of the tile path (codegen/gemm_tile.py) for ``k`` pairs: the packed A block of a
+    32-row tile (32 x kc words) within half of L1, B blocks of ``nb`` panels in half of L2, A
+    chunks of ``mc`` rows in a quarter of L2."""
+    mr, nr = TILE_BLOCK
+    kc_max = max(TILE_K_STEP, (l1 // 2) // (mr * 4) // TILE_K_STEP * TILE_K_STEP)
+    blocks = _cdiv(k, kc_max)
+    kc = min(_cdiv(k, TILE_K_STEP) * TILE_K_STEP,
+             _cdiv(_cdiv(k, blocks), TILE_K_STEP) * TILE_K_STEP)
+    nb = max(1, (l2 // 2) // (nr * kc * 4))
+    mc = max(mr, (l2 // 4) // (kc * 4) // mr * mr)
+    return Blocking(mr, nr, kc, mc, nb, True, path="tile")
 
 
 def _padded(m: int, n: int, mr: int, nr: int) -> float:

@@ -28,9 +28,10 @@ def pack_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
     return out
 
 
-def pack_bf16_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
-    """(N, K) -> int32 words (panels, ceil(K/2), nr): two bf16 (k even low, k odd high) per
-    column, zero-padded past N and K (the pair-interleaved layout ``vdpbf16ps`` multiplies).
+def pack_bf16_panels(w: torch.Tensor, nr: int, k_step: int = 1) -> torch.Tensor:
+    """(N, K) -> int32 words (panels, ceil(K/2) rounded up to ``k_step``, nr): two bf16 (k even
+    low, k odd high) per column, zero-padded past N and K (the pair-interleaved layout that
+    ``vdpbf16ps`` and AMX's B tiles multiply; the tile path pads K to whole tile steps).
     float32 weights are rounded to bf16 as ``.to(torch.bfloat16)`` rounds them."""
     n, k = w.shape
     full, rem = divmod(n, nr)
@@ -38,8 +39,8 @@ def pack_bf16_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
     wb = w.detach().to(torch.bfloat16)
     if k % 2:
         wb = F.pad(wb, (0, 1))
-    out = torch.zeros(full + (rem > 0), kp, nr, dtype=torch.int32)
-    halves = out.view(torch.int16).view(full + (rem > 0), kp, nr, 2)
+    out = torch.zeros(full + (rem > 0), -(-kp // k_step) * k_step, nr, dtype=torch.int32)
+    halves = out.view(torch.int16).view(full + (rem > 0), -1, nr, 2)[:, :kp]
     halves[:full].copy_(wb[:full * nr].view(torch.int16).view(full, nr, kp, 2)
                         .permute(0, 2, 1, 3))
     if rem:
@@ -52,7 +53,8 @@ _shared: dict = {}
 _shared_lock = threading.Lock()
 
 
-def shared_panels(weight: torch.Tensor, nr: int, bf16: bool, source: torch.Tensor | None):
+def shared_panels(weight: torch.Tensor, nr: int, bf16: bool, source: torch.Tensor | None,
+                  k_step: int = 1):
     """``weight`` packed, one copy per (source tensor, layout) while any kernel holds it.
 
     ``source`` is the tensor ``weight`` was derived from (a parameter: ``weight`` may be its
@@ -60,13 +62,17 @@ def shared_panels(weight: torch.Tensor, nr: int, bf16: bool, source: torch.Tenso
     source for other sizes or graphs share the copy, so memory does not grow with the sizes
     seen. An in-place update of the source (its version) or its death retires the copy.
     """
+    def pack():
+        return pack_bf16_panels(weight, nr, k_step) if bf16 else pack_panels(weight, nr)
+
     if source is None:
-        return pack_bf16_panels(weight, nr) if bf16 else pack_panels(weight, nr)
+        return pack()
     try:
         version = source._version
     except RuntimeError:  # inference tensors have no version counter
         version = None
-    key = (id(source), weight.data_ptr() == source.data_ptr(), tuple(weight.shape), nr, bf16)
+    key = (id(source), weight.data_ptr() == source.data_ptr(), tuple(weight.shape), nr, bf16,
+           k_step)
     with _shared_lock:
         entry = _shared.get(key)
         if entry is not None:
@@ -74,7 +80,7 @@ def shared_panels(weight: torch.Tensor, nr: int, bf16: bool, source: torch.Tenso
             packed = packed_ref()
             if src_ref() is source and ver == version and packed is not None:
                 return packed
-    packed = pack_bf16_panels(weight, nr) if bf16 else pack_panels(weight, nr)
+    packed = pack()
     with _shared_lock:
         for k in [k for k, (r, _, p) in _shared.items() if r() is None or p() is None]:
             del _shared[k]
@@ -121,7 +127,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     spec = GemmSpec(m or 0, n, kk, 1, "packed", bias is not None, epilogue, residual,
                     **blk.as_kwargs(), dtype=dt)
     fn = entry(spec, 5, 2 if generic else 1)
-    packed = shared_panels(weight, blk.nr, bf16, source)
+    packed = shared_panels(weight, blk.nr, bf16, source, blk.k_step)
     bias_c = None
     if bias is not None:  # bf16: rounded as autocast rounds it, then added in float32
         bias_c = (bias.detach().to(torch.bfloat16) if bf16 else bias.detach()).float() \

@@ -27,7 +27,8 @@ class EltwiseSpec(Spec):
 class GemmSpec(Spec):
     """``C = act(A @ B + bias) + residual`` for fixed shapes and blocking (see codegen/gemm.py).
 
-    ``b_layout``: ``packed`` (weights pre-packed into ``nr``-wide panels by the factory), ``kn``
+    ``b_layout``: ``packed`` (weights pre-packed into ``nr``-wide panels by the factory; on the
+    tile path each panel's K is zero-padded to whole tiles, see ``gemm_tile.padded_k``), ``kn``
     (runtime row-major B) or ``nk`` (runtime B given transposed). ``a_pack=False`` is the
     small-M schedule (no packing, ``mr == m``, K unblocked).
     """
@@ -48,6 +49,7 @@ class GemmSpec(Spec):
     ksplit: int = 1
     unroll: int = 1
     dtype: str = "f32"     # "bf16": bf16 A/B/residual/out, float32 accumulation and epilogue
+    path: str = "vector"   # "tile": 32x32 blocks of matrix tiles (codegen/gemm_tile.py)
     family = "gemm"
 
     @property
@@ -57,7 +59,8 @@ class GemmSpec(Spec):
         return (f"kw_gemm_{self.m}x{self.n}x{self.k}_b{self.batch}_{self.b_layout}{flags}"
                 f"_t{self.mr}x{self.nr}_kc{self.kc}_mc{self.mc}_nb{self.nb}"
                 f"_p{int(self.a_pack)}_s{self.ksplit}_u{self.unroll}"
-                + ("" if self.dtype == "f32" else "_" + self.dtype))
+                + ("" if self.dtype == "f32" else "_" + self.dtype)
+                + ("" if self.path == "vector" else "_" + self.path))
 
 
 @register_spec

@@ -25,6 +25,11 @@ from dataclasses import dataclass
 
 import llvmlite.binding as llvm
 
+from . import tile_permission
+
+
+TILE_MODES = ("", "amx", "emulated")
+
 
 @dataclass(frozen=True)
 class Target:
@@ -32,6 +37,9 @@ class Target:
     cpu: str
     features: str  # LLVM feature string, e.g. "+avx2,+fma,-avx512f"
     opt_level: int = 3
+    # how tile kernels (codegen/tiles.py) run: "amx" on the tile unit, "emulated" as AVX-512 code
+    # of the same semantics (any AVX-512 CPU: tests), "" not at all (the vector kernels)
+    tiles: str = ""
 
     def has(self, feature: str) -> bool:
         return f"+{feature}" in self.features.split(",")
@@ -47,12 +55,14 @@ class Target:
 
     def describe(self) -> str:
         isa = {512: "AVX-512", 256: "AVX2", 128: "SSE"}[self.vector_bits]
-        return f"{self.cpu} ({isa}{', FMA' if self.has('fma') else ''})"
+        tiles = {"amx": ", AMX tiles", "emulated": ", emulated tiles"}.get(self.tiles, "")
+        return f"{self.cpu} ({isa}{', FMA' if self.has('fma') else ''}{tiles})"
 
 
 _INTERESTING = ("sse4.2", "avx", "avx2", "fma", "bmi", "bmi2", "popcnt", "lzcnt", "f16c",
                 "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512vbmi",
-                "avx512vbmi2", "avx512vpopcntdq", "avx512bf16", "avx512fp16")
+                "avx512vbmi2", "avx512vpopcntdq", "avx512bf16", "avx512fp16", "avx512vnni",
+                "avxvnni", "amx-tile", "amx-bf16", "amx-int8", "amx-fp16")
 
 # One probe per feature of _INTERESTING: ``(signature, body, pattern)``, a function in generic IR
 # (never a target intrinsic: LLVM cannot select one without its feature) whose assembly matches
@@ -104,6 +114,95 @@ _PROBES = {
                    "%r = fadd <32 x half> %a, %b", r"vaddph\s[^\n]*%zmm"),
 }
 
+# Features only a target intrinsic shows (no generic IR becomes a tile or VNNI instruction):
+# name -> (module defining @p, pattern, features added, feature that must be there first).
+# LLVM aborts the process when it cannot select an intrinsic, so these run in a child that
+# reports after each probe and is restarted past one that killed it (that feature is missing).
+# AMX probes run only where AVX512_BF16 is (every AMX CPU has it), each after amx-tile; AVX-VNNI
+# is the VEX form, asked for with AVX512_VNNI off.
+def _tile_probe(op: str) -> str:
+    """Zero a tile, multiply zero tiles with ``op`` (if any) and store the result."""
+    decl = call = ""
+    result = "%z"
+    if op:
+        decl = (f"declare x86_amx @llvm.x86.{op}.internal(i16, i16, i16, x86_amx, x86_amx, "
+                "x86_amx)\n")
+        call = (f"  %r = call x86_amx @llvm.x86.{op}.internal(i16 16, i16 64, i16 64, "
+                "x86_amx %z, x86_amx %z, x86_amx %z)\n")
+        result = "%r"
+    return ("declare x86_amx @llvm.x86.tilezero.internal(i16, i16)\n"
+            "declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, x86_amx)\n"
+            + decl + "define void @p(ptr %c) {\n"
+            "  %z = call x86_amx @llvm.x86.tilezero.internal(i16 16, i16 64)\n" + call +
+            "  call void @llvm.x86.tilestored64.internal(i16 16, i16 64, ptr %c, i64 64, "
+            f"x86_amx {result})\n  ret void\n}}\n")
+
+
+def _vnni_probe(bits: int) -> str:
+    acc, ops = f"<{bits // 32} x i32>", f"<{bits // 8} x i8>"
+    name = f"@llvm.x86.avx512.vpdpbusd.{bits}"
+    return (f"declare {acc} {name}({acc}, {ops}, {ops})\n"
+            f"define {acc} @p({acc} %a, {ops} %b, {ops} %c) {{\n"
+            f"  %r = call {acc} {name}({acc} %a, {ops} %b, {ops} %c)\n  ret {acc} %r\n}}\n")
+
+
+_INTRINSIC_PROBES = {
+    "avx512vnni": (_vnni_probe(512), r"vpdpbusd\s[^\n]*%zmm", "", "avx512f"),
+    "avxvnni": (_vnni_probe(256), r"\{vex\}\s*vpdpbusd", "-avx512vnni", "avx2"),
+    "amx-tile": (_tile_probe(""), r"\btilezero\b", "", "avx512bf16"),
+    "amx-bf16": (_tile_probe("tdpbf16ps"), r"\btdpbf16ps\b", "", "amx-tile"),
+    "amx-int8": (_tile_probe("tdpbusd"), r"\btdpbusd\b", "", "amx-tile"),
+    "amx-fp16": (_tile_probe("tdpfp16ps"), r"\btdpfp16ps\b", "", "amx-tile"),
+}
+
+# As _CHILD, for _INTRINSIC_PROBES ({"triple", "cpu", "features", "probes": {name: [module,
+# pattern, extra]}}): a JSON line before and after each probe, flushed, so the parent sees
+# which probe killed it.
+_INTRINSIC_CHILD = r"""
+import json, re, sys
+import llvmlite.binding as llvm
+req = json.load(sys.stdin)
+llvm.initialize_native_target()
+llvm.initialize_native_asmprinter()
+for name, (module, pattern, extra) in req["probes"].items():
+    print(json.dumps([name, None]), flush=True)
+    features = ",".join(f for f in (req["features"], extra) if f)
+    tm = llvm.Target.from_triple(req["triple"]).create_target_machine(
+        cpu=req["cpu"], features=features, opt=2)
+    asm = tm.emit_assembly(llvm.parse_assembly(module))
+    print(json.dumps([name, re.search(pattern, asm) is not None]), flush=True)
+"""
+
+
+def _intrinsic_features(cpu: str, features: str, found: dict) -> dict[str, bool]:
+    """``_INTRINSIC_PROBES`` for ``cpu``, each only once the feature it needs was found."""
+    result: dict[str, bool] = {}
+    while len(result) < len(_INTRINSIC_PROBES):
+        todo, ready = {}, True
+        for name, (module, pattern, extra, needs) in _INTRINSIC_PROBES.items():
+            if name in result:
+                continue
+            have = found.get(needs, result.get(needs))
+            if have is None:       # decided by a probe of this round: wait for it
+                ready = False
+            elif not have:
+                result[name] = False
+            elif ready:
+                todo[name] = [module, pattern, extra]
+        if not todo:
+            continue
+        req = {"triple": llvm.get_process_triple(), "cpu": cpu, "features": features,
+               "probes": todo}
+        r = subprocess.run([sys.executable, "-c", _INTRINSIC_CHILD], input=json.dumps(req),
+                           capture_output=True, text=True, check=False)
+        for line in r.stdout.splitlines():
+            name, ok = json.loads(line)
+            result[name] = bool(ok)      # None: the probe that killed the child
+        if r.returncode and not any(n in result for n in todo):
+            raise UnknownCPU(f"kwker: LLVM failed probing {cpu!r}: {r.stderr.strip()[-300:]}")
+    return result
+
+
 # Run as ``python -c`` with a JSON request on stdin ({"triple", "cpu", "features", "probes"}):
 # prints {name: whether the probe's pattern matched}. LLVM warns on stderr about a CPU name it
 # does not know, then aborts when it compiles for it.
@@ -148,7 +247,8 @@ def llvm_features(cpu: str, features: str = "") -> dict[str, bool]:
     (empty: the CPU name's own), found by compiling the probes in a child process."""
     r = _run_child(cpu, features, _PROBES)
     if r.returncode == 0 and _UNKNOWN not in r.stderr:
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        found = json.loads(r.stdout.strip().splitlines()[-1])
+        return {**found, **_intrinsic_features(cpu, features, found)}
     if _UNKNOWN in r.stderr:
         why = f"LLVM {llvm.llvm_version_info[0]} does not know the CPU name {cpu!r}"
         close = difflib.get_close_matches(cpu, _known_cpus(), n=4, cutoff=0.6)
@@ -181,7 +281,8 @@ def host_target() -> Target:
     """Host CPU name and features from LLVM, unless overridden by the environment.
 
     ``KWKER_FEATURES`` (non-empty) is used as given; else a ``KWKER_CPU`` name implies the
-    features LLVM gives that CPU (``cpu_features``); else both are the host's."""
+    features LLVM gives that CPU (``cpu_features``); else both are the host's. ``KWKER_TILES``
+    picks how tile kernels run (``tile_mode``)."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     named = os.environ.get("KWKER_CPU")
@@ -189,12 +290,43 @@ def host_target() -> Target:
     features = os.environ.get("KWKER_FEATURES")
     if not features:
         features = cpu_features(cpu) if named else _host_features()
-    return Target(llvm.get_process_triple(), cpu, features)
+    return Target(llvm.get_process_triple(), cpu, features,
+                  tiles=tile_mode(features, os.environ.get("KWKER_TILES", ""), own=not named))
 
 
-def make_target(cpu: str, features: str = "") -> Target:
+def tile_mode(features: str, asked: str = "", own: bool = False) -> str:
+    """``Target.tiles`` for a CPU with ``features``: ``asked`` is ``KWKER_TILES`` ("" or auto:
+    the tile unit where the CPU has AMX-BF16; "off"; "emulate": AVX-512 code of the tile
+    instructions' semantics, on any AVX-512 CPU). ``own``: the target is this machine, so the
+    tile state is requested from Linux now, and a refusal means no tiles."""
+    probe = Target("", "", features)
+    asked = asked.strip().lower()
+    if asked in ("", "auto", "amx"):
+        if not (probe.has("amx-tile") and probe.has("amx-bf16")):
+            if asked == "amx":
+                raise ValueError("kwker: KWKER_TILES=amx, but the target CPU has no AMX-BF16 "
+                                 f"(features {features})")
+            return ""
+        return "amx" if not own or tile_permission.granted() else ""
+    if asked == "off":
+        return ""
+    if asked in ("emulate", "emulated"):
+        if probe.vector_bits != 512:
+            raise ValueError("kwker: KWKER_TILES=emulate runs the tile kernels as AVX-512 code; "
+                             f"the target CPU has no AVX-512F/BW/VL (features {features})")
+        return "emulated"
+    raise ValueError(f"kwker: KWKER_TILES must be auto, amx, emulate or off, not {asked!r}")
+
+
+def make_target(cpu: str, features: str = "", tiles: str | None = None) -> Target:
     """A target for another CPU (cross-prewarming, tests of the AVX-512 path); empty
-    ``features`` means the CPU name's own (``cpu_features``), as for ``KWKER_CPU``."""
+    ``features`` means the CPU name's own (``cpu_features``), as for ``KWKER_CPU``; ``tiles``
+    (default: AMX where the features have it) as ``Target.tiles``."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    return Target(llvm.get_process_triple(), cpu, features or cpu_features(cpu))
+    features = features or cpu_features(cpu)
+    if tiles is None:
+        tiles = tile_mode(features)
+    elif tiles not in TILE_MODES:
+        raise ValueError(f"kwker: tiles must be one of {TILE_MODES}, not {tiles!r}")
+    return Target(llvm.get_process_triple(), cpu, features, tiles=tiles)
