@@ -1,0 +1,193 @@
+"""The GEMM's tile path (codegen/gemm_tile.py) against references, natively and emulated.
+
+- Emulated tiles (``KWKER_TILES=emulate``: each tile instruction as AVX-512 code of its
+  semantics) run on any AVX-512 CPU, in a subprocess: every linear and matmul case (odd M, N
+  and K, K not a multiple of 32, every epilogue, residual, batches, generic sizes) against the
+  float32 reference under the bf16 accuracy contract.
+- Where this CPU has AMX and Linux grants the tile state, the same cases run natively, and
+  native and emulated outputs agree within float32 accumulation error.
+- The native build's assembly (compiled for Sapphire Rapids, runs nowhere) holds ``ldtilecfg``,
+  ``tdpbf16ps`` and ``tilerelease`` and spills no tile register; the emulated build holds no
+  tile instruction.
+- A refused tile permission leaves the target without tiles and says why.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kwker.kernels import blocking
+from kwker.kernels.linear import make_linear
+from kwker.kernels.matmul import make_matmul
+from kwker.kernels.specs import GemmSpec
+from kwker.runtime import cache, tile_permission
+from kwker.runtime.compiler import compile_assembly
+from kwker.runtime.kernel import emit
+from kwker.runtime.target import host_target, make_target, tile_mode
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_gemm_bf16 import check_linear, check_matmul  # noqa: E402
+
+BF16 = torch.bfloat16
+LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns and K steps
+    (9, 40, 18, "none", False, True), (32, 32, 32, "relu", False, False),
+    (33, 47, 62, "gelu", True, True), (64, 96, 64, "gelu_tanh", False, True),
+    (100, 300, 1030, "none", True, True), (131, 521, 4097, "relu", False, True),
+    (200, 64, 1600, "gelu", True, False),
+]
+MATMUL_CASES = [  # m, k, n, batch, b transposed
+    (40, 17, 33, 1, False), (40, 17, 33, 1, True), (64, 64, 128, 4, False),
+    (64, 64, 128, 4, True), (130, 301, 70, 2, False), (130, 301, 70, 2, True),
+    (300, 1700, 100, 1, False),
+]
+SAPPHIRE = make_target("sapphirerapids")
+EMULATED = make_target("sapphirerapids", tiles="emulated")
+
+
+def _has_avx512() -> bool:
+    return host_target().vector_bits == 512
+
+
+def _run_worker(tmp_path, tiles: str, out: str) -> str:
+    env = dict(os.environ, KWKER_TILES=tiles, KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, __file__, "worker", out], env=env, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def _outputs() -> dict:
+    """Every case's output, from fixed inputs: the worker's and this process's are comparable."""
+    results = {}
+    for i, (m, n, k, epilogue, residual, bias) in enumerate(LINEAR_CASES):
+        g = torch.Generator().manual_seed(i)
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(BF16)
+        b = torch.randn(n, generator=g).to(BF16) if bias else None
+        x, r = torch.randn(m, k, generator=g).to(BF16), torch.randn(m, n, generator=g).to(BF16)
+        for generic in (False, True):
+            fn = make_linear(w, b, None if generic else m, epilogue, residual)
+            assert fn.spec.path == "tile", fn.spec
+            results[f"linear{i}{'g' * generic}"] = fn(x, r) if residual else fn(x)
+    return results
+
+
+def _worker(out: str) -> int:
+    torch.set_num_threads(2)
+    print(host_target().describe())
+    assert host_target().tiles in ("amx", "emulated"), host_target()
+    bad = 0
+    for generic in (False, True):
+        for case in LINEAR_CASES:
+            ok, why = check_linear(*case, generic=generic)
+            bad += not ok
+            print("linear", case, "generic" * generic, "ok" if ok else "FAIL " + why)
+        for case in MATMUL_CASES:
+            ok, why = check_matmul(*case, generic=generic)
+            bad += not ok
+            print("matmul", case, "generic" * generic, "ok" if ok else "FAIL " + why)
+    torch.save(_outputs(), out)
+    if not bad:
+        print("all ok")
+    return 1 if bad else 0
+
+
+def test_emulated_tiles_match_the_reference(tmp_path):
+    if not _has_avx512():
+        pytest.skip(f"emulated tiles are AVX-512 code; this CPU is {host_target().describe()}")
+    stdout = _run_worker(tmp_path, "emulate", str(tmp_path / "emulated.pt"))
+    assert "emulated tiles" in stdout and "all ok" in stdout, stdout
+
+
+def test_native_tiles_match_the_reference_and_the_emulation(tmp_path, threads):
+    if host_target().tiles != "amx":
+        pytest.skip("no native tile runs: " + (tile_permission.refusal() or
+                    f"this CPU ({host_target().describe()}) has no AMX-BF16"))
+    for case in LINEAR_CASES:
+        for generic in (False, True):
+            ok, why = check_linear(*case, generic=generic)
+            assert ok, (case, generic, why)
+    for case in MATMUL_CASES:
+        for generic in (False, True):
+            ok, why = check_matmul(*case, generic=generic)
+            assert ok, (case, generic, why)
+    if threads == 2 and _has_avx512():
+        _run_worker(tmp_path, "emulate", str(tmp_path / "emulated.pt"))
+        emulated, native = torch.load(tmp_path / "emulated.pt"), _outputs()
+        for name, got in native.items():
+            ref = emulated[name].float()
+            # float32 sums in another order, then one rounding to bf16: one ulp apart at most
+            tol = 2.0 ** -7 * ref.abs() + 1e-5 * ref.abs().max()
+            assert ((got.float() - ref).abs() <= tol).all(), name
+
+
+def _tile_spec(m=200, n=300, k=402, layout="packed", epilogue="gelu", residual=True):
+    blk = blocking.choose(m, n, k // 2, SAPPHIRE, b_layout=layout, dtype="bf16")
+    assert blk.path == "tile"
+    return GemmSpec(m, n, k, 1, layout, layout == "packed", epilogue, residual,
+                    **blk.as_kwargs(), dtype="bf16")
+
+
+@pytest.mark.parametrize("layout", ["packed", "kn", "nk"])
+def test_native_build_keeps_tiles_in_registers(layout):
+    """ldtilecfg once, tdpbf16ps in the K loop, tilerelease; no tile spilled to the stack."""
+    spec = _tile_spec(layout=layout)
+    _, asm = compile_assembly(str(emit(spec, SAPPHIRE)), SAPPHIRE)
+    for op in ("ldtilecfg", "tdpbf16ps", "tilerelease", "tileloadd", "tilestored"):
+        assert re.search(rf"\b{op}\b", asm), op
+    assert len(re.findall(r"\btdpbf16ps\b", asm)) % 4 == 0   # whole 2 x 2 steps
+    spills = re.findall(r"tile(?:stored|loadd)\s+[^\n]*\(%r[sb]p", asm)
+    assert not spills, spills
+
+
+def test_emulated_build_has_no_tile_instructions():
+    spec = _tile_spec()
+    _, asm = compile_assembly(str(emit(spec, EMULATED)), EMULATED)
+    assert not re.search(r"\b(tdpbf16ps|ldtilecfg|tileloadd|tilerelease)\b", asm)
+    assert re.search(r"\bvdpbf16ps\b", asm)
+
+
+def test_tile_path_needs_a_target_with_tiles():
+    spec = _tile_spec()
+    with pytest.raises(ValueError, match="tile path"):
+        emit(spec, make_target("sapphirerapids", tiles=""))
+
+
+def test_tile_modes_key_the_cache_apart():
+    keys = {cache.entry_key(_tile_spec().id, t) for t in (SAPPHIRE, EMULATED)}
+    assert len(keys) == 2
+
+
+def test_named_cpus_imply_their_tiles():
+    assert SAPPHIRE.tiles == "amx" and SAPPHIRE.has("amx-bf16") and SAPPHIRE.has("amx-int8")
+    assert make_target("graniterapids").has("amx-fp16")
+    zen4 = make_target("znver4")
+    assert zen4.tiles == "" and not zen4.has("amx-tile") and zen4.has("avx512vnni")
+    assert blocking.choose(200, 300, 400, zen4, dtype="bf16").path == "vector"
+    assert blocking.choose(4, 300, 400, SAPPHIRE, dtype="bf16").path == "vector"  # decode
+    with pytest.raises(ValueError, match="AVX-512"):
+        tile_mode(make_target("znver3").features, "emulate")
+    with pytest.raises(ValueError, match="KWKER_TILES"):
+        tile_mode(SAPPHIRE.features, "sometimes")
+
+
+def test_refused_permission_means_no_tiles(monkeypatch):
+    """An old kernel or a sandbox refuses arch_prctl: no tile kernel, and the reason is kept."""
+    import errno
+
+    monkeypatch.setattr(tile_permission, "_arch_prctl", lambda code, arg: (-1, errno.EPERM))
+    tile_permission._forget()
+    try:
+        assert tile_mode(SAPPHIRE.features, "", own=True) == ""
+        assert "refused" in tile_permission.refusal()
+        assert "Operation not permitted" in tile_permission.refusal()
+        assert tile_mode(SAPPHIRE.features, "", own=False) == "amx"  # another machine's target
+    finally:
+        monkeypatch.undo()
+        tile_permission._forget()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    sys.exit(_worker(sys.argv[2]))
