@@ -23,8 +23,11 @@ import common
 import probes
 from kwker.codegen import omp, simd, vmath
 from kwker.codegen.irutil import f32, i16, i32, i64, intrinsic, ptr
+from kwker.codegen.tiles import Tiles
 from kwker.kernels.linear import make_linear
 from kwker.kernels.sdpa import make_sdpa
+from kwker.kernels.specs import instruction_path
+from kwker.runtime import tile_permission
 from kwker.runtime.compiler import compile_object
 from kwker.runtime.loader import load_symbols
 from kwker.runtime.target import host_target
@@ -38,6 +41,12 @@ TARGETS = {(1024, 1024, 1024): (1.0, 0.9), (1024, 3072, 768): (1.0, 0.9),
            (128, 768, 768): (1.05, None), (8, 4096, 1024): (1.5, None),
            (1, 4096, 1024): (1.5, None), (8, 8, 128, 32): (1.5, None),
            (1, 16, 1024, 64): (1.3, None)}
+# on CPUs with AMX tiles, against eager bf16 on oneDNN's tile kernels (issue 18); the peak
+# fraction is of the tdpbf16ps probe
+TARGETS_AMX = {(1024, 1024, 1024): (1.5, 0.4), (1024, 3072, 768): (1.5, 0.4),
+               (128, 768, 768): (1.3, None), (8, 4096, 1024): (1.5, None),
+               (1, 4096, 1024): (1.5, None), (8, 8, 128, 32): (1.5, None),
+               (1, 16, 1024, 64): (1.5, None)}
 MEMORY_BOUND = {(8, 4096, 1024), (1, 4096, 1024)}
 L3_BYTES = 16 << 20
 
@@ -65,6 +74,50 @@ def bf16_peak(threads: int, iters: int = 1 << 19, samples: int = 40) -> tuple[fl
         return None, f"skipped: the target CPU ({target.describe()}) has no AVX512_BF16"
     fn, flops = _dp_probe(iters)
     sink = torch.zeros(64)
+    return flops * threads / _best(lambda: fn(sink.data_ptr(), threads), samples) / 1e9, ""
+
+
+def _tile_probe(iters: int):
+    """A JIT'd kernel: per thread, four independent 16 x 16 float32 accumulator tiles updated
+    by ``tdpbf16ps`` from one A and one B tile, ``iters`` steps (16 x 16 x 32 x 2 FLOP each)."""
+    target = host_target()
+    module = ir.Module("tile_probe")
+    body = omp.body_fn(module, "tile_probe.body")
+    b = body.b
+    sink = omp.Context(body, body.args[0]).ptr(0)
+    tiles = Tiles(body, target.tiles)
+    a, bt = tiles.new("a"), tiles.new("b")
+    accs = [tiles.new(f"c{i}") for i in range(4)]
+    stride = ir.Constant(i64, 64)
+    tiles.load(a, sink, stride)
+    tiles.load(bt, sink, stride)
+    for c in accs:
+        tiles.zero(c)
+    with body.for_range(0, iters):
+        for c in accs:
+            tiles.dot_bf16(c, a, bt)
+    mine = b.gep(sink, [b.mul(body.args[1], ir.Constant(i64, 1024))], source_etype=ir.IntType(8))
+    for c in accs:
+        tiles.store(c, mine, stride)
+    body.finish()
+    symbol = f"kw_tile_probe_{iters}"
+    omp.emit_parallel(module, symbol, [ptr], body.fn)
+    addr = load_symbols(compile_object(str(module), target), [symbol])[symbol]
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(addr)
+    return fn, 4 * 16 * 16 * 32 * 2 * iters
+
+
+def tile_peak(threads: int, iters: int = 1 << 14, samples: int = 40) -> tuple[float | None, str]:
+    """(GFLOP/s of ``tdpbf16ps`` on ``threads`` threads, "") or (None, why skipped); the tile
+    unit takes some 0.1-0.2 s of use to reach full speed on the machines measured, so the
+    samples follow a warm-up."""
+    target = host_target()
+    if target.tiles != "amx":
+        why = tile_permission.refusal() or f"the target CPU ({target.describe()}) has no AMX"
+        return None, f"skipped: {why}"
+    fn, flops = _tile_probe(iters)
+    sink = torch.zeros(max(threads, 1) * 256 + 256)
+    _best(lambda: fn(sink.data_ptr(), threads), samples, min_seconds=0.5)
     return flops * threads / _best(lambda: fn(sink.data_ptr(), threads), samples) / 1e9, ""
 
 
@@ -137,7 +190,12 @@ def _row(name, tk, te, check, target=None, peak_target=None, **extra) -> dict:
             "target": target, "peak_target": peak_target, "check": check, **extra}
 
 
-def linear_rows(best_pair, reps: int, peak: float | None, l3: float | None) -> list[dict]:
+def _targets() -> dict:
+    return TARGETS_AMX if host_target().tiles == "amx" else TARGETS
+
+
+def linear_rows(best_pair, reps: int, peaks: dict, l3: float | None) -> list[dict]:
+    """``peaks``: instruction path (``instruction_path``) -> its probe's GFLOP/s."""
     rows = []
     for m, n, k in LINEARS:
         torch.manual_seed(0)
@@ -148,8 +206,10 @@ def linear_rows(best_pair, reps: int, peak: float | None, l3: float | None) -> l
         tk, te = best_pair(lambda: f(xb), lambda: F.linear(xb, wb, bb),
                            max(3, reps // (4 if m * n * k > 1 << 28 else 1)))
         gf = 2 * m * n * k / tk / 1e9
-        target, peak_target = TARGETS[(m, n, k)]
-        extra = {"gflops": gf, "peak_frac": gf / peak if peak else None}
+        target, peak_target = _targets()[(m, n, k)]
+        path = instruction_path(f.spec, host_target())
+        peak = peaks.get(path)
+        extra = {"gflops": gf, "peak_frac": gf / peak if peak else None, "path": path}
         if (m, n, k) in MEMORY_BOUND:
             extra["weight_gbps"] = n * k * 2 / tk / 1e9
             extra["l3_frac"] = extra["weight_gbps"] / l3 if l3 else None
@@ -171,7 +231,8 @@ def sdpa_rows(best_pair, reps: int) -> list[dict]:
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         check = _check(f(q, k, v), eager(), ref)
         tk, te = best_pair(lambda: f(q, k, v), eager, max(3, reps // (10 if seq > 512 else 1)))
-        rows.append(_row(f"bf16 SDPA {shape} causal", tk, te, check, TARGETS[shape][0]))
+        rows.append(_row(f"bf16 SDPA {shape} causal", tk, te, check, _targets()[shape][0],
+                         path=instruction_path(f.spec, host_target())))
     return rows
 
 
@@ -197,15 +258,16 @@ def mlp_rows(best_pair, reps: int) -> list[dict]:
 def run(best_pair, reps: int, threads: int) -> dict:
     """The whole section: probes, then every row (``best_pair`` from bench_kernels)."""
     peak, why = bf16_peak(threads)
+    tile, tile_why = tile_peak(threads)
     l3 = l3_bandwidth(threads)
-    rows = linear_rows(best_pair, reps, peak, l3) + sdpa_rows(best_pair, reps) \
-        + mlp_rows(best_pair, reps)
+    rows = linear_rows(best_pair, reps, {"avx512-bf16": peak, "amx": tile}, l3) \
+        + sdpa_rows(best_pair, reps) + mlp_rows(best_pair, reps)
     for r in rows:
         r["met"] = None if r["target"] is None else bool(
             r["ratio"] >= r["target"] and (r["peak_target"] is None
                                             or (r.get("peak_frac") or 0) >= r["peak_target"]))
-    return {"peak_gflops": peak, "peak_skipped": why, "l3_gbps": l3, "l3_bytes": L3_BYTES,
-            "rows": rows}
+    return {"peak_gflops": peak, "peak_skipped": why, "tile_peak_gflops": tile,
+            "tile_peak_skipped": tile_why, "l3_gbps": l3, "l3_bytes": L3_BYTES, "rows": rows}
 
 
 # ---------------------------------------------------------------------------------- output
@@ -217,13 +279,16 @@ def render(sec: dict) -> str:
     peak = sec["peak_gflops"]
     head = (f"vdpbf16ps peak probe ({probes.CHAINS} chains per thread): "
             + (f"{peak:.0f} GFLOP/s" if peak else sec["peak_skipped"])
+            + "; tdpbf16ps (AMX) peak probe (4 accumulator tiles per thread): "
+            + (f"{sec['tile_peak_gflops']:.0f} GFLOP/s" if sec.get("tile_peak_gflops")
+               else sec.get("tile_peak_skipped", "not measured"))
             + f"; L3 read bandwidth probe ({sec['l3_bytes'] >> 20} MB buffer): "
               f"{sec['l3_gbps']:.0f} GB/s")
     out = ["## bfloat16 (vs eager bf16: oneDNN)", "", head, "",
            "Plot: [kernels_bf16.png](kernels_bf16.png)", "",
-           "| kernel | eager ms | kwker ms | speed-up | target | GFLOP/s | % of bf16 peak | "
-           "weight GB/s (% of L3) | check | note |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+           "| kernel | path | eager ms | kwker ms | speed-up | target | GFLOP/s | % of its "
+           "path's peak | weight GB/s (% of L3) | check | note |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in sec["rows"]:
         mark = ""
         if r["target"] is not None:
@@ -234,7 +299,7 @@ def render(sec: dict) -> str:
               else "")
         gf = f"{r['gflops']:.0f}" if "gflops" in r else ""
         pk = _pct(r.get("peak_frac")) if "gflops" in r else ""
-        out.append(f"| {r['kernel']} | {r['torch_ms']:.3f} | {r['kwker_ms']:.3f} | "
+        out.append(f"| {r['kernel']} | {r.get('path', '')} | {r['torch_ms']:.3f} | {r['kwker_ms']:.3f} | "
                    f"{r['ratio']:.2f}x | {mark} | {gf} | {pk} | {gb} | {r['check']} | "
                    f"{r.get('note', '')} |")
     return "\n".join(out)

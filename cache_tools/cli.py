@@ -74,6 +74,9 @@ def cmd_info(args, out: dict) -> str | None:
         print(f"this machine     {t['description']}, {t['triple']}")
         print(f"  CPU name       {t['cpu']}")
         print(f"  features       {t['features'] or '(implied by the CPU name)'}")
+        tiles = {"amx": "AMX tile unit", "emulated": "emulated with AVX-512 (KWKER_TILES)"}
+        print(f"  matrix tiles   {tiles.get(t['tiles'], 'not used')}"
+              + (f" ({t['tile_refusal']})" if t["tile_refusal"] else ""))
         print(f"versions         kwker {v['kwker']}, llvmlite {v['llvmlite']}, LLVM {v['llvm']}")
     return problem
 

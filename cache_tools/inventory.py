@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kwker.runtime import cache
+from kwker.runtime import cache, tile_permission
 from kwker.runtime.target import Target, host_target
 
 
@@ -145,7 +145,8 @@ def info(root: Path) -> tuple[dict, str | None]:
         "current": counts["current"], "other_target": counts["other target"],
         "other_version": counts["other version"], "bad": counts["bad"],
         "temp_files": sum(1 for _ in cache.iter_temps(root)) if root.is_dir() else 0,
-        "target": {**asdict(target), "description": target.describe()},
+        "target": {**asdict(target), "description": target.describe(),
+                   "tile_refusal": tile_permission.refusal()},
         "versions": cache.versions(),
     }
     return report, problem if status != "disabled" else None

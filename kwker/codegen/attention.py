@@ -38,16 +38,16 @@ import math
 from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
-from .attention_args import align64, emit_copy_rows, emit_generic, icdiv, imul, load_dims, \
-    round_up, scratch, static_dims, thread_items
+from .attention_args import DIRECT_MAX_LQ, align64, emit_copy_rows, emit_generic, icdiv, imul, \
+    load_dims, round_up, scratch, static_dims, thread_items
 from .attention_bf16 import emit_pack_k_pairs, emit_pack_v_pairs, emit_pair_rows, emit_widen, \
     exp2_p, pair_rows_padded, splat_bit, store_p
+from .attention_tile import TileProducts
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
 from .irutil import Fn, const, f32, i1, i8, i16, i32, i64, intrinsic, new_module, ptr
 
 NEG_INF = -math.inf
-DIRECT_MAX_LQ = 4  # packing K costs ~0.4 op per element, more than a few dot products save
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -58,12 +58,15 @@ def emit(spec, target) -> ir.Module:
     L = simd.float_lanes(target)
     module = new_module(spec.symbol)
     dpbf16 = target.has("avx512bf16") and L == 16
+    if spec.path == "tile" and target.tiles not in ("amx", "emulated"):
+        raise ValueError(f"kwker attention: the tile path needs a target with tiles, not "
+                         f"{target.describe()}")
     if not spec.batch:  # generic: both schedules, sizes and strides at call time
-        direct, blocked = (_Emitter(module, spec, L, target.has("avx512f"), dpbf16, d).body()
-                           for d in (True, False))
+        direct, blocked = (_Emitter(module, spec, L, target.has("avx512f"), dpbf16, d,
+                                    target.tiles).body() for d in (True, False))
         emit_generic(module, spec, direct, blocked, DIRECT_MAX_LQ)
         return module
-    body = _Emitter(module, spec, L, target.has("avx512f"), dpbf16).body()
+    body = _Emitter(module, spec, L, target.has("avx512f"), dpbf16, tiles=target.tiles).body()
     flops = 4 * spec.batch * spec.heads * spec.lq * spec.lk * max(spec.e, spec.ev)
     items = spec.batch * spec.heads * _cdiv(spec.lq, spec.bq)
     max_threads = max(1, min(items, flops // (1 << 18)))  # ~2.5 us of FMAs per fork
@@ -73,7 +76,7 @@ def emit(spec, target) -> ir.Module:
 
 class _Emitter:
     def __init__(self, module, spec, lanes, avx512: bool, dpbf16: bool = False,
-                 direct: bool | None = None):
+                 direct: bool | None = None, tiles: str = ""):
         self.m, self.s, self.L, self.avx512 = module, spec, lanes, avx512
         s = spec
         # generic (attention_args.py): sizes and strides (``self.d``) are read in body()
@@ -107,6 +110,9 @@ class _Emitter:
         # softmax (bf16 on AVX512_BF16): independent max/sum accumulators per score row, and a
         # shorter exp2 for the P that is rounded; float32 and the other ISAs keep their code
         self.chains = 4 if self.dot else 1
+        # both products on matrix tiles (attention_tile.py), set up in body()
+        self.tile_mode = tiles if s.path == "tile" and not self.direct else ""
+        self.tile = None
 
     def head_off(self, head, strides, heads: int | None = None):
         """Element offset of head ``head`` (= batch * heads + h) for these strides."""
@@ -146,6 +152,8 @@ class _Emitter:
         f = omp.body_fn(self.m, f"{s.symbol}.body" + ((".direct" if self.direct else ".blocked")
                                                       if self.gen else ""))
         self.f = f
+        if self.tile_mode:
+            self.tile = TileProducts(self, self.tile_mode)
         b = f.b
         ctx = omp.Context(f, f.args[0])
         tid, nt = f.args[1], f.args[2]
@@ -301,6 +309,8 @@ class _Emitter:
     def scores(self, qh, kp, sbuf, j0, kv, rows):
         if self.direct:
             return self.scores_direct(qh, kp, sbuf, j0, kv, rows)
+        if self.tile is not None:
+            return self.tile.scores(qh, kp, sbuf, j0, kv)
         s, f, L = self.s, self.f, self.L
         b = f.b
         mode = const(i64, FIRST if self.qk_pairs else FIRST | LAST)
@@ -370,6 +380,8 @@ class _Emitter:
                 simd.store_vec(b, out, sbuf, b.add(b.mul(r, const(i64, self.bk)), jb))
 
     def accumulate(self, vh, sbuf, obuf, j0, kv, rows):
+        if self.tile is not None:
+            return self.tile.accumulate(vh, sbuf, obuf, j0, kv, rows)
         s, f = self.s, self.f
         b = f.b
         nullp = ir.Constant(ptr, None)

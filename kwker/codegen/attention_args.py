@@ -30,6 +30,9 @@ ARGS = [ptr] * 6 + [i64] * 3        # q, k, v, mask, out, strides table, batch, 
 SLOT_TABLE, SLOT_BATCH, SLOT_LQ, SLOT_LK = 5, 6, 7, 8
 
 
+DIRECT_MAX_LQ = 4  # packing K costs ~0.4 op per element, more than a few dot products save
+
+
 @dataclass
 class Dims:
     """Sizes and (batch, head, row) element strides, as ints or i64 values of one call."""

@@ -67,8 +67,8 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
     ap, bp, acc = bufs
     kw, nr = p.kw, s.nr
     tiles = Tiles(f, p.tile_mode, native_bf16=p.dot == "dpbf16")
-    regs = {name: tiles.new(name) for name in ("a0", "a1", "b0", "b1", "c00", "c01", "c10",
-                                               "c11")}
+    regs = block_registers(tiles)
+    a_stride, b_stride = const(i64, 64), const(i64, nr * 4)   # packed A; B panel rows
     pack_a = emit_pack_a_tiles(module, kw)
     if s.b_layout == "nk":
         pack_b = emit_pack_rows(module, nr, kw, p.lanes)
@@ -118,7 +118,14 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
                                 block = acc if p.one_block else simd.gep(b, acc, b.mul(
                                     b.add(b.mul(b.sub(t, tc0), const(i64, p.np)), q),
                                     const(i64, BLOCK_WORDS)))
-                                _block_product(f, tiles, regs, a_tile, b_panel, block, kcp, first)
+                                block_product(
+                                    f, tiles, regs,
+                                    lambda k, i, a=a_tile: simd.gep(b, a, b.add(
+                                        b.mul(k, const(i64, 32)), const(i64, i * 256)), i32),
+                                    a_stride,
+                                    lambda k, j, p=b_panel: simd.gep(b, p, b.add(
+                                        b.mul(k, const(i64, nr)), const(i64, j * 16)), i32),
+                                    b_stride, block, 32, kcp, first)
                                 with f.if_(last):
                                     off = b.add(b.mul(t, const(i64, 32 * s.n)),
                                                 b.mul(q, const(i64, nr)))
@@ -131,40 +138,45 @@ def _min(b: ir.IRBuilder, x, y) -> ir.Value:
     return b.select(b.icmp_signed("<", x, y), x, y)
 
 
-def _block_product(f: Fn, tiles: Tiles, regs: dict, a_tile, b_panel, block, kcp, first) -> None:
-    """The 32 x 32 block over ``kcp`` k pairs: 2 x 2 accumulators from zero (``first``) or from
-    the scratch ``block``, stored back whole."""
+def block_registers(tiles: Tiles) -> dict:
+    """The eight tile registers of a 2 x 2 block product: a0, a1, b0, b1, c00 .. c11."""
+    return {name: tiles.new(name) for name in ("a0", "a1", "b0", "b1", "c00", "c01", "c10",
+                                               "c11")}
+
+
+def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_stride, c, ldc: int,
+                  kcp, first) -> None:
+    """A 32 x 32 float32 block ``C (+)= A B`` over ``kcp`` k pairs (a multiple of ``STEP``):
+    2 x 2 accumulators from zero (``first``, an i1) or loaded from ``c`` (row stride ``ldc``
+    floats), stored back whole. ``a_at(k, i)`` / ``b_at(k, j)``: the address of A tile ``i``
+    (rows 16 i ..) / B tile ``j`` (columns 16 j ..) at pair ``k``; ``a_stride`` / ``b_stride``
+    their row strides in bytes (i64 values)."""
     b = f.b
     acc = [[regs["c00"], regs["c01"]], [regs["c10"], regs["c11"]]]
-    ldc = const(i64, 32 * 4)
+    ldc_bytes = const(i64, ldc * 4)
 
     def c_at(i, j):
-        return simd.gep(b, block, const(i64, i * 16 * 32 + j * 16))
+        return simd.gep(b, c, const(i64, i * 16 * ldc + j * 16))
 
-    with f.if_else(first) as (from_zero, from_scratch):
+    with f.if_else(first) as (from_zero, from_c):
         with from_zero:
             for row in acc:
                 for t in row:
                     tiles.zero(t)
-        with from_scratch:
+        with from_c:
             for i, row in enumerate(acc):
                 for j, t in enumerate(row):
-                    tiles.load(t, c_at(i, j), ldc)
-    a_stride, b_stride = const(i64, 64), const(i64, 32 * 4)
+                    tiles.load(t, c_at(i, j), ldc_bytes)
     with f.for_range(0, kcp, step=STEP, name="kstep") as k:
         for i in range(2):
-            tiles.load(regs[f"a{i}"], simd.gep(b, a_tile, b.add(b.mul(k, const(i64, 32)),
-                                                                 const(i64, i * 256)), i32),
-                       a_stride)
-            tiles.load(regs[f"b{i}"], simd.gep(b, b_panel, b.add(b.mul(k, const(i64, 32)),
-                                                                  const(i64, i * 16)), i32),
-                       b_stride)
+            tiles.load(regs[f"a{i}"], a_at(k, i), a_stride)
+            tiles.load(regs[f"b{i}"], b_at(k, i), b_stride)
         for i in range(2):
             for j in range(2):
                 tiles.dot_bf16(acc[i][j], regs[f"a{i}"], regs[f"b{j}"])
     for i, row in enumerate(acc):
         for j, t in enumerate(row):
-            tiles.store(t, c_at(i, j), ldc)
+            tiles.store(t, c_at(i, j), ldc_bytes)
 
 
 def _epilogue(f: Fn, p, block, q, rows_left, bias, out, res) -> None:

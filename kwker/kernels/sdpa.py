@@ -6,13 +6,19 @@ import struct
 
 import torch
 
+from ..codegen.attention_tile import tile_path_fits
 from ..runtime.kernel import get_kernel
+from ..runtime.target import host_target
 from . import blocking
 from ._call import KERNEL_DTYPES, _profiler_enabled, contiguous_strides, entry, record_function
 from .specs import AttentionSpec
 
 
-def _blocking(lq: int | None, lk: int | None, e: int, ev: int) -> dict:
+def _blocking(lq: int | None, lk: int | None, e: int, ev: int, dtype: str = "f32") -> dict:
+    if dtype == "bf16" and tile_path_fits(lq, e, ev, host_target()):
+        # 32-query blocks of 2 x 2 tiles; keys in blocks of 256, whole 32-key panels
+        return dict(bq=32, bk=256 if lk is None else min(256, -(-lk // 32) * 32), nr=32,
+                    mrs=12, mro=12, path="tile")
     lanes = blocking.lanes()
     nr = 2 * lanes
     ev_vecs = -(-ev // lanes)
@@ -75,7 +81,7 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
     if any(len(st) != 4 or st[3] != 1 or min(st) < 0 for st in strides):
         raise ValueError(f"make_sdpa: strides {strides} need 4 dims, the last 1")
     spec = AttentionSpec(batch, heads, lq, lk, e, ev, bool(causal), float(scale or 0.0), kind,
-                         mask_shape, **_blocking(lq, lk, e, ev),
+                         mask_shape, **_blocking(lq, lk, e, ev, KERNEL_DTYPES[dtype]),
                          strides=() if strides == dense else tuple(st[:3] for st in strides),
                          dtype=KERNEL_DTYPES[dtype], kv_heads=0 if kvh == heads else kvh)
     fn = entry(spec, 5)
@@ -146,7 +152,8 @@ def _generic(heads: int, e: int, ev: int, causal: bool, scale: float, kind: str,
             raise ValueError(f"make_sdpa: generic mask_shape {mask_shape}: 4 dims, 1 = "
                              "broadcast, 0 = full size")
     spec = AttentionSpec(0, heads, 0, 0, e, ev, causal, scale, kind, ms,
-                         **_blocking(None, None, e, ev), dtype=KERNEL_DTYPES[dtype],
+                         **_blocking(None, None, e, ev, KERNEL_DTYPES[dtype]),
+                         dtype=KERNEL_DTYPES[dtype],
                          kv_heads=0 if kvh == heads else kvh)
     # the i64 arguments pass through ctypes as c_void_p: the same register on x86-64, at about
     # half the conversion cost of c_int64 (~0.25 us a call, 5% of a decode step)

@@ -99,6 +99,8 @@ class AttentionSpec(Spec):
     # grouped-query attention: k/v have ``kv_heads`` heads, query head h reads kv head
     # h // (heads // kv_heads); 0 = as many as the query
     kv_heads: int = 0
+    # "tile": both products of bf16 attention on matrix tiles (codegen/attention_tile.py)
+    path: str = "vector"
     family = "attention"
 
     def __post_init__(self):
@@ -118,7 +120,8 @@ class AttentionSpec(Spec):
                 + ("_st" + "_".join("x".join(map(str, t)) for t in self.strides)
                    if self.strides else "")
                 + ("" if self.dtype == "f32" else "_" + self.dtype)
-                + (f"_g{self.kv_heads}" if self.kv_heads else ""))
+                + (f"_g{self.kv_heads}" if self.kv_heads else "")
+                + ("" if self.path == "vector" else "_" + self.path))
 
 
 @register_spec
@@ -167,3 +170,16 @@ class LayerNormSpec(Spec):
         return (f"kw_layernorm_d{self.d}_r{self.rows}_e{eps:016x}"
                 f"_w{int(self.weight)}_b{int(self.bias)}"
                 + ("" if self.dtype == "f32" else "_" + self.dtype))
+
+
+def instruction_path(spec, target) -> str:
+    """The instructions ``spec`` runs on for ``target``: ``amx`` (``amx-emulated``) for the tile
+    path, ``avx512-bf16`` for bf16 dot products on AVX512_BF16, else ``avx512``, ``avx2`` or
+    ``sse`` by the vector width."""
+    if getattr(spec, "path", "vector") == "tile":
+        return "amx" if target.tiles == "amx" else "amx-emulated"
+    width = {512: "avx512", 256: "avx2"}.get(target.vector_bits, "sse")
+    if getattr(spec, "dtype", "f32") == "bf16" and width == "avx512" and \
+            target.has("avx512bf16"):
+        return "avx512-bf16"
+    return width

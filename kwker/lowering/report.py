@@ -10,10 +10,14 @@ from __future__ import annotations
 import logging
 import operator
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 from torch.fx import Node
 
+from ..kernels.specs import instruction_path
+from ..runtime import tile_permission
+from ..runtime.target import host_target
 from .ops import canon
 
 log = logging.getLogger("kwker")
@@ -58,6 +62,16 @@ class Report:
         return [k[3] for k in self.kernels]
 
     @property
+    def kernel_paths(self) -> dict[str, str]:
+        """Kernel symbol -> the instructions it runs on here (amx, avx512-bf16, avx512, avx2)."""
+        target = host_target()
+        return {spec.symbol: instruction_path(spec, target) for spec in self.specs}
+
+    def _paths_text(self) -> str:
+        counts = Counter(self.kernel_paths.values())
+        return ", ".join(f"{path} {n}" for path, n in sorted(counts.items()))
+
+    @property
     def kwker_nodes(self) -> list[str]:
         return [n for k in self.kernels for n in k[1]]
 
@@ -71,9 +85,10 @@ class Report:
         generic = sum(k[3] == "generic" for k in self.kernels)
         kinds += f"; {generic} generic over sizes" if generic else ""
         miss = f"; missed {len(self.missed)}" if self.missed else ""
+        paths = f"; on {self._paths_text()}" if self.specs else ""
         return (head + f"{len(self.kernels)} Kwker kernels ({kinds}) covering "
                 f"{len(self.kwker_nodes)} nodes; {len(self.inner_nodes)} nodes on "
-                f"{self.inner}{miss}")
+                f"{self.inner}{miss}{paths}")
 
     def __str__(self) -> str:
         lines = [self.summary()]
@@ -83,6 +98,10 @@ class Report:
         lines += [f"  missed {n:<22} {op}: {why}" for n, op, why in self.missed]
         lines += [f"  split  {n:<22} {op}" for n, op in self.decomposed]
         lines += [f"  note   {n:<22} {why}" for n, why in self.notes]
+        lines += [f"  path   {path:<22} {symbol}" for symbol, path in self.kernel_paths.items()]
+        refusal = tile_permission.refusal()
+        if refusal:
+            lines.append(f"  tiles  off: {refusal}")
         return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from . import cache
+from . import cache, tile_permission
 from .compiler import compile_assembly, compile_object
 from .loader import load_symbols
 from .target import Target, host_target
@@ -136,7 +136,13 @@ def get_kernel(spec) -> int:
     with lock:
         addr = _kernels.get(spec)
         if addr is None:
-            obj = object_for(spec, host_target())
+            target = host_target()
+            if target.tiles == "amx" and not tile_permission.granted():
+                # a KWKER_CPU naming an AMX CPU: its tile kernels would die of SIGILL here
+                raise RuntimeError(f"kwker: {spec.symbol} is built for AMX tiles, which this "
+                                   f"process may not use: {tile_permission.refusal()}. Set "
+                                   "KWKER_TILES=off (or emulate) to build without them")
+            obj = object_for(spec, target)
             addr = load_symbols(obj, [spec.symbol])[spec.symbol]
             _kernels[spec] = addr
     return addr
