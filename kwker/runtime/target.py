@@ -118,8 +118,8 @@ _PROBES = {
 # name -> (module defining @p, pattern, features added, feature that must be there first).
 # LLVM aborts the process when it cannot select an intrinsic, so these run in a child that
 # reports after each probe and is restarted past one that killed it (that feature is missing).
-# AMX probes run only where AVX512_BF16 is (every AMX CPU has it), each after amx-tile; AVX-VNNI
-# is the VEX form, asked for with AVX512_VNNI off.
+# The AMX products are probed only after amx-tile was found; AVX-VNNI is the VEX form, asked for
+# with AVX512_VNNI off.
 def _tile_probe(op: str) -> str:
     """Zero a tile, multiply zero tiles with ``op`` (if any) and store the result."""
     decl = call = ""
@@ -149,7 +149,7 @@ def _vnni_probe(bits: int) -> str:
 _INTRINSIC_PROBES = {
     "avx512vnni": (_vnni_probe(512), r"vpdpbusd\s[^\n]*%zmm", "", "avx512f"),
     "avxvnni": (_vnni_probe(256), r"\{vex\}\s*vpdpbusd", "-avx512vnni", "avx2"),
-    "amx-tile": (_tile_probe(""), r"\btilezero\b", "", "avx512bf16"),
+    "amx-tile": (_tile_probe(""), r"\btilezero\b", "", None),
     "amx-bf16": (_tile_probe("tdpbf16ps"), r"\btdpbf16ps\b", "", "amx-tile"),
     "amx-int8": (_tile_probe("tdpbusd"), r"\btdpbusd\b", "", "amx-tile"),
     "amx-fp16": (_tile_probe("tdpfp16ps"), r"\btdpfp16ps\b", "", "amx-tile"),
@@ -182,7 +182,7 @@ def _intrinsic_features(cpu: str, features: str, found: dict) -> dict[str, bool]
         for name, (module, pattern, extra, needs) in _INTRINSIC_PROBES.items():
             if name in result:
                 continue
-            have = found.get(needs, result.get(needs))
+            have = True if needs is None else found.get(needs, result.get(needs))
             if have is None:       # decided by a probe of this round: wait for it
                 ready = False
             elif not have:
