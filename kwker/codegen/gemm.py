@@ -67,20 +67,26 @@ class _Plan:
         if spec.nr % self.lanes:
             raise ValueError(f"kwker gemm: nr={spec.nr} not a multiple of {self.lanes} lanes")
         self.bf16 = spec.dtype == "bf16"
-        if spec.dtype not in ("f32", "bf16") or (self.bf16 and spec.k % 2):
+        self.int8 = spec.dtype == "u8s8"   # tile path only: see gemm_tile.py
+        per_word = {"f32": 1, "bf16": 2, "u8s8": 4}.get(spec.dtype)
+        if per_word is None or spec.k % per_word:
             raise ValueError(f"kwker gemm: dtype {spec.dtype!r} with k={spec.k} (bf16 needs "
-                             "an even k)")
+                             "an even k, u8s8 a multiple of 4)")
         self.dot = "fma"
         if self.bf16:
             self.dot = "dpbf16" if self.lanes == 16 and target.has("avx512bf16") else "widen"
-        self.kw = spec.k // 2 if self.bf16 else spec.k  # k steps of A and B (words)
+        self.kw = spec.k // per_word  # k steps of A and B (32-bit words)
         self.tiles = spec.path == "tile"
         self.tile_mode = target.tiles
-        if self.tiles and (not self.bf16 or target.tiles not in ("amx", "emulated")
+        if self.tiles and (spec.dtype == "f32" or target.tiles not in ("amx", "emulated")
                            or (spec.mr, spec.nr) != gemm_tile.TILE_BLOCK):
-            raise ValueError(f"kwker gemm: the tile path needs bf16, a target with tiles (this "
-                             f"one: {target.tiles or 'none'}) and a {gemm_tile.TILE_BLOCK} "
-                             f"block, not {spec.dtype} {spec.mr}x{spec.nr}")
+            raise ValueError(f"kwker gemm: the tile path needs bf16 or u8s8, a target with "
+                             f"tiles (this one: {target.tiles or 'none'}) and a "
+                             f"{gemm_tile.TILE_BLOCK} block, not {spec.dtype} "
+                             f"{spec.mr}x{spec.nr}")
+        if self.int8 and not (self.tiles and spec.b_layout == "packed" and not spec.residual):
+            raise ValueError("kwker gemm: u8s8 runs on the tile path, with packed weights and "
+                             "no residual")
         # k words of one pre-packed panel: the tile path pads K to whole tiles with zeros
         self.kw_panel = gemm_tile.padded_k(self.kw) if self.tiles else self.kw
         self.dyn_m, self.dyn_batch = spec.m == 0, spec.batch == 0
@@ -97,7 +103,7 @@ class _Plan:
         self.pack_b = spec.b_layout == "nk" or (spec.b_layout == "kn" and
                                                  (spec.a_pack or self.bf16))
         self.one_block = self.kc >= self.kw
-        self.small = self.dyn_m and spec.b_layout == "packed" and spec.a_pack
+        self.small = self.dyn_m and spec.b_layout == "packed" and spec.a_pack and not self.int8
         self.small_rows = min(SMALL_ROWS, spec.mr)  # a tile of the register budget
         # without packing a chunk is only a loop bound: 64 tiles when M is not known
         self.tiles_per_chunk = (max(1, spec.mc // spec.mr) if spec.a_pack else

@@ -20,6 +20,13 @@ Operands in tile layout:
   thread's chunk, one block per (row tile, panel). The last K block runs the vector epilogue
   (bias, activation, residual, one rounding to bf16) over the valid rows and columns, so edge
   tiles need no other shape.
+
+int8 (``dtype="u8s8"``, the groundwork of low-bit weights): the same nest on ``tdpbusd``, u8
+activations times s8 weights, a 32-bit word holding 4 k each (A rows of k quads, weight panels
+of one quad word per column, zero-padded as above), int32 sums. The epilogue converts each sum
+to float32, multiplies it by its column's scale and adds the bias: the ``bias`` operand holds
+the scales, zero-padded to whole panels (``np * nr`` floats), then the bias padded alike. The
+output is float32.
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ from llvmlite import ir
 from . import simd
 from .gemm_micro import epilogue_rows
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, aligned_malloc, const, defined, i1, i16, i32, i64, intrinsic, ptr, void
+from .irutil import Fn, aligned_malloc, const, defined, f32, i1, i16, i32, i64, intrinsic, ptr, \
+    void
 from .tiles import Tiles
 
 TILE_BLOCK = (32, 32)   # rows x columns of C per block: 2 x 2 accumulator tiles
@@ -75,7 +83,9 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
     elif p.pack_b:
         pack_b = emit_pack_cols(module, nr, s.n, p.lanes, pairs=True)
 
-    def at(base, index, ty=i16):
+    out_t = f32 if p.int8 else i16   # bf16 out; u8s8: float32 out (a is u8, read as words)
+
+    def at(base, index, ty=out_t):
         return simd.gep(b, base, index, ty)
 
     with f.for_range(bt0.get(), bt1.get(), name="batch") as bi:
@@ -83,7 +93,8 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
         mn = b.mul(b.mul(bi, m_rows), const(i64, s.n))
         c_mat = at(c_all, mn)
         r_mat = at(res_all, mn) if s.residual else None
-        b_mat = b_all if s.b_layout == "packed" else at(b_all, b.mul(bi, const(i64, s.k * s.n)))
+        b_mat = b_all if s.b_layout == "packed" else \
+            at(b_all, b.mul(bi, const(i64, s.k * s.n)), i16)
         with f.for_range(t0.get(), t1.get(), step=p.tiles_per_chunk, name="jc") as tc0:
             tc1 = _min(b, b.add(tc0, const(i64, p.tiles_per_chunk)), t1.get())
             row0 = b.mul(tc0, const(i64, 32))
@@ -125,7 +136,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
                                     a_stride,
                                     lambda k, j, p=b_panel: simd.gep(b, p, b.add(
                                         b.mul(k, const(i64, nr)), const(i64, j * 16)), i32),
-                                    b_stride, block, 32, kcp, first)
+                                    b_stride, block, 32, kcp, first, p.int8)
                                 with f.if_(last):
                                     off = b.add(b.mul(t, const(i64, 32 * s.n)),
                                                 b.mul(q, const(i64, nr)))
@@ -145,10 +156,10 @@ def block_registers(tiles: Tiles) -> dict:
 
 
 def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_stride, c, ldc: int,
-                  kcp, first) -> None:
+                  kcp, first, int8: bool = False) -> None:
     """A 32 x 32 float32 block ``C (+)= A B`` over ``kcp`` k pairs (a multiple of ``STEP``):
     2 x 2 accumulators from zero (``first``, an i1) or loaded from ``c`` (row stride ``ldc``
-    floats), stored back whole. ``a_at(k, i)`` / ``b_at(k, j)``: the address of A tile ``i``
+    floats), stored back whole. ``int8``: u8 A x s8 B words (4 k each) into int32 sums. ``a_at(k, i)`` / ``b_at(k, j)``: the address of A tile ``i``
     (rows 16 i ..) / B tile ``j`` (columns 16 j ..) at pair ``k``; ``a_stride`` / ``b_stride``
     their row strides in bytes (i64 values)."""
     b = f.b
@@ -173,7 +184,8 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
             tiles.load(regs[f"b{i}"], b_at(k, i), b_stride)
         for i in range(2):
             for j in range(2):
-                tiles.dot_bf16(acc[i][j], regs[f"a{i}"], regs[f"b{j}"])
+                dot = tiles.dot_u8s8 if int8 else tiles.dot_bf16
+                dot(acc[i][j], regs[f"a{i}"], regs[f"b{j}"])
     for i, row in enumerate(acc):
         for j, t in enumerate(row):
             tiles.store(t, c_at(i, j), ldc_bytes)
@@ -184,13 +196,17 @@ def _epilogue(f: Fn, p, block, q, rows_left, bias, out, res) -> None:
     columns (the last panel's column count is a compile-time edge)."""
     s, b = p.s, f.b
     rows = _min(b, rows_left, const(i64, 32))
-    bias_q = simd.gep(b, bias, b.mul(q, const(i64, s.nr))) if s.bias else None
+    col0 = b.mul(q, const(i64, s.nr))
+    bias_q = simd.gep(b, bias, col0) if s.bias else None
     native = p.dot == "dpbf16"
+    if p.int8:  # bias holds the column scales, then the bias (module doc)
+        _scale_int32(f, block, rows, simd.gep(b, bias, col0))
+        bias_q = simd.gep(b, bias, b.add(col0, const(i64, p.np * s.nr))) if s.bias else None
 
     def run(cols: int) -> None:
         nv = -(-cols // 16)
         epilogue_rows(f, rows, nv, 16, cols - 16 * (nv - 1), block, 32, out, s.n, s.epilogue,
-                      bias_q, res, "bf16", native)
+                      bias_q, res, "f32" if p.int8 else "bf16", native)
 
     if p.nr_edge == s.nr:
         run(s.nr)
@@ -200,6 +216,19 @@ def _epilogue(f: Fn, p, block, q, rows_left, bias, out, res) -> None:
             run(p.nr_edge)
         with full:
             run(s.nr)
+
+
+def _scale_int32(f: Fn, block, rows, scale) -> None:
+    """The int32 sums of a block's first ``rows`` rows as float32 times their column's scale,
+    in place (one rounding each: the conversion is exact below 2**24, then the product)."""
+    b = f.b
+    vt = simd.vty(16)
+    scales = [simd.load_vec(b, scale, const(i64, 16 * v), 16) for v in range(2)]
+    with f.for_range(0, rows, name="dq") as r:
+        for v in range(2):
+            at = simd.gep(b, block, b.add(b.mul(r, const(i64, 32)), const(i64, 16 * v)), i32)
+            sums = b.load(at, typ=I32x16, align=4)
+            b.store(b.fmul(b.sitofp(sums, vt), scales[v]), at, align=4)
 
 
 def _pack_b_block(f: Fn, p, pack_b, b_mat, qb0, qb1, k0, kcl, kcp, bp) -> None:

@@ -95,7 +95,7 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
         b_layout = "nk"  # packed at run time, like a transposed B
     tiles = WIDEN_TILES[L] if widen else TILES[L]
     if dtype == "bf16" and target.tiles and (m is None or m >= TILE_MIN_ROWS):
-        return _tile_blocking(n, k, l2)
+        return tile_blocking(n, k, l2)
     if m is None:
         m, small_ok = 1 << 16, False   # tiles chosen by their padding along N only
     if small_ok and m <= SMALL_M:
@@ -134,13 +134,14 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
     return Blocking(mr, nr, kc, mc, nb, True)
 
 
-def _tile_blocking(n: int, k: int, l2: int) -> Blocking:
-    """Blocks of the tile path (codegen/gemm_tile.py) for ``k`` pairs. K stays in one block up
+def tile_blocking(n: int, k: int, l2: int | None = None) -> Blocking:
+    """Blocks of the tile path (codegen/gemm_tile.py) for ``k`` words (bf16 pairs, int8 quads). K stays in one block up
     to ``TILE_KC`` pairs: a 32-row A block and a B panel of that K each fit in a quarter of L2,
     and a second K block costs a float32 round trip of every partial sum (measured on Emerald
     Rapids, 1 thread, best of 80: 1024^3 at 460 GFLOP/s with 176-pair blocks that keep A in L1,
     1020 with K whole). Chunks of ``mc`` rows keep their partial sums (np blocks of 4 KB per
     row tile) in half of L2; B blocks of ``nb`` panels in half of L2."""
+    l2 = l2 or cache_sizes()[1]
     mr, nr = TILE_BLOCK
     blocks = _cdiv(k, TILE_KC)
     kc = _cdiv(_cdiv(k, blocks), TILE_K_STEP) * TILE_K_STEP

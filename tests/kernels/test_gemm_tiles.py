@@ -9,6 +9,8 @@
 - The native build's assembly (compiled for Sapphire Rapids, runs nowhere) holds ``ldtilecfg``,
   ``tdpbf16ps`` and ``tilerelease`` and spills no tile register; the emulated build holds no
   tile instruction.
+- The int8 tile GEMM (u8 x s8 on ``tdpbusd``, per-column scales) equals float32 arithmetic on
+  the exact integer sums, bit for bit, natively and emulated.
 - A refused tile permission leaves the target without tiles and says why.
 """
 import os
@@ -21,6 +23,7 @@ import torch
 
 from kwker.kernels import blocking
 from kwker.kernels.linear import make_linear
+from kwker.kernels.linear_int8 import make_linear_u8s8
 from kwker.kernels.matmul import make_matmul
 from kwker.kernels.specs import GemmSpec
 from kwker.runtime import cache, tile_permission
@@ -74,11 +77,33 @@ def _outputs() -> dict:
     return results
 
 
+INT8_CASES = [(40, 70, 100, False, True), (64, 64, 64, False, False), (33, 300, 1030, True, True),
+              (9, 33, 3, True, False), (200, 96, 256, False, True)]  # m, n, k, generic, bias
+
+
+def check_int8(m, n, k, generic, bias) -> tuple[bool, str]:
+    """u8 x s8 on tdpbusd: float32(exact int32 sum) * scale + bias, bit for bit."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    x = torch.randint(0, 256, (m, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, generator=g) * 0.01
+    b = torch.randn(n, generator=g) if bias else None
+    got = make_linear_u8s8(w, scale, b, None if generic else m)(x)
+    ref = (x.long() @ w.long().T).float() * scale
+    if b is not None:
+        ref = ref + b
+    return torch.equal(got, ref), f"max diff {(got - ref).abs().max().item()}"
+
+
 def _worker(out: str) -> int:
     torch.set_num_threads(2)
     print(host_target().describe())
     assert host_target().tiles in ("amx", "emulated"), host_target()
     bad = 0
+    for case in INT8_CASES:
+        ok, why = check_int8(*case)
+        bad += not ok
+        print("int8", case, "ok" if ok else "FAIL " + why)
     for generic in (False, True):
         for case in LINEAR_CASES:
             ok, why = check_linear(*case, generic=generic)
@@ -121,6 +146,25 @@ def test_native_tiles_match_the_reference_and_the_emulation(tmp_path, threads):
             # float32 sums in another order, then one rounding to bf16: one ulp apart at most
             tol = 2.0 ** -7 * ref.abs() + 1e-5 * ref.abs().max()
             assert ((got.float() - ref).abs() <= tol).all(), name
+
+
+@pytest.mark.parametrize("case", INT8_CASES, ids=str)
+def test_native_int8_tiles(case, threads):
+    if host_target().tiles != "amx":
+        pytest.skip("no native tile runs: " + (tile_permission.refusal() or
+                    f"this CPU ({host_target().describe()}) has no AMX"))
+    ok, why = check_int8(*case)
+    assert ok, why
+
+
+def test_int8_build_uses_tdpbusd():
+    spec = GemmSpec(64, 96, 256, 1, "packed", True, **blocking.tile_blocking(96, 64).as_kwargs(),
+                    dtype="u8s8")
+    _, asm = compile_assembly(str(emit(spec, SAPPHIRE)), SAPPHIRE)
+    assert re.search(r"\btdpbusd\b", asm) and not re.search(r"\btdpbf16ps\b", asm)
+    with pytest.raises(ValueError, match="u8s8"):
+        emit(GemmSpec(64, 96, 256, 1, "kn", **blocking.tile_blocking(96, 64).as_kwargs(),
+                      dtype="u8s8"), SAPPHIRE)
 
 
 def _tile_spec(m=200, n=300, k=402, layout="packed", epilogue="gelu", residual=True):
