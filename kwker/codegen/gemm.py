@@ -104,7 +104,7 @@ class _Plan:
                                                  (spec.a_pack or self.bf16))
         self.one_block = self.kc >= self.kw
         self.small = self.dyn_m and spec.b_layout == "packed" and spec.a_pack and not self.int8
-        self.small_rows = min(SMALL_ROWS, spec.mr)  # a tile of the register budget
+        self.small_rows = min(gemm_tile.VECTOR_ROWS if self.tiles else SMALL_ROWS, spec.mr)
         # without packing a chunk is only a loop bound: 64 tiles when M is not known
         self.tiles_per_chunk = (max(1, spec.mc // spec.mr) if spec.a_pack else
                                 self.mt or 64)

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..codegen.gemm_tile import STEP as TILE_K_STEP
-from ..codegen.gemm_tile import TILE_BLOCK
+from ..codegen.gemm_tile import TILE_BLOCK, VECTOR_ROWS
 from ..runtime.target import Target, host_target
 
 SMALL_M = 8
 # the tile path (codegen/gemm_tile.py) from this many rows up; fewer (decode sizes) stay on the
 # vector path
-TILE_MIN_ROWS = SMALL_M + 1
+TILE_MIN_ROWS = VECTOR_ROWS + 1
 TILE_KC = 768  # k pairs in one block at most
 # register tiles (rows, vectors): 24 accumulators of 32 zmm / 12 of 16 ymm; first = preferred
 TILES = {16: [(12, 2), (8, 3), (6, 4)], 8: [(6, 2), (4, 3)], 4: [(6, 2), (4, 3)]}
