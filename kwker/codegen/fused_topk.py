@@ -55,9 +55,11 @@ from . import bf16 as bf
 from . import simd, vmath
 from .gemm_bf16 import bound_factor, emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
+from .gemm_tile import TILE_BLOCK, block_product, block_registers, padded_k
 from .gemm_pack import emit_pack_rows
 from .heap import Heap, lt
 from .irutil import Fn, const, f32, i1, i32, i64, intrinsic, new_module, ptr, void
+from .tiles import Tiles
 from .topk_int8 import MAX_INT8_K, Deferred, emit_micro_int8, emit_pack_int8
 
 
@@ -97,13 +99,23 @@ class _Emitter:
         # k words of a packed A row: k pairs (bf16), k quads (int8), else k steps
         self.kwa = _cdiv(s.k_dim, 4) if self.int8 else (s.k_dim + 1) // 2 if self.bf16 else \
             self.kw
+        # the bf16 screen on matrix tiles: 32 x 32 blocks, x packed in rows of pairs and W in
+        # panels both padded to whole tile steps (gemm_tile.py)
+        self.tiles = s.path == "tile"
+        if self.tiles:
+            if not (self.bf16 and s.m and (s.mr, s.nr) == TILE_BLOCK
+                    and target.tiles in ("amx", "emulated")):
+                raise ValueError("kwker topk: the tile screen is bf16 screening of a fixed row "
+                                 f"count in {TILE_BLOCK} blocks on a target with tiles")
+            self.kwa = padded_k(self.kwa)
+            self.tile_mode = target.tiles
         self.heap = Heap(self.module, s.largest)
         self.malloc = intrinsic(self.module, "malloc", ptr, [i64])
         self.free = intrinsic(self.module, "free", void, [ptr])
         self.filter_row = self.emit_filter_row()
         # one row tile of screened scores: screen all, rescore the few that can make the top k
-        self.fast = Deferred(self, s.m, s.mr) if self.screen and 0 < s.m <= s.mr else \
-            Deferred(self, 1, 1) if self.bf16 and not s.m else None
+        self.fast = Deferred(self, s.m, s.mr) if self.screen and 0 < s.m <= s.mr \
+            and not self.tiles else Deferred(self, 1, 1) if self.bf16 and not s.m else None
         body = self.emit_body()
         self.emit_main(body)
 
@@ -169,7 +181,7 @@ class _Emitter:
             b.call(emit_pack_int8(self.module, s.mr, s.k_dim),
                    [x_rows, b.sub(row1, row0), ap, qnorm])
         elif self.bf16 and s.m:
-            b.call(emit_pack_bf16(self.module, s.mr, s.k_dim),
+            b.call(emit_pack_bf16(self.module, s.mr, s.k_dim, kp if self.tiles else 0),
                    [x_rows, b.sub(row1, row0), ap, qnorm])
         elif self.bf16:
             self.pack_bf16_edge(f, x_rows, b.sub(row1, row0), ap, qnorm)
@@ -209,7 +221,9 @@ class _Emitter:
                 cols = b.select(last_q, const(i64, self.nr_edge), const(i64, s.nr))
                 last_t = b.icmp_signed("==", t, _v(_add(b, mt, -1)))
                 rows_v = b.select(last_t, _v(mr_edge), const(i64, s.mr))
-                if self.int8:
+                if self.tiles:
+                    self.tile_block(a_tile, wq, tile)
+                elif self.int8:
                     b.call(emit_micro_int8(self.module, s.mr, s.nr // 16, s.nr, kp),
                            [a_tile, wq, tile])
                 elif self.bf16 and s.m:  # zero-padded operands: one full-tile variant
@@ -244,6 +258,21 @@ class _Emitter:
         b.call(self.free, [raw_a])
         b.call(self.free, [raw_t])
         return f.finish()
+
+    def tile_block(self, a_tile, wq, tile) -> None:
+        """The 32 x 32 approximate scores of one row tile and panel, on matrix tiles."""
+        f, kp = self.f, self.kwa
+        b = f.b
+        if not hasattr(self, "tile_regs"):
+            self.tile_ops = Tiles(f, self.tile_mode)
+            self.tile_regs = block_registers(self.tile_ops)
+        block_product(
+            f, self.tile_ops, self.tile_regs,
+            lambda k, i: simd.gep(b, a_tile, b.add(k, const(i64, i * 16 * kp)), i32),
+            const(i64, kp * 4),
+            lambda k, j: simd.gep(b, wq, b.add(b.mul(k, const(i64, 32)), const(i64, j * 16)),
+                                  i32),
+            const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1))
 
     def update_root(self, b, i, hv, cnt, roots):
         """roots[i] = row i's heap root once its heap is full, else NaN (every lane passes)."""

@@ -75,11 +75,13 @@ def _to_bf16(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
     return b.select(nan, const(i32, 0x7FC0), rounded)
 
 
-def emit_pack_bf16(module: ir.Module, mr: int, k: int) -> ir.Function:
+def emit_pack_bf16(module: ir.Module, mr: int, k: int, rows_of: int = 0) -> ir.Function:
     """``void pack_bf16(ptr x, i64 rows, ptr dst, ptr qnorm)``: rows of a (rows, k) float32
     matrix into ``mr``-row tiles of bf16 word pairs ``dst[t][p][r]`` (zero past ``rows`` and
-    past ``k``), and ``qnorm[row]`` = |x_row| rounded up (float32 sum of squares, sqrt)."""
-    name = f"pack_bf16.{mr}.{k}"
+    past ``k``), and ``qnorm[row]`` = |x_row| rounded up (float32 sum of squares, sqrt).
+    ``rows_of``: row-major tiles instead, ``dst[t][r][p]`` with rows of ``rows_of`` words (the
+    A tiles of AMX; zero past ``k``)."""
+    name = f"pack_bf16.{mr}.{k}" + (f".r{rows_of}" if rows_of else "")
     existing = defined(module, name)
     if existing is not None:
         return existing
@@ -92,7 +94,12 @@ def emit_pack_bf16(module: ir.Module, mr: int, k: int) -> ir.Function:
     with f.for_range(0, b.mul(tiles, const(i64, mr)), name="r") as r:
         t = b.sdiv(r, const(i64, mr))
         rr = b.srem(r, const(i64, mr))
-        base = b.add(b.mul(t, const(i64, kp * mr)), rr)
+        if rows_of:   # row r of tile t at (t mr + r) rows_of, its pairs in a row
+            base, p_step = b.mul(r, const(i64, rows_of)), 1
+            with f.for_range(kp, rows_of, name="pz") as p:
+                simd.store_scalar(b, const(i32, 0), dst, b.add(base, p))
+        else:
+            base, p_step = b.add(b.mul(t, const(i64, kp * mr)), rr), mr
         real = b.icmp_signed("<", r, rows)
         ss = f.var(f32, ir.Constant(f32, 0.0), "ss")
         with f.for_range(0, kp, name="p") as p:
@@ -116,7 +123,7 @@ def emit_pack_bf16(module: ir.Module, mr: int, k: int) -> ir.Function:
                     ss.set(b.fadd(ss.get(), b.fmul(x1, x1)))
                     hi = _to_bf16(b, x1)
                 word.set(b.or_(lo, b.shl(hi, const(i32, 16))))
-            simd.store_scalar(b, word.get(), dst, b.add(base, b.mul(p, const(i64, mr))))
+            simd.store_scalar(b, word.get(), dst, b.add(base, b.mul(p, const(i64, p_step))))
         with f.if_(real):
             sq = f.call_intrinsic("llvm.sqrt.f32", f32, [ss.get()])
             slack = 1.0 + (k + 4) * 2.0 ** -24 + 2.0 ** -20

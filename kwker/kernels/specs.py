@@ -139,6 +139,7 @@ class TopkGemmSpec(Spec):
     nr: int = 48
     approx: str = "none"   # "bf16": screen with bf16 dot products, rescore survivors in float32
     dtype: str = "f32"     # "bf16": bf16 x and W, scores rounded to bf16 as eager rounds them
+    path: str = "vector"   # "tile": the bf16 screen of 32 x 32 blocks on matrix tiles
     family = "topk_gemm"
 
     @property
@@ -146,7 +147,8 @@ class TopkGemmSpec(Spec):
         return (f"kw_linear_topk_{self.m}x{self.n}x{self.k_dim}_k{self.k}_l{int(self.largest)}"
                 f"_t{self.mr}x{self.nr}"  # screening and operand type named apart: one symbol
                 + ("" if self.approx == "none" else f"_screen_{self.approx}")  # per kernel
-                + ("" if self.dtype == "f32" else "_" + self.dtype))
+                + ("" if self.dtype == "f32" else "_" + self.dtype)
+                + ("" if self.path == "vector" else "_" + self.path))
 
 
 @register_spec

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from ..codegen.fused_topk import MAX_INT8_K
 from ..codegen.gemm_bf16 import bound_factor
+from ..codegen.gemm_tile import STEP as TILE_K_STEP
+from ..codegen.gemm_tile import TILE_BLOCK
 from ..runtime.target import host_target
 from . import blocking
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function, require_f32
@@ -120,7 +122,13 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
     int8 = screen and m is not None and m <= MAX_INT8_ROWS and kd <= MAX_INT8_K and (
         target.has("avx512vnni") or target.cpu in VNNI_CPUS)
     approx = "int8" if int8 else "bf16" if screen else "none"
-    spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, approx)
+    # the bf16 screen on matrix tiles, from as many rows as the GEMM takes tiles
+    tiles = approx == "bf16" and target.tiles and m is not None and \
+        m >= blocking.TILE_MIN_ROWS
+    if tiles:
+        mr, nr = TILE_BLOCK
+    spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, approx,
+                        path="tile" if tiles else "vector")
 
     def pack():
         w32 = weight_rows.detach().to(torch.float32).contiguous()
@@ -128,7 +136,7 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
             panels, evec = _int8_pack(w32, nr)
             return panels, w32, evec
         if screen:
-            return pack_bf16_panels(w32, nr), w32, _bounds(w32)
+            return pack_bf16_panels(w32, nr, TILE_K_STEP if tiles else 1), w32, _bounds(w32)
         return pack_panels(w32, nr), None, None
     return _runner(spec, pack, m, kd, k, dtype, pad=False)
 

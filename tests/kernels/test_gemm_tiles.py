@@ -9,6 +9,7 @@
 - The native build's assembly (compiled for Sapphire Rapids, runs nowhere) holds ``ldtilecfg``,
   ``tdpbf16ps`` and ``tilerelease`` and spills no tile register; the emulated build holds no
   tile instruction.
+- The float32 fused top-k's bf16 screen on tiles: torch.topk's answer, ties included.
 - The int8 tile GEMM (u8 x s8 on ``tdpbusd``, per-column scales) equals float32 arithmetic on
   the exact integer sums, bit for bit, natively and emulated.
 - A refused tile permission leaves the target without tiles and says why.
@@ -25,6 +26,7 @@ from kwker.kernels import blocking
 from kwker.kernels.linear import make_linear
 from kwker.kernels.linear_int8 import make_linear_u8s8
 from kwker.kernels.matmul import make_matmul
+from kwker.kernels.topk import make_linear_topk
 from kwker.kernels.specs import GemmSpec
 from kwker.runtime import cache, tile_permission
 from kwker.runtime.compiler import compile_assembly
@@ -33,6 +35,7 @@ from kwker.runtime.target import host_target, make_target, tile_mode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_gemm_bf16 import check_linear, check_matmul  # noqa: E402
+from test_topk import check as check_topk  # noqa: E402
 
 BF16 = torch.bfloat16
 LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns and K steps
@@ -95,6 +98,22 @@ def check_int8(m, n, k, generic, bias) -> tuple[bool, str]:
     return torch.equal(got, ref), f"max diff {(got - ref).abs().max().item()}"
 
 
+TOPK_CASES = [(32, 20000, 128, 10, True), (7, 5000, 64, 50, True), (33, 3001, 33, 5, False),
+              (100, 4096, 256, 20, True)]  # m, n, K, k, largest
+
+
+def check_topk_screen(m, n, kd, k, largest) -> None:
+    """The float32 fused top-k with its bf16 screen on tiles: close values on random scores,
+    and exactly torch.topk's values and tie order on small-integer (exact, tie-heavy) ones."""
+    g = torch.Generator().manual_seed(m + n)
+    w, x = torch.randn(n, kd, generator=g) / kd ** 0.5, torch.randn(m, kd, generator=g)
+    assert make_linear_topk(w, m, k, largest).spec.path == "tile"
+    check_topk(w, x, k, largest, exact=False)
+    wi = torch.randint(-2, 3, (n, kd), generator=g).float()
+    xi = torch.randint(-2, 3, (m, kd), generator=g).float()
+    check_topk(wi, xi, k, largest, exact=True)
+
+
 def _worker(out: str) -> int:
     torch.set_num_threads(2)
     print(host_target().describe())
@@ -104,6 +123,9 @@ def _worker(out: str) -> int:
         ok, why = check_int8(*case)
         bad += not ok
         print("int8", case, "ok" if ok else "FAIL " + why)
+    for case in TOPK_CASES:
+        check_topk_screen(*case)   # raises on a mismatch
+        print("topk screen", case, "ok")
     for generic in (False, True):
         for case in LINEAR_CASES:
             ok, why = check_linear(*case, generic=generic)
@@ -155,6 +177,14 @@ def test_native_int8_tiles(case, threads):
                     f"this CPU ({host_target().describe()}) has no AMX"))
     ok, why = check_int8(*case)
     assert ok, why
+
+
+@pytest.mark.parametrize("case", TOPK_CASES, ids=str)
+def test_native_topk_screen_on_tiles(case, threads):
+    if host_target().tiles != "amx":
+        pytest.skip("no native tile runs: " + (tile_permission.refusal() or
+                    f"this CPU ({host_target().describe()}) has no AMX"))
+    check_topk_screen(*case)
 
 
 def test_int8_build_uses_tdpbusd():
