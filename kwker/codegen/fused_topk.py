@@ -55,7 +55,8 @@ from . import bf16 as bf
 from . import simd, vmath
 from .gemm_bf16 import bound_factor, emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
-from .gemm_tile import TILE_BLOCK, block_product, block_registers, padded_k
+from .gemm_tile import TILE_BLOCK, block_product, block_registers, emit_pack_a_tiles, \
+    padded_k
 from .gemm_pack import emit_pack_rows
 from .heap import Heap, lt
 from .irutil import Fn, const, f32, i1, i32, i64, intrinsic, new_module, ptr, void
@@ -103,10 +104,11 @@ class _Emitter:
         # panels both padded to whole tile steps (gemm_tile.py)
         self.tiles = s.path == "tile"
         if self.tiles:
-            if not (self.bf16 and s.m and (s.mr, s.nr) == TILE_BLOCK
+            if not ((self.bf16 or self.half) and s.m and (s.mr, s.nr) == TILE_BLOCK
                     and target.tiles in ("amx", "emulated")):
-                raise ValueError("kwker topk: the tile screen is bf16 screening of a fixed row "
-                                 f"count in {TILE_BLOCK} blocks on a target with tiles")
+                raise ValueError("kwker topk: the tile path is for bf16 screening or bf16 "
+                                 f"scores of a fixed row count, in {TILE_BLOCK} blocks, on a "
+                                 "target with tiles")
             self.kwa = padded_k(self.kwa)
             self.tile_mode = target.tiles
         self.heap = Heap(self.module, s.largest)
@@ -185,6 +187,9 @@ class _Emitter:
                    [x_rows, b.sub(row1, row0), ap, qnorm])
         elif self.bf16:
             self.pack_bf16_edge(f, x_rows, b.sub(row1, row0), ap, qnorm)
+        elif self.tiles:  # bf16 operands in the GEMM's tile layout (gemm_tile.py)
+            b.call(emit_pack_a_tiles(self.module, self.kw),
+                   [x_rows, b.sub(row1, row0), const(i64, self.kw), ap])
         else:  # bf16 operands: rows of k-pair words, packed as words
             b.call(emit_pack_rows(self.module, s.mr, self.kw, self.L),
                    [x_rows, b.sub(row1, row0), const(i64, self.kw), ap])
@@ -223,6 +228,10 @@ class _Emitter:
                 rows_v = b.select(last_t, _v(mr_edge), const(i64, s.mr))
                 if self.tiles:
                     self.tile_block(a_tile, wq, tile)
+                    if self.half:  # the float32 scores against each row's stale root
+                        hit = self.screen_stored(tile, simd.gep(b, roots, row_t), rows_v, cols)
+                        with f.if_(_nonzero(b, hit), likely=False):
+                            filter_rows(rows_v, cols, hit)
                 elif self.int8:
                     b.call(emit_micro_int8(self.module, s.mr, s.nr // 16, s.nr, kp),
                            [a_tile, wq, tile])
@@ -266,13 +275,34 @@ class _Emitter:
         if not hasattr(self, "tile_regs"):
             self.tile_ops = Tiles(f, self.tile_mode)
             self.tile_regs = block_registers(self.tile_ops)
+        if self.half:   # gemm_tile.emit_pack_a_tiles: per step, two 1 KB tiles
+            a_at, a_stride = (lambda k, i: simd.gep(b, a_tile, b.add(
+                b.mul(k, const(i64, 32)), const(i64, i * 256)), i32)), const(i64, 64)
+        else:           # emit_pack_bf16 in rows of kp words
+            a_at, a_stride = (lambda k, i: simd.gep(b, a_tile, b.add(
+                k, const(i64, i * 16 * kp)), i32)), const(i64, kp * 4)
         block_product(
-            f, self.tile_ops, self.tile_regs,
-            lambda k, i: simd.gep(b, a_tile, b.add(k, const(i64, i * 16 * kp)), i32),
-            const(i64, kp * 4),
+            f, self.tile_ops, self.tile_regs, a_at, a_stride,
             lambda k, j: simd.gep(b, wq, b.add(b.mul(k, const(i64, 32)), const(i64, j * 16)),
                                   i32),
             const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1))
+
+    def screen_stored(self, tile, roots, rows, cols) -> ir.Value:
+        """The rows (bit r: row r) of the stored 32 x 32 ``tile`` with a valid lane that may
+        beat the row's root: the register screen of gemm_micro.py, on the stored block."""
+        f, s = self.f, self.s
+        b = f.b
+        op = ">" if s.largest else "<"
+        mask = simd.lane_mask(b, 32, cols)
+        hit = f.var(i64, const(i64, 0), "hit")
+        with f.for_range(0, rows, name="sr") as r:
+            row = simd.load_vec(b, tile, b.mul(r, const(i64, 32)), 32)
+            root = simd.broadcast(b, simd.load_scalar(b, roots, r), 32)
+            lanes = b.and_(b.fcmp_unordered(op, row, root), mask)
+            any_ = b.icmp_unsigned("!=", b.bitcast(lanes, ir.IntType(32)),
+                                   ir.Constant(ir.IntType(32), 0))
+            hit.set(b.or_(hit.get(), b.shl(b.zext(any_, i64), r)))
+        return hit.get()
 
     def update_root(self, b, i, hv, cnt, roots):
         """roots[i] = row i's heap root once its heap is full, else NaN (every lane passes)."""

@@ -108,10 +108,15 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
         mr, nr = _tile(m, False)
         if blocking.lanes(target) == 8:
             mr = min(mr, 4)  # widened pairs: 2 float32 vectors per B vector (see blocking.py)
+        tiles = bool(target.tiles) and m is not None and m >= blocking.TILE_MIN_ROWS
+        if tiles:
+            mr, nr = TILE_BLOCK
         kk = kd + kd % 2  # k pairs: an odd K gets one zero column
-        spec = TopkGemmSpec(m or 0, n, kk, k, largest, mr, nr, "none", "bf16")
-        return _runner(spec, lambda: (pack_bf16_panels(weight_rows, nr), None, None), m, kd,
-                       k, dtype, pad=kk != kd)
+        spec = TopkGemmSpec(m or 0, n, kk, k, largest, mr, nr, "none", "bf16",
+                            path="tile" if tiles else "vector")
+        step = TILE_K_STEP if tiles else 1
+        return _runner(spec, lambda: (pack_bf16_panels(weight_rows, nr, step), None, None), m,
+                       kd, k, dtype, pad=kk != kd)
     can_screen = target.has("avx512bf16") and blocking.lanes(target) == 16
     if screen is None:
         screen = can_screen and kd >= MIN_BF16_K

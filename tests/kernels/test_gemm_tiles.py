@@ -9,7 +9,8 @@
 - The native build's assembly (compiled for Sapphire Rapids, runs nowhere) holds ``ldtilecfg``,
   ``tdpbf16ps`` and ``tilerelease`` and spills no tile register; the emulated build holds no
   tile instruction.
-- The float32 fused top-k's bf16 screen on tiles: torch.topk's answer, ties included.
+- The fused top-k on tiles, float32 (its bf16 screen) and bf16 (its scores): torch.topk's
+  answer on the scores Kwker's linear gives, ties included.
 - The int8 tile GEMM (u8 x s8 on ``tdpbusd``, per-column scales) equals float32 arithmetic on
   the exact integer sums, bit for bit, natively and emulated.
 - A refused tile permission leaves the target without tiles and says why.
@@ -35,6 +36,7 @@ from kwker.runtime.target import host_target, make_target, tile_mode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_gemm_bf16 import check_linear, check_matmul  # noqa: E402
+from test_gemm_bf16 import check_topk as check_bf16_topk  # noqa: E402
 from test_topk import check as check_topk  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -102,6 +104,10 @@ TOPK_CASES = [(32, 20000, 128, 10, True), (7, 5000, 64, 50, True), (33, 3001, 33
               (100, 4096, 256, 20, True)]  # m, n, K, k, largest
 
 
+BF16_TOPK_CASES = [(32, 20000, 128, 10, True, False), (7, 5000, 64, 50, True, True),
+                   (33, 3001, 33, 5, False, True), (100, 4096, 256, 20, True, True)]
+
+
 def check_topk_screen(m, n, kd, k, largest) -> None:
     """The float32 fused top-k with its bf16 screen on tiles: close values on random scores,
     and exactly torch.topk's values and tie order on small-integer (exact, tie-heavy) ones."""
@@ -126,6 +132,10 @@ def _worker(out: str) -> int:
     for case in TOPK_CASES:
         check_topk_screen(*case)   # raises on a mismatch
         print("topk screen", case, "ok")
+    for case in BF16_TOPK_CASES:
+        ok, why = check_bf16_topk(*case)
+        bad += not ok
+        print("bf16 topk", case, "ok" if ok else "FAIL " + why)
     for generic in (False, True):
         for case in LINEAR_CASES:
             ok, why = check_linear(*case, generic=generic)
@@ -185,6 +195,18 @@ def test_native_topk_screen_on_tiles(case, threads):
         pytest.skip("no native tile runs: " + (tile_permission.refusal() or
                     f"this CPU ({host_target().describe()}) has no AMX"))
     check_topk_screen(*case)
+
+
+@pytest.mark.parametrize("case", BF16_TOPK_CASES, ids=str)
+def test_native_bf16_topk_on_tiles(case, threads):
+    """bf16 scores on tiles: torch.topk of Kwker's own bf16 linear, ties included."""
+    if host_target().tiles != "amx":
+        pytest.skip("no native tile runs: " + (tile_permission.refusal() or
+                    f"this CPU ({host_target().describe()}) has no AMX"))
+    m, n, kd, k = case[:4]
+    assert make_linear_topk(torch.randn(n, kd).to(BF16), m, k).spec.path == "tile"
+    ok, why = check_bf16_topk(*case)
+    assert ok, why
 
 
 def test_int8_build_uses_tdpbusd():
