@@ -25,7 +25,7 @@ import torch
 import common
 import isa_env
 import peers
-from model_defs import AVX2_MODELS, BF16_MODELS, Missing, build_bf16
+from model_defs import AVX2_MODELS, BF16_MODELS, BF16_TARGETS_AMX, Missing, build_bf16
 
 MODES = ("bf16", "autocast")
 MODE_LABELS = {"bf16": ".to(bfloat16)", "autocast": "autocast(bf16)"}
@@ -117,6 +117,9 @@ def speed(name: str, mode: str, reps: int, rounds: int, variants=VARIANTS,
     import kwker.dynamo as kd
 
     _, target, beat_ov = BF16_MODELS[name]
+    from kwker.runtime.target import host_target
+    if host_target().tiles == "amx":
+        target, beat_ov = BF16_TARGETS_AMX[name]
     row = {"model": name, "mode": mode, "target": target, "beat_openvino": beat_ov, "ms": {},
            "err": {}, "lowering": {}, "peers": {}}
     try:
