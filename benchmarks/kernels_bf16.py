@@ -15,12 +15,12 @@ import ctypes
 import time
 from pathlib import Path
 
+import common
+import probes
 import torch
 import torch.nn.functional as F
 from llvmlite import ir
 
-import common
-import probes
 from kwker.codegen import omp, simd, vmath
 from kwker.codegen.irutil import f32, i16, i32, i64, intrinsic, ptr
 from kwker.codegen.tiles import Tiles

@@ -20,11 +20,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 import common
 import isa_env
 import peers
+import torch
 from model_defs import AVX2_MODELS, BF16_MODELS, BF16_TARGETS_AMX, Missing, build_bf16
 
 MODES = ("bf16", "autocast")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .irutil import f32, i16, i32, intrinsic, ptr
 from . import simd
+from .irutil import NamedType, f32, i16, i32, intrinsic, ptr
 
 
 def i16v(lanes: int) -> ir.VectorType:
@@ -40,18 +40,9 @@ def widen(b: ir.IRBuilder, h: ir.Value) -> ir.Value:
     return b.bitcast(wide, simd.vty(lanes))
 
 
-class _BFloat(ir.types.Type):
-    """LLVM's ``bfloat`` (llvmlite.ir has no such type): only to name the result of
-    ``vcvtneps2bf16``, which is bitcast to i16 lanes at once."""
-
-    def _to_string(self) -> str:
-        return "bfloat"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _BFloat)
-
-    def __hash__(self) -> int:
-        return hash("bfloat")
+# LLVM's ``bfloat`` (llvmlite.ir has no such type): only to name the result of
+# ``vcvtneps2bf16``, which is bitcast to i16 lanes at once
+BFLOAT = NamedType("bfloat")
 
 
 def narrow(b: ir.IRBuilder, x: ir.Value, native: bool = False) -> ir.Value:
@@ -60,7 +51,7 @@ def narrow(b: ir.IRBuilder, x: ir.Value, native: bool = False) -> ir.Value:
     lanes = x.type.count
     if native:
         cvt = intrinsic(b.module, f"llvm.x86.avx512bf16.cvtneps2bf16.{lanes * 32}",
-                        ir.VectorType(_BFloat(), lanes), [x.type])
+                        ir.VectorType(BFLOAT, lanes), [x.type])
         return b.bitcast(b.call(cvt, [x]), i16v(lanes))
     bits = b.bitcast(x, i32v(lanes))
     odd = b.and_(b.lshr(bits, _splat_i32(lanes, 16)), _splat_i32(lanes, 1))

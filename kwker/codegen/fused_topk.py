@@ -55,9 +55,8 @@ from . import bf16 as bf
 from . import simd, vmath
 from .gemm_bf16 import bound_factor, emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
-from .gemm_tile import TILE_BLOCK, block_product, block_registers, emit_pack_a_tiles, \
-    padded_k
 from .gemm_pack import emit_pack_rows
+from .gemm_tile import TILE_BLOCK, block_product, block_registers, emit_pack_a_tiles, padded_k
 from .heap import Heap, lt
 from .irutil import Fn, const, f32, i1, i32, i64, intrinsic, new_module, ptr, void
 from .tiles import Tiles

@@ -205,7 +205,7 @@ def _work_bound(f: Fn, p: _Plan, mt, k, nt) -> ir.Value:
 
 
 def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
-    s, L = p.s, p.lanes
+    s = p.s
     f = omp.body_fn(module, f"{s.symbol}.body")
     ctx = omp.Context(f, f.args[0])
     tid, nt = f.args[1], f.args[2]

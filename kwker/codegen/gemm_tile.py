@@ -35,8 +35,7 @@ from llvmlite import ir
 from . import simd
 from .gemm_micro import epilogue_rows
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, aligned_malloc, const, defined, f32, i1, i16, i32, i64, intrinsic, ptr, \
-    void
+from .irutil import Fn, aligned_malloc, const, defined, f32, i1, i16, i32, i64, intrinsic, ptr, void
 from .tiles import Tiles
 
 TILE_BLOCK = (32, 32)   # rows x columns of C per block: 2 x 2 accumulator tiles

@@ -25,6 +25,23 @@ DTYPES = {  # torch dtype name -> (LLVM type, is_float, is_signed)
 HALF_FLOATS = ("float16", "bfloat16")
 
 
+class NamedType(ir.types.Type):
+    """An LLVM type llvmlite.ir lacks, by its IR name (``bfloat``, ``x86_amx``): enough to
+    declare intrinsics that take or return it and to pass such values on."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _to_string(self) -> str:
+        return self.name
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, NamedType) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
 def const(ty: ir.Type, value) -> ir.Constant:
     return ir.Constant(ty, value)
 
@@ -50,7 +67,7 @@ def intrinsic(module: ir.Module, name: str, ret: ir.Type, args: list[ir.Type]) -
     return defined(module, name) or ir.Function(module, ir.FunctionType(ret, args), name)
 
 
-def aligned_malloc(f: "Fn", nbytes) -> tuple[ir.Value, ir.Value]:
+def aligned_malloc(f: Fn, nbytes) -> tuple[ir.Value, ir.Value]:
     """(raw pointer to free, 64-byte aligned pointer) of a ``nbytes`` (int or i64) heap buffer."""
     b = f.b
     malloc = intrinsic(f.module, "malloc", ptr, [i64])

@@ -27,27 +27,14 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd
-from .irutil import Fn, const, f32, i8, i16, i32, i64, intrinsic, ptr, void
+from .irutil import Fn, NamedType, const, f32, i8, i16, i32, i64, intrinsic, ptr, void
 
 ROWS, ROW_BYTES = 16, 64
 TILE_VEC = ir.VectorType(i32, 256)   # a tile's 1 KB as an LLVM value (native form)
 WORDS = ir.VectorType(i32, 16)
 
 
-class _AMXType(ir.types.Type):
-    """LLVM's ``x86_amx`` (llvmlite.ir has no such type)."""
-
-    def _to_string(self) -> str:
-        return "x86_amx"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _AMXType)
-
-    def __hash__(self) -> int:
-        return hash("x86_amx")
-
-
-AMX = _AMXType()
+AMX = NamedType("x86_amx")
 
 
 class Tiles:

@@ -27,7 +27,6 @@ import llvmlite.binding as llvm
 
 from . import tile_permission
 
-
 TILE_MODES = ("", "amx", "emulated")
 
 

@@ -194,20 +194,24 @@ def test_isa_paths_run(isa, tmp_path):
     assert "all ok" in r.stdout, r.stdout
 
 
+def run_gemm_cases(linear_cases, matmul_cases) -> int:
+    """Every case, for its sizes and generic over the rows, printed; the number that failed."""
+    bad = 0
+    for generic in (False, True):
+        for what, check, cases in (("linear", check_linear, linear_cases),
+                                   ("matmul", check_matmul, matmul_cases)):
+            for case in cases:
+                ok, why = check(*case, generic=generic)
+                bad += not ok
+                print(what, case, "generic" * generic, "ok" if ok else "FAIL " + why)
+    return bad
+
+
 def _worker() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(2)
     print(host_target().describe(), "avx512bf16" if host_target().has("avx512bf16") else "")
-    bad = 0
-    for generic in (False, True):  # kernels for these sizes, and generic over the rows
-        for case in LINEAR_CASES:
-            ok, why = check_linear(*case, generic=generic)
-            bad += not ok
-            print("linear", case, "generic" * generic, "ok" if ok else "FAIL " + why)
-        for case in MATMUL_CASES:
-            ok, why = check_matmul(*case, generic=generic)
-            bad += not ok
-            print("matmul", case, "generic" * generic, "ok" if ok else "FAIL " + why)
+    bad = run_gemm_cases(LINEAR_CASES, MATMUL_CASES)
     for case in TOPK_CASES:
         ok, why = check_topk(*case)
         bad += not ok

@@ -26,16 +26,15 @@ import torch
 from kwker.kernels import blocking
 from kwker.kernels.linear import make_linear
 from kwker.kernels.linear_int8 import make_linear_u8s8
-from kwker.kernels.matmul import make_matmul
-from kwker.kernels.topk import make_linear_topk
 from kwker.kernels.specs import GemmSpec
+from kwker.kernels.topk import make_linear_topk
 from kwker.runtime import cache, tile_permission
 from kwker.runtime.compiler import compile_assembly
 from kwker.runtime.kernel import emit
 from kwker.runtime.target import host_target, make_target, tile_mode
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_gemm_bf16 import check_linear, check_matmul  # noqa: E402
+from test_gemm_bf16 import check_linear, check_matmul, run_gemm_cases  # noqa: E402
 from test_gemm_bf16 import check_topk as check_bf16_topk  # noqa: E402
 from test_topk import check as check_topk  # noqa: E402
 
@@ -136,15 +135,7 @@ def _worker(out: str) -> int:
         ok, why = check_bf16_topk(*case)
         bad += not ok
         print("bf16 topk", case, "ok" if ok else "FAIL " + why)
-    for generic in (False, True):
-        for case in LINEAR_CASES:
-            ok, why = check_linear(*case, generic=generic)
-            bad += not ok
-            print("linear", case, "generic" * generic, "ok" if ok else "FAIL " + why)
-        for case in MATMUL_CASES:
-            ok, why = check_matmul(*case, generic=generic)
-            bad += not ok
-            print("matmul", case, "generic" * generic, "ok" if ok else "FAIL " + why)
+    bad += run_gemm_cases(LINEAR_CASES, MATMUL_CASES)
     torch.save(_outputs(), out)
     if not bad:
         print("all ok")
