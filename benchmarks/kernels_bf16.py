@@ -85,7 +85,7 @@ def _tile_probe(iters: int):
     body = omp.body_fn(module, "tile_probe.body")
     b = body.b
     sink = omp.Context(body, body.args[0]).ptr(0)
-    tiles = Tiles(body, target.tiles)
+    tiles = Tiles(body, target.tiles, target.has("avx512bf16"))
     a, bt = tiles.new("a"), tiles.new("b")
     accs = [tiles.new(f"c{i}") for i in range(4)]
     stride = ir.Constant(i64, 64)

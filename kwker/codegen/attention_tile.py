@@ -39,7 +39,7 @@ class TileProducts:
 
     def __init__(self, em, mode: str):
         self.em = em
-        self.tiles = Tiles(em.f, mode)
+        self.tiles = Tiles(em.f, mode, em.dot)   # tile_path_fits: AVX512_BF16 is there
         self.regs = block_registers(self.tiles)
 
     def scores(self, qh, kp, sbuf, j0, kv) -> None:

@@ -272,7 +272,8 @@ class _Emitter:
         f, kp = self.f, self.kwa
         b = f.b
         if not hasattr(self, "tile_regs"):
-            self.tile_ops = Tiles(f, self.tile_mode)
+            # vdpbf16ps in the emulation only where the CPU has it (the screen needs it)
+            self.tile_ops = Tiles(f, self.tile_mode, self.bf16 or self.dot == "dpbf16")
             self.tile_regs = block_registers(self.tile_ops)
         if self.half:   # gemm_tile.emit_pack_a_tiles: per step, two 1 KB tiles
             a_at, a_stride = (lambda k, i: simd.gep(b, a_tile, b.add(

@@ -41,7 +41,7 @@ class Tiles:
     """Tile operations for one function ``f``; ``mode`` is ``Target.tiles`` ("amx" or
     "emulated"), ``native_bf16``: the emulation may use ``vdpbf16ps`` (AVX512_BF16)."""
 
-    def __init__(self, f: Fn, mode: str, native_bf16: bool = True):
+    def __init__(self, f: Fn, mode: str, native_bf16: bool):
         if mode not in ("amx", "emulated"):
             raise ValueError(f"kwker tiles: no tile code for mode {mode!r}")
         self.f, self.b, self.mode, self.native_bf16 = f, f.b, mode, native_bf16
