@@ -34,13 +34,15 @@ def set_threads(n: int = THREADS) -> int:
 
 
 def cpu_name() -> str:
-    """LLVM's name for the host CPU (what Kwker compiles for), plus its widest vector ISA."""
+    """LLVM's name for the host CPU (what Kwker compiles for), its widest vector ISA, and AMX."""
     try:
         import llvmlite.binding as llvm
 
         name = llvm.get_host_cpu_name()
         feats = llvm.get_host_cpu_features()
         isa = ("AVX-512" if feats.get("avx512f") else "AVX2" if feats.get("avx2") else "SSE")
+        if feats.get("amx-bf16"):
+            isa += ", AMX"
         return f"{name} ({isa})"
     except (ImportError, OSError, RuntimeError) as exc:  # a report without the CPU name is still worth writing
         return f"unknown ({type(exc).__name__})"

@@ -118,7 +118,7 @@ def speed(name: str, mode: str, reps: int, rounds: int, variants=VARIANTS,
     _, target, beat_ov = BF16_MODELS[name]
     from kwker.runtime.target import host_target
     if host_target().tiles == "amx":
-        target, beat_ov = BF16_TARGETS_AMX[name]
+        target, beat_ov = BF16_TARGETS_AMX.get(name, (target, beat_ov))
     row = {"model": name, "mode": mode, "target": target, "beat_openvino": beat_ov, "ms": {},
            "err": {}, "lowering": {}, "peers": {}}
     try:

@@ -110,6 +110,13 @@ def build_index(results: Path = RESULTS, scripts_dir: Path = HERE,
         if run or (scripts_dir / script).exists():
             last = f"{run['status']} ({run['date']})" if run else "not run"
             lines.append(f"| (no results file) | {script} | — | {last} | — |")
+    # other CPU types' results (``--out results/<cpu>``): their own index, linked from here
+    others = sorted(d for d in results.iterdir() if d.is_dir() and any(d.glob("*.json")))
+    if others:
+        lines += ["", "Other CPU types (each folder has its own index of the same form):", ""]
+        for d in others:
+            (d / "README.md").write_text(build_index(d, scripts_dir, ()))
+            lines.append(f"- [{d.name}/]({d.name}/README.md)")
     return "\n".join(lines) + "\n"
 
 

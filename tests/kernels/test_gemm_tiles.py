@@ -145,18 +145,32 @@ def _worker(out: str) -> int:
     return 1 if bad else 0
 
 
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """{cpu: (the emulated worker's stdout, its outputs file)}, each worker run once."""
+    runs = {}
+
+    def run(cpu: str):
+        if not _has_avx512():
+            pytest.skip(f"emulated tiles are AVX-512 code; this CPU is "
+                        f"{host_target().describe()}")
+        if cpu not in runs:
+            tmp = tmp_path_factory.mktemp("emulated")
+            runs[cpu] = (_run_worker(tmp, "emulate", str(tmp / "out.pt"), cpu), tmp / "out.pt")
+        return runs[cpu]
+    return run
+
+
 @pytest.mark.parametrize("cpu", ["", "skylake-avx512"], ids=["this-cpu", "no-avx512bf16"])
-def test_emulated_tiles_match_the_reference(tmp_path, cpu):
+def test_emulated_tiles_match_the_reference(emulated, cpu):
     """On this CPU's features, and on AVX-512 without AVX512_BF16 (the emulated products are
     then widened FMAs)."""
-    if not _has_avx512():
-        pytest.skip(f"emulated tiles are AVX-512 code; this CPU is {host_target().describe()}")
-    stdout = _run_worker(tmp_path, "emulate", str(tmp_path / "emulated.pt"), cpu)
+    stdout, _ = emulated(cpu)
     assert "emulated tiles" in stdout and "all ok" in stdout, stdout
     assert cpu in stdout.splitlines()[0]
 
 
-def test_native_tiles_match_the_reference_and_the_emulation(tmp_path, threads):
+def test_native_tiles_match_the_reference_and_the_emulation(emulated, threads):
     if host_target().tiles != "amx":
         pytest.skip("no native tile runs: " + (tile_permission.refusal() or
                     f"this CPU ({host_target().describe()}) has no AMX-BF16"))
@@ -169,10 +183,9 @@ def test_native_tiles_match_the_reference_and_the_emulation(tmp_path, threads):
             ok, why = check_matmul(*case, generic=generic)
             assert ok, (case, generic, why)
     if threads == 2 and _has_avx512():
-        _run_worker(tmp_path, "emulate", str(tmp_path / "emulated.pt"))
-        emulated, native = torch.load(tmp_path / "emulated.pt"), _outputs()
+        saved, native = torch.load(emulated("")[1]), _outputs()
         for name, got in native.items():
-            ref = emulated[name].float()
+            ref = saved[name].float()
             # float32 sums in another order, then one rounding to bf16: one ulp apart at most
             tol = 2.0 ** -7 * ref.abs() + 1e-5 * ref.abs().max()
             assert ((got.float() - ref).abs() <= tol).all(), name
