@@ -26,7 +26,7 @@ import torch
 from kwker.kernels import blocking
 from kwker.kernels.linear import make_linear
 from kwker.kernels.linear_int8 import make_linear_u8s8
-from kwker.kernels.specs import GemmSpec
+from kwker.kernels.specs import GemmSpec, instruction_path
 from kwker.kernels.topk import make_linear_topk
 from kwker.runtime import cache, tile_permission
 from kwker.runtime.compiler import compile_assembly
@@ -294,6 +294,17 @@ def test_refused_permission_means_no_tiles(monkeypatch):
     finally:
         monkeypatch.undo()
         tile_permission._forget()
+
+
+def test_instruction_paths_name_what_runs():
+    """What the report and the benchmarks call each kernel's instructions, per target."""
+    tile, vector = _tile_spec(), GemmSpec(200, 300, 402, 1, "packed", dtype="bf16")
+    assert instruction_path(tile, SAPPHIRE) == "amx"
+    assert instruction_path(tile, EMULATED) == "amx-emulated"
+    assert instruction_path(vector, make_target("znver4")) == "avx512-bf16"
+    assert instruction_path(vector, make_target("skylake-avx512")) == "avx512"
+    assert instruction_path(vector, make_target("haswell")) == "avx2"
+    assert instruction_path(GemmSpec(200, 300, 400), make_target("znver4")) == "avx512"
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
