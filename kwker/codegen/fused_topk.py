@@ -56,11 +56,17 @@ from . import simd, vmath
 from .gemm_bf16 import bound_factor, emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
-from .gemm_tile import TILE_BLOCK, block_product, block_registers, emit_pack_a_tiles, padded_k
+from .gemm_tile import block_product, block_registers, emit_pad_rows, padded_k
 from .heap import Heap, lt
 from .irutil import Fn, const, f32, i1, i32, i64, intrinsic, new_module, ptr, void
 from .tiles import Tiles
 from .topk_int8 import MAX_INT8_K, Deferred, emit_micro_int8, emit_pack_int8
+
+# rows x columns of a tile block of scores: 16-row blocks give 2 threads whole rows from 32
+# rows on, where 32-row blocks left one row tile and the column split (its logs and merge):
+# 32 x 20000 x 128, k = 10, 2 threads, Emerald Rapids: bf16 660 against 953 us, float32 801
+# against 1216 us (one thread, and 64 rows: level)
+TOPK_TILE = (16, 32)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -99,14 +105,14 @@ class _Emitter:
         # k words of a packed A row: k pairs (bf16), k quads (int8), else k steps
         self.kwa = _cdiv(s.k_dim, 4) if self.int8 else (s.k_dim + 1) // 2 if self.bf16 else \
             self.kw
-        # the bf16 screen on matrix tiles: 32 x 32 blocks, x packed in rows of pairs and W in
-        # panels both padded to whole tile steps (gemm_tile.py)
+        # on matrix tiles: TOPK_TILE blocks, x packed in rows of pairs and W in panels, both
+        # padded to whole tile steps (gemm_tile.py)
         self.tiles = s.path == "tile"
         if self.tiles:
-            if not ((self.bf16 or self.half) and s.m and (s.mr, s.nr) == TILE_BLOCK
+            if not ((self.bf16 or self.half) and s.m and (s.mr, s.nr) == TOPK_TILE
                     and target.tiles in ("amx", "emulated")):
                 raise ValueError("kwker topk: the tile path is for bf16 screening or bf16 "
-                                 f"scores of a fixed row count, in {TILE_BLOCK} blocks, on a "
+                                 f"scores of a fixed row count, in {TOPK_TILE} blocks, on a "
                                  "target with tiles")
             self.kwa = padded_k(self.kwa)
             self.tile_mode = target.tiles
@@ -186,9 +192,9 @@ class _Emitter:
                    [x_rows, b.sub(row1, row0), ap, qnorm])
         elif self.bf16:
             self.pack_bf16_edge(f, x_rows, b.sub(row1, row0), ap, qnorm)
-        elif self.tiles:  # bf16 operands in the GEMM's tile layout (gemm_tile.py)
-            b.call(emit_pack_a_tiles(self.module, self.kw),
-                   [x_rows, b.sub(row1, row0), const(i64, self.kw), ap])
+        elif self.tiles:  # bf16 operands: rows of k-pair words padded to whole tile steps
+            b.call(emit_pad_rows(self.module, self.kw, kp),
+                   [x_rows, b.sub(row1, row0), const(i64, 0), ap])
         else:  # bf16 operands: rows of k-pair words, packed as words
             b.call(emit_pack_rows(self.module, s.mr, self.kw, self.L),
                    [x_rows, b.sub(row1, row0), const(i64, self.kw), ap])
@@ -268,28 +274,25 @@ class _Emitter:
         return f.finish()
 
     def tile_block(self, a_tile, wq, tile) -> None:
-        """The 32 x 32 approximate scores of one row tile and panel, on matrix tiles."""
+        """The 16 x 32 scores (bf16 approximations, or bf16 products) of one row tile and
+        panel, on matrix tiles."""
         f, kp = self.f, self.kwa
         b = f.b
         if not hasattr(self, "tile_regs"):
             # vdpbf16ps in the emulation only where the CPU has it (the screen needs it)
             self.tile_ops = Tiles(f, self.tile_mode, self.bf16 or self.dot == "dpbf16")
             self.tile_regs = block_registers(self.tile_ops)
-        if self.half:   # gemm_tile.emit_pack_a_tiles: per step, two 1 KB tiles
-            a_at, a_stride = (lambda k, i: simd.gep(b, a_tile, b.add(
-                b.mul(k, const(i64, 32)), const(i64, i * 256)), i32)), const(i64, 64)
-        else:           # emit_pack_bf16 in rows of kp words
-            a_at, a_stride = (lambda k, i: simd.gep(b, a_tile, b.add(
-                k, const(i64, i * 16 * kp)), i32)), const(i64, kp * 4)
         block_product(
-            f, self.tile_ops, self.tile_regs, a_at, a_stride,
+            f, self.tile_ops, self.tile_regs,   # A: rows of kp words
+            lambda k, i: simd.gep(b, a_tile, b.add(k, const(i64, i * 16 * kp)), i32),
+            const(i64, kp * 4),
             lambda k, j: simd.gep(b, wq, b.add(b.mul(k, const(i64, 32)), const(i64, j * 16)),
                                   i32),
-            const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1))
+            const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1), row_tiles=1)
 
     def screen_stored(self, tile, roots, rows, cols) -> ir.Value:
-        """The rows (bit r: row r) of the stored 32 x 32 ``tile`` with a valid lane that may
-        beat the row's root: the register screen of gemm_micro.py, on the stored block."""
+        """The rows (bit r: row r) of the stored block ``tile`` (32 columns a row) with a valid
+        lane that may beat the row's root: the register screen of gemm_micro.py, stored."""
         f, s = self.f, self.s
         b = f.b
         op = ">" if s.largest else "<"

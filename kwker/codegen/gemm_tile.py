@@ -160,14 +160,15 @@ def block_registers(tiles: Tiles) -> dict:
 
 
 def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_stride, c, ldc: int,
-                  kcp, first, int8: bool = False) -> None:
+                  kcp, first, int8: bool = False, row_tiles: int = 2) -> None:
     """A 32 x 32 float32 block ``C (+)= A B`` over ``kcp`` k pairs (a multiple of ``STEP``):
     2 x 2 accumulators from zero (``first``, an i1) or loaded from ``c`` (row stride ``ldc``
-    floats), stored back whole. ``int8``: u8 A x s8 B words (4 k each) into int32 sums. ``a_at(k, i)`` / ``b_at(k, j)``: the address of A tile ``i``
+    floats), stored back whole. ``int8``: u8 A x s8 B words (4 k each) into int32 sums.
+    ``row_tiles`` 1: a 16 x 32 block (two accumulators, one A tile a step). ``a_at(k, i)`` / ``b_at(k, j)``: the address of A tile ``i``
     (rows 16 i ..) / B tile ``j`` (columns 16 j ..) at pair ``k``; ``a_stride`` / ``b_stride``
     their row strides in bytes (i64 values)."""
     b = f.b
-    acc = [[regs["c00"], regs["c01"]], [regs["c10"], regs["c11"]]]
+    acc = [[regs["c00"], regs["c01"]], [regs["c10"], regs["c11"]]][:row_tiles]
     ldc_bytes = const(i64, ldc * 4)
 
     def c_at(i, j):
@@ -191,9 +192,10 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
         dot(acc[0][0], regs["a0"], regs["b0"])
         tiles.load(regs["b1"], b_at(k, 1), b_stride)
         dot(acc[0][1], regs["a0"], regs["b1"])
-        tiles.load(regs["a1"], a_at(k, 1), a_stride)
-        dot(acc[1][0], regs["a1"], regs["b0"])
-        dot(acc[1][1], regs["a1"], regs["b1"])
+        if row_tiles == 2:
+            tiles.load(regs["a1"], a_at(k, 1), a_stride)
+            dot(acc[1][0], regs["a1"], regs["b0"])
+            dot(acc[1][1], regs["a1"], regs["b1"])
     for i, row in enumerate(acc):
         for j, t in enumerate(row):
             tiles.store(t, c_at(i, j), ldc_bytes)
@@ -259,6 +261,28 @@ def _pack_b_block(f: Fn, p, pack_b, b_mat, qb0, qb1, k0, kcl, kcp, bp) -> None:
             for v in range(nr // 16):
                 b.store(zero, simd.gep(b, dst, b.add(b.mul(r, const(i64, nr)),
                                                     const(i64, 16 * v)), i32), align=4)
+
+
+def emit_pad_rows(module: ir.Module, kw: int, kwp: int) -> ir.Function:
+    """``void pad_rows(ptr src, i64 rows, i64 unused, ptr dst)``: rows of ``kw`` words into rows
+    of ``kwp`` (whole tile steps), zero past ``kw``: A tiles are read from there in place."""
+    name = f"pad_rows.{kw}.{kwp}"
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
+    f = Fn(module, name, void, [ptr, i64, i64, ptr], ["src", "rows", "unused", "dst"])
+    f.fn.attributes.add("noinline")
+    src, rows, _, dst = f.args
+    b = f.b
+    load = intrinsic(module, "llvm.masked.load.v16i32.p0", I32x16,
+                     [ptr, i32, ir.VectorType(i1, 16), I32x16])
+    zero = ir.Constant(I32x16, [ir.Constant(i32, 0)] * 16)
+    with f.for_range(0, rows, name="r") as r, f.for_range(0, kwp, step=STEP, name="w") as w:
+        mask = simd.lane_mask(b, 16, b.sub(const(i64, kw), w))
+        word = simd.gep(b, src, b.add(b.mul(r, const(i64, kw)), w), i32)
+        out = simd.gep(b, dst, b.add(b.mul(r, const(i64, kwp)), w), i32)
+        b.store(b.call(load, [word, const(i32, 4), mask, zero]), out, align=4)
+    return f.finish()
 
 
 def emit_pack_a_tiles(module: ir.Module, kw: int) -> ir.Function:

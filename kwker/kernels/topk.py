@@ -6,10 +6,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..codegen.fused_topk import MAX_INT8_K
+from ..codegen.fused_topk import MAX_INT8_K, TOPK_TILE
 from ..codegen.gemm_bf16 import bound_factor
 from ..codegen.gemm_tile import STEP as TILE_K_STEP
-from ..codegen.gemm_tile import TILE_BLOCK
 from ..runtime.target import host_target
 from . import blocking
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function, require_f32
@@ -110,7 +109,7 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
             mr = min(mr, 4)  # widened pairs: 2 float32 vectors per B vector (see blocking.py)
         tiles = bool(target.tiles) and m is not None and m >= blocking.TILE_MIN_ROWS
         if tiles:
-            mr, nr = TILE_BLOCK
+            mr, nr = TOPK_TILE
         kk = kd + kd % 2  # k pairs: an odd K gets one zero column
         spec = TopkGemmSpec(m or 0, n, kk, k, largest, mr, nr, "none", "bf16",
                             path="tile" if tiles else "vector")
@@ -131,7 +130,7 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
     tiles = approx == "bf16" and target.tiles and m is not None and \
         m >= blocking.TILE_MIN_ROWS
     if tiles:
-        mr, nr = TILE_BLOCK
+        mr, nr = TOPK_TILE
     spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, approx,
                         path="tile" if tiles else "vector")
 
