@@ -115,7 +115,7 @@ class _Emitter:
                                  f"scores of a fixed row count, in {TOPK_TILE} blocks, on a "
                                  "target with tiles")
             self.kwa = padded_k(self.kwa)
-            self.tile_mode = target.tiles
+        self.tile_mode = target.tiles
         self.heap = Heap(self.module, s.largest)
         self.malloc = intrinsic(self.module, "malloc", ptr, [i64])
         self.free = intrinsic(self.module, "free", void, [ptr])
@@ -137,6 +137,9 @@ class _Emitter:
         s = self.s
         f = Fn(self.module, f"{s.symbol}.body", void, [ptr, i64, i64], ["ctx", "tid", "nt"])
         self.f = f
+        if self.tiles:  # vdpbf16ps in the emulation only where the CPU has it (as the screen)
+            self.tile_ops = Tiles(f, self.tile_mode, self.bf16 or self.dot == "dpbf16")
+            self.tile_regs = block_registers(self.tile_ops)
         b = f.b
         ctx, tid, nt = f.args
         x, w, vals, idx = (f.arg_ptr(ctx, i) for i in range(4))
@@ -193,8 +196,7 @@ class _Emitter:
         elif self.bf16:
             self.pack_bf16_edge(f, x_rows, b.sub(row1, row0), ap, qnorm)
         elif self.tiles:  # bf16 operands: rows of k-pair words padded to whole tile steps
-            b.call(emit_pad_rows(self.module, self.kw, kp),
-                   [x_rows, b.sub(row1, row0), const(i64, 0), ap])
+            b.call(emit_pad_rows(self.module, self.kw, kp), [x_rows, b.sub(row1, row0), ap])
         else:  # bf16 operands: rows of k-pair words, packed as words
             b.call(emit_pack_rows(self.module, s.mr, self.kw, self.L),
                    [x_rows, b.sub(row1, row0), const(i64, self.kw), ap])
@@ -278,10 +280,6 @@ class _Emitter:
         panel, on matrix tiles."""
         f, kp = self.f, self.kwa
         b = f.b
-        if not hasattr(self, "tile_regs"):
-            # vdpbf16ps in the emulation only where the CPU has it (the screen needs it)
-            self.tile_ops = Tiles(f, self.tile_mode, self.bf16 or self.dot == "dpbf16")
-            self.tile_regs = block_registers(self.tile_ops)
         block_product(
             f, self.tile_ops, self.tile_regs,   # A: rows of kp words
             lambda k, i: simd.gep(b, a_tile, b.add(k, const(i64, i * 16 * kp)), i32),

@@ -138,7 +138,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
                                     lambda k, i, a=a_tile: simd.gep(b, a, b.add(
                                         b.mul(k, const(i64, 32)), const(i64, i * 256)), i32),
                                     a_stride,
-                                    lambda k, j, p=b_panel: simd.gep(b, p, b.add(
+                                    lambda k, j, panel=b_panel: simd.gep(b, panel, b.add(
                                         b.mul(k, const(i64, nr)), const(i64, j * 16)), i32),
                                     b_stride, block, 32, kcp, first, p.int8)
                                 with f.if_(last):
@@ -164,9 +164,9 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
     """A 32 x 32 float32 block ``C (+)= A B`` over ``kcp`` k pairs (a multiple of ``STEP``):
     2 x 2 accumulators from zero (``first``, an i1) or loaded from ``c`` (row stride ``ldc``
     floats), stored back whole. ``int8``: u8 A x s8 B words (4 k each) into int32 sums.
-    ``row_tiles`` 1: a 16 x 32 block (two accumulators, one A tile a step). ``a_at(k, i)`` / ``b_at(k, j)``: the address of A tile ``i``
-    (rows 16 i ..) / B tile ``j`` (columns 16 j ..) at pair ``k``; ``a_stride`` / ``b_stride``
-    their row strides in bytes (i64 values)."""
+    ``row_tiles`` 1: a 16 x 32 block (two accumulators, one A tile a step). ``a_at(k, i)`` /
+    ``b_at(k, j)``: the address of A tile ``i`` (rows 16 i ..) / B tile ``j`` (columns 16 j ..)
+    at pair ``k``; ``a_stride`` / ``b_stride`` their row strides in bytes (i64 values)."""
     b = f.b
     acc = [[regs["c00"], regs["c01"]], [regs["c10"], regs["c11"]]][:row_tiles]
     ldc_bytes = const(i64, ldc * 4)
@@ -207,11 +207,11 @@ def _epilogue(f: Fn, p, block, q, rows_left, bias, out, res) -> None:
     s, b = p.s, f.b
     rows = _min(b, rows_left, const(i64, 32))
     col0 = b.mul(q, const(i64, s.nr))
-    bias_q = simd.gep(b, bias, col0) if s.bias else None
     native = p.dot == "dpbf16"
     if p.int8:  # bias holds the column scales, then the bias (module doc)
         _scale_int32(f, block, rows, simd.gep(b, bias, col0))
-        bias_q = simd.gep(b, bias, b.add(col0, const(i64, p.np * s.nr))) if s.bias else None
+        col0 = b.add(col0, const(i64, p.np * s.nr))
+    bias_q = simd.gep(b, bias, col0) if s.bias else None
 
     def run(cols: int) -> None:
         nv = -(-cols // 16)
@@ -264,15 +264,15 @@ def _pack_b_block(f: Fn, p, pack_b, b_mat, qb0, qb1, k0, kcl, kcp, bp) -> None:
 
 
 def emit_pad_rows(module: ir.Module, kw: int, kwp: int) -> ir.Function:
-    """``void pad_rows(ptr src, i64 rows, i64 unused, ptr dst)``: rows of ``kw`` words into rows
-    of ``kwp`` (whole tile steps), zero past ``kw``: A tiles are read from there in place."""
+    """``void pad_rows(ptr src, i64 rows, ptr dst)``: rows of ``kw`` words into rows of ``kwp``
+    (whole tile steps), zero past ``kw``: A tiles are read from there in place."""
     name = f"pad_rows.{kw}.{kwp}"
     existing = defined(module, name)
     if existing is not None:
         return existing
-    f = Fn(module, name, void, [ptr, i64, i64, ptr], ["src", "rows", "unused", "dst"])
+    f = Fn(module, name, void, [ptr, i64, ptr], ["src", "rows", "dst"])
     f.fn.attributes.add("noinline")
-    src, rows, _, dst = f.args
+    src, rows, dst = f.args
     b = f.b
     load = intrinsic(module, "llvm.masked.load.v16i32.p0", I32x16,
                      [ptr, i32, ir.VectorType(i1, 16), I32x16])

@@ -135,8 +135,9 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
 
 
 def tile_blocking(n: int, k: int, l2: int | None = None) -> Blocking:
-    """Blocks of the tile path (codegen/gemm_tile.py) for ``k`` words (bf16 pairs, int8 quads). K stays in one block up
-    to ``TILE_KC`` pairs: a 32-row A block and a B panel of that K each fit in a quarter of L2,
+    """Blocks of the tile path (codegen/gemm_tile.py) for ``k`` words (bf16 pairs, int8
+    quads). K stays in one block up to ``TILE_KC`` words: a 32-row A block and a B panel of that
+    K each fit in a quarter of L2,
     and a second K block costs a float32 round trip of every partial sum (measured on Emerald
     Rapids, 1 thread, best of 80: 1024^3 at 460 GFLOP/s with 176-pair blocks that keep A in L1,
     1020 with K whole). Chunks of ``mc`` rows keep their partial sums (np blocks of 4 KB per

@@ -170,10 +170,7 @@ def test_emulated_tiles_match_the_reference(emulated, cpu):
     assert cpu in stdout.splitlines()[0]
 
 
-def test_native_tiles_match_the_reference_and_the_emulation(emulated, threads):
-    if host_target().tiles != "amx":
-        pytest.skip("no native tile runs: " + (tile_permission.refusal() or
-                    f"this CPU ({host_target().describe()}) has no AMX-BF16"))
+def test_native_tiles_match_the_reference_and_the_emulation(emulated, threads, native_tiles):
     for case in LINEAR_CASES:
         for generic in (False, True):
             ok, why = check_linear(*case, generic=generic)
@@ -192,28 +189,19 @@ def test_native_tiles_match_the_reference_and_the_emulation(emulated, threads):
 
 
 @pytest.mark.parametrize("case", INT8_CASES, ids=str)
-def test_native_int8_tiles(case, threads):
-    if host_target().tiles != "amx":
-        pytest.skip("no native tile runs: " + (tile_permission.refusal() or
-                    f"this CPU ({host_target().describe()}) has no AMX"))
+def test_native_int8_tiles(case, threads, native_tiles):
     ok, why = check_int8(*case)
     assert ok, why
 
 
 @pytest.mark.parametrize("case", TOPK_CASES, ids=str)
-def test_native_topk_screen_on_tiles(case, threads):
-    if host_target().tiles != "amx":
-        pytest.skip("no native tile runs: " + (tile_permission.refusal() or
-                    f"this CPU ({host_target().describe()}) has no AMX"))
+def test_native_topk_screen_on_tiles(case, threads, native_tiles):
     check_topk_screen(*case)
 
 
 @pytest.mark.parametrize("case", BF16_TOPK_CASES, ids=str)
-def test_native_bf16_topk_on_tiles(case, threads):
+def test_native_bf16_topk_on_tiles(case, threads, native_tiles):
     """bf16 scores on tiles: torch.topk of Kwker's own bf16 linear, ties included."""
-    if host_target().tiles != "amx":
-        pytest.skip("no native tile runs: " + (tile_permission.refusal() or
-                    f"this CPU ({host_target().describe()}) has no AMX"))
     m, n, kd, k = case[:4]
     assert make_linear_topk(torch.randn(n, kd).to(BF16), m, k).spec.path == "tile"
     ok, why = check_bf16_topk(*case)

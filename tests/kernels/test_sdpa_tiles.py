@@ -16,7 +16,6 @@ import torch
 
 from kwker.kernels.sdpa import make_sdpa
 from kwker.kernels.specs import AttentionSpec
-from kwker.runtime import tile_permission
 from kwker.runtime.compiler import compile_assembly
 from kwker.runtime.kernel import emit
 from kwker.runtime.target import host_target, make_target
@@ -80,10 +79,7 @@ def test_emulated_tiles(tmp_path):
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_native_tiles(case, threads):
-    if host_target().tiles != "amx":
-        pytest.skip("no native tile runs: " + (tile_permission.refusal() or
-                    f"this CPU ({host_target().describe()}) has no AMX-BF16"))
+def test_native_tiles(case, threads, native_tiles):
     ok, why = check_case(*case)
     assert ok, why
 
