@@ -101,6 +101,15 @@ def collecting(dump_dir=None):
             kernel.dump(spec, target, str(kernel.emit(spec, target)), Path(dump_dir))
 
 
+def discard(fn) -> None:
+    """Take back the specs of a kernel built but not used (ATen measured faster), so the
+    report does not list them."""
+    specs = getattr(_collecting, "specs", None)
+    for s in getattr(fn, "kwker_specs", ()) if specs is not None else ():
+        if s in specs:
+            specs.remove(s)
+
+
 def _make(name: str, *args, **kwargs):
     f = factory(name)
     if f is None:

@@ -20,6 +20,7 @@ from .autocast import make_explicit
 from . import custom_ops as C
 from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes
 from . import sorting as S
+from . import tune
 from .ops import is_view
 from .partition import EagerCompiled, const_nodes
 from .patterns import Match, Matcher, why_not
@@ -46,8 +47,10 @@ def _call_args(m: Match) -> tuple:
     return (i["x"], *p["args"])
 
 
-def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> tuple[str | None, bool]:
-    """Build the match's kernel now: (why it does not fit or None, whether it is generic)."""
+def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
+              report: Report) -> tuple[str | None, bool]:
+    """Build the match's kernel now: (why it does not fit or stays on ATen, or None; whether
+    it is generic)."""
     i, p = m.inputs, m.params
     if m.kind not in SIZED_INPUTS:
         return None, False   # sorting ops: generic over sizes already (kwker.ops)
@@ -77,6 +80,12 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list) -> tuple[str | N
     else:
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
                                 p["mask"], p["causal"], p["scale"], dtype=dtype)
+    if fn is not None and not generic:
+        slower, measured = tune.verdict(m, metas, consts, fn, B.runtime_inputs(m))
+        if slower:
+            return slower, False
+        if measured:
+            report.tuned.append((m.output.name, m.name, measured))
     specs.extend(getattr(fn, "kwker_specs", ()))
     return (None if fn is not None else why), B.generic(fn)
 
@@ -171,7 +180,7 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir,
     failures, kept, generic = {}, [], set()
 
     def lower(m) -> None:
-        why, is_generic = _prebuild(m, metas, consts, specs)
+        why, is_generic = _prebuild(m, metas, consts, specs, report)
         if why is None:
             kept.append(m)
             if is_generic:

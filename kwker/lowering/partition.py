@@ -20,6 +20,7 @@ from torch.fx import GraphModule, Node
 from . import build as B
 from .autocast import make_explicit
 from . import sorting as S
+from . import tune
 from .ops import is_inplace, is_view
 from .patterns import Matcher, why_not
 from .report import Report, fill, kernel_dtype, publish
@@ -137,6 +138,12 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
     def lower(m) -> None:
         try:
             fn, why = B.build(m, metas, consts)
+            slower, measured = tune.verdict(m, metas, consts, fn, B.runtime_inputs(m))
+            if slower:
+                B.discard(fn)
+                fn, why = None, slower
+            elif measured:
+                report.tuned.append((m.output.name, m.name, measured))
         except Exception as e:  # noqa: BLE001 - a kernel that cannot be built leaves ATen
             log.warning("kwker: building %s for %s failed: %s", m.name, m.output.name, e)
             fn, why = None, f"{type(e).__name__}: {e}"

@@ -46,6 +46,7 @@ class Report:
     decomposed: list = field(default_factory=list)   # (node name, op) expanded into primitives
     notes: list = field(default_factory=list)        # (node name, why a bigger fusion failed)
     specs: list = field(default_factory=list)        # kernel specs built for this graph
+    tuned: list = field(default_factory=list)        # (node, kernel, measured against ATen)
 
     @property
     def kernel_names(self) -> list[str]:
@@ -98,6 +99,7 @@ class Report:
         lines += [f"  missed {n:<22} {op}: {why}" for n, op, why in self.missed]
         lines += [f"  split  {n:<22} {op}" for n, op in self.decomposed]
         lines += [f"  note   {n:<22} {why}" for n, why in self.notes]
+        lines += [f"  tuned  {k:<22} {n}: {text}" for n, k, text in self.tuned]
         lines += [f"  path   {path:<22} {symbol}" for symbol, path in self.kernel_paths.items()]
         refusal = tile_permission.refusal()
         if refusal:

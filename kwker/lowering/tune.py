@@ -1,0 +1,183 @@
+"""ATen is always a candidate: a lowered kernel is kept only where it measures faster.
+
+For a match with static sizes, the kernel Kwker built and the nodes it would replace (run as
+ATen runs them, node by node) are timed on this machine, on random inputs of the match's
+shapes, dtypes and strides. If ATen wins, the nodes stay on the inner compiler and the report
+says by how much. The verdict is recorded (``runtime/tuning.py``) with the CPU's identity, so
+each problem is measured once per machine type, thread count and Kwker version; later processes,
+prewarmed caches and packages reuse it. Matches with dynamic sizes and the sorting ops (whose
+``run`` already takes ATen's kernel below its measured thresholds) are not measured here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+from torch.fx import Node
+from torch.fx.node import map_arg
+
+from ..runtime import tuning
+from ..runtime.target import host_target
+from .shapes import TensorMeta
+
+log = logging.getLogger("kwker")
+
+MIN_ROUNDS = 5          # interleaved timings of each candidate at least
+MAX_ROUNDS = 200
+BUDGET_S = 0.15         # time spent timing one problem at most (after the first rounds)
+WARMUP_S = 0.02         # each candidate runs this long first (caches, page faults, the AMX unit)
+
+
+def _describe(v) -> object:
+    """A plain, stable description of a parameter, metadata or constant (for the problem key)."""
+    if isinstance(v, TensorMeta):
+        return ["tensor", list(v.shape), list(v.stride), str(v.dtype)]
+    if isinstance(v, torch.Tensor):
+        return ["const", list(v.shape), list(v.stride()), str(v.dtype)]
+    if isinstance(v, (list, tuple)):
+        return [_describe(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _describe(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+def _op_name(n: Node) -> str:
+    if n.op == "call_method":
+        return "method." + n.target
+    t = n.target
+    return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', getattr(t, '__name__', t))}"
+
+
+def problem(m, metas: dict, consts: dict, inputs: list) -> str | None:
+    """The match as a key: what it computes, from which ops, at which sizes; None when a size
+    is not static (nothing to time)."""
+    described = []
+    for n in inputs:
+        meta = metas.get(n)
+        if not isinstance(meta, TensorMeta) or not all(type(s) is int for s in meta.shape) \
+                or not all(type(s) is int for s in meta.stride):
+            return None
+        described.append(_describe(meta))
+    params = {k: (_describe(metas.get(v)) if isinstance(v, Node) else _describe(v))
+              for k, v in m.params.items()}
+    const_inputs = {k: _describe(consts[v]) for k, v in m.inputs.items()
+                    if isinstance(v, Node) and v in consts}
+    flags = {k: v for k, v in m.inputs.items() if not isinstance(v, Node)}
+    return json.dumps({"kind": m.name, "ops": [_op_name(c) for c in m.covers],
+                       "inputs": described, "consts": const_inputs, "flags": _describe(flags),
+                       "params": params}, sort_keys=True)
+
+
+def _random(meta: TensorMeta) -> torch.Tensor:
+    """A tensor of ``meta``'s shape, strides and dtype with values in [0, 1) (a valid quantile q,
+    a mask that keeps most keys)."""
+    span = 1 + sum((s - 1) * st for s, st in zip(meta.shape, meta.stride) if s > 0)
+    if meta.dtype == torch.bool:
+        base = torch.rand(span) > 0.1
+    elif meta.dtype.is_floating_point:
+        base = torch.rand(span).to(meta.dtype)
+    else:
+        base = torch.zeros(span, dtype=meta.dtype)
+    return base.as_strided(meta.shape, meta.stride)
+
+
+def reference(m, metas: dict, consts: dict, inputs: list):
+    """``callable(*inputs)`` running the match's nodes as ATen does, or None when a node
+    reads a value that is neither an input, a constant nor a static size."""
+    covered = set(m.covers)
+    outside = {}
+    for c in m.covers:
+        for a in c.all_input_nodes:
+            if a in covered or a in inputs:
+                continue
+            if a in consts:
+                outside[a] = consts[a]
+            elif isinstance(metas.get(a), (bool, int, float)):
+                outside[a] = metas[a]
+            else:
+                return None
+    if m.output not in covered or any(c.op not in ("call_function", "call_method")
+                                      for c in m.covers):
+        return None
+    steps = list(m.covers)
+
+    def run(*args):
+        env = dict(outside)
+        env.update(zip(inputs, args))
+        for c in steps:
+            a = map_arg(c.args, env.__getitem__)
+            kw = map_arg(c.kwargs, env.__getitem__)
+            env[c] = (c.target(*a, **kw) if c.op == "call_function"
+                      else getattr(a[0], c.target)(*a[1:], **kw))
+        return env[m.output]
+    return run
+
+
+def best_times(fa, fb, args: list) -> tuple[float, float]:
+    """Best seconds of ``fa(*args)`` and ``fb(*args)``, timed alternately (load hits both
+    alike), after each ran ``WARMUP_S``."""
+    for f in (fa, fb):
+        start = time.perf_counter()
+        while time.perf_counter() - start < WARMUP_S:
+            f(*args)
+    ta = tb = float("inf")
+    start, rounds = time.perf_counter(), 0
+    while rounds < MIN_ROUNDS or (time.perf_counter() - start < BUDGET_S
+                                  and rounds < MAX_ROUNDS):
+        t = time.perf_counter()
+        fa(*args)
+        ta = min(ta, time.perf_counter() - t)
+        t = time.perf_counter()
+        fb(*args)
+        tb = min(tb, time.perf_counter() - t)
+        rounds += 1
+    return ta, tb
+
+
+def enabled() -> bool:
+    """Measuring means something only for this CPU's own code: not under a named target
+    (``KWKER_CPU``) or emulated tiles, whose timings say nothing about the CPU named."""
+    target = host_target()
+    return tuning.mode() != "off" and not os.environ.get("KWKER_CPU") and \
+        target.tiles != "emulated"
+
+
+def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None, str]:
+    """(why the nodes stay on ATen, or None to keep the kernel ``fn`` taking ``inputs``;
+    the measurement in words for the report, "" when nothing was measured)."""
+    if fn is None or m.kind == "sorting" or not m.covers or not enabled():
+        return None, ""
+    key = problem(m, metas, consts, inputs)
+    if key is None:
+        return None, ""
+    target, threads = host_target(), torch.get_num_threads()
+    record = None if tuning.mode() == "force" else tuning.load(key, target, threads)
+    if record is None:
+        ref = reference(m, metas, consts, inputs)
+        if ref is None:
+            return None, ""
+        args = [_random(metas[n]) for n in inputs]
+        try:
+            with torch.no_grad():
+                t_kwker, t_aten = best_times(fn, ref, args)
+        except Exception as e:  # noqa: BLE001 - a failed measurement keeps the built kernel
+            log.debug("kwker: timing %s failed: %s", m.name, e)
+            return None, ""
+        choice = "aten" if t_aten < t_kwker else "kwker"
+        record = tuning.store(key, target, threads, {
+            "choice": choice, "times_us": {"kwker": round(t_kwker * 1e6, 2),
+                                           "aten": round(t_aten * 1e6, 2)},
+            "op": m.name})
+    times = record.get("times_us", {})
+    kw, at = times.get("kwker"), times.get("aten")
+    if not (kw and at):
+        return None, ""
+    measured = f"{at:g} us on ATen, {kw:g} on Kwker"
+    if record.get("choice") == "aten":
+        return f"ATen {kw / at:.2f}x faster on this CPU ({measured})", measured
+    return None, f"{at / kw:.2f}x ATen ({measured})"

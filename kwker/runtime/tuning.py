@@ -1,0 +1,202 @@
+"""Tuning records: what was measured on this CPU, kept next to the object code as plain JSON.
+
+A record says which candidate won a measurement (a Kwker kernel variant, or ATen) for one
+problem (an op at its sizes, dtypes and layouts) on one machine. Its key hashes the problem,
+the target (CPU name, features, tile mode), the thread count and the tuning version (Kwker's
+codegen and kernel-factory sources: a changed kernel is measured again). One file per record:
+``<cache>/v1/tuning/<key[:2]>/<key>.json``, holding all of that plus a SHA-256 over the rest,
+so a truncated, hand-edited or foreign record is detected, removed and measured again, never
+trusted. Records are small (~1 KB) and few, so they are not counted against the cache's size
+limit; ``kwker-cache clear --tuning`` removes them.
+
+``KWKER_TUNE``: ``on`` (default) measures on first need and reuses records; ``off`` measures
+nothing and uses the built-in choices (tests pin them this way); ``force`` measures again and
+overwrites the records.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+from . import cache
+from .target import Target
+
+FORMAT = "kwker-tuning-1"
+DIR = "tuning"
+SUFFIX = ".json"
+MODES = ("on", "off", "force")
+
+
+def mode() -> str:
+    """``KWKER_TUNE`` (on, off, force); anything else is an error the user should see."""
+    value = os.environ.get("KWKER_TUNE", "on").strip().lower() or "on"
+    if value not in MODES:
+        raise ValueError(f"KWKER_TUNE must be one of {', '.join(MODES)}, not {value!r}")
+    return value
+
+
+@functools.cache
+def tuning_version() -> str:
+    """The codegen version plus a hash of the kernel factories (blockings, variants, packing)."""
+    kernels = Path(__file__).resolve().parent.parent / "kernels"
+    h = hashlib.sha256(cache.codegen_version().encode())
+    for path in sorted(p for p in os.listdir(kernels) if p.endswith(".py")):
+        h.update(path.encode())
+        h.update((kernels / path).read_bytes())
+    return f"{cache.codegen_version()}/{h.hexdigest()[:12]}"
+
+
+def identity(target: Target, threads: int) -> dict:
+    """What a record must match to be used: the machine, the thread count and the versions."""
+    return {"target": asdict(target), "threads": threads, "tuning": tuning_version(),
+            **cache.versions()}
+
+
+def record_key(problem: str, target: Target, threads: int) -> str:
+    blob = json.dumps({"problem": problem, **identity(target, threads)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def root() -> Path | None:
+    base = cache.cache_root()
+    return None if base is None else base / DIR
+
+
+def record_path(key: str, where: Path | None = None) -> Path | None:
+    where = where or root()
+    return None if where is None else where / key[:2] / (key + SUFFIX)
+
+
+def _digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def encode(body: dict) -> bytes:
+    return json.dumps({**body, "sha256": _digest(body)}, sort_keys=True, indent=1).encode()
+
+
+def decode(data: bytes) -> dict:
+    """The record's body, or ValueError when it is not a whole, unaltered Kwker record."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError("not a Kwker tuning record")
+    digest = doc.pop("sha256", None)
+    if digest != _digest(doc):
+        raise ValueError("checksum mismatch (truncated or edited)")
+    return doc
+
+
+def mismatch(body: dict, problem: str, expect: dict) -> str | None:
+    """Why a record that decoded cannot be used for ``problem`` on ``expect``, or None."""
+    if body.get("problem") != problem:
+        return "another problem under this key"
+    for field in ("target", "threads", "tuning", "kwker", "llvm", "llvmlite"):
+        if body.get(field) != expect.get(field):
+            return f"recorded for another {field}"
+    return None
+
+
+def load(problem: str, target: Target, threads: int) -> dict | None:
+    """The record of ``problem`` on this machine, or None (missing, or broken: then removed)."""
+    path = record_path(record_key(problem, target, threads))
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        body = decode(data)
+        why = mismatch(body, problem, identity(target, threads))
+        if why:
+            raise ValueError(why)
+    except ValueError as e:
+        cache.warn_once(f"kwker: tuning record {path} is unusable ({e}); measuring again",
+                        topic=f"tuning:{path}")
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    return body
+
+
+def store(problem: str, target: Target, threads: int, result: dict) -> dict:
+    """Write the record of ``problem`` (``result``: choice, times, notes) and return its body;
+    a cache that cannot be written only costs the record, never the caller."""
+    body = {"format": FORMAT, "problem": problem, **identity(target, threads),
+            "created": time.time(), **result}
+    path = record_path(record_key(problem, target, threads))
+    if path is None:
+        return body
+    try:
+        cache.ensure_dir(path.parent.parent.parent)
+        for d in (path.parent.parent, path.parent):
+            d.mkdir(mode=0o700, exist_ok=True)
+            cache.check_private(d)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=cache.TMP_PREFIX, suffix=SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(encode(body))
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except (cache.UnusableCache, OSError) as e:
+        cache.warn_once(f"kwker: cannot write tuning records under {path.parent}: {e}; "
+                        "choices are measured again in the next process", topic="tuning-write")
+    return body
+
+
+def install(data: bytes) -> bool:
+    """Store a record carried by a package (``data`` as ``encode`` wrote it) if it is whole;
+    a record of another machine is kept too (its key is its own) and simply never matches."""
+    try:
+        body = decode(data)
+    except ValueError:
+        return False
+    problem = body.get("problem")
+    target = body.get("target")
+    if not isinstance(problem, str) or not isinstance(target, dict):
+        return False
+    try:
+        key = record_key(problem, Target(**target), int(body.get("threads", 0)))
+    except (TypeError, ValueError):
+        return False
+    path = record_path(key)
+    if path is None or path.exists():
+        return False
+    with contextlib.suppress(cache.UnusableCache, OSError):
+        cache.ensure_dir(path.parent.parent.parent)
+        for d in (path.parent.parent, path.parent):
+            d.mkdir(mode=0o700, exist_ok=True)
+        path.write_bytes(data)
+        return True
+    return False
+
+
+def iter_records(where: Path | None = None) -> Iterator[tuple[Path, dict | None]]:
+    """Every record file under the tuning directory with its body (None when broken)."""
+    where = where or root()
+    if where is None or not where.is_dir():
+        return
+    for sub in sorted(where.iterdir()):
+        if not sub.is_dir():
+            continue
+        for path in sorted(sub.glob("*" + SUFFIX)):
+            if path.name.startswith(cache.TMP_PREFIX):
+                continue
+            try:
+                yield path, decode(path.read_bytes())
+            except (OSError, ValueError):
+                yield path, None
