@@ -1,0 +1,223 @@
+"""The tuner: ATen as a candidate, records written, reused and invalidated (kwker/lowering/tune.py,
+kwker/runtime/tuning.py).
+
+Each test measures with a private cache (``KWKER_CACHE_DIR``) and ``KWKER_TUNE`` switched on;
+the rest of the suite pins the built-in choices (tests/conftest.py). Which candidate wins a real
+measurement depends on the machine, so the tests that need a given winner make one candidate
+slower on purpose (a kernel wrapped in a busy wait); none asserts a time.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+import kwker.dynamo as kd
+from kwker.lowering import build as B
+from kwker.lowering import tune
+from kwker.runtime import tuning
+from kwker.runtime.target import host_target
+
+from .models import assert_close, compile_run
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(64, 96)
+        self.l2 = torch.nn.Linear(96, 32)
+
+    def forward(self, x):
+        return self.l2(torch.nn.functional.gelu(self.l1(x)))
+
+
+@pytest.fixture
+def tuned(tmp_path, monkeypatch):
+    """Tuning on, records (and object code) in a fresh cache of this test's own."""
+    monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KWKER_TUNE", "on")
+    monkeypatch.delenv("KWKER_CPU", raising=False)
+    if host_target().tiles == "emulated":
+        pytest.skip("KWKER_TILES=emulate: timings of emulated tiles say nothing about a CPU")
+    return tmp_path / "cache"
+
+
+def _records() -> list[dict]:
+    return [body for _, body in tuning.iter_records()]
+
+
+def _slow_factory(monkeypatch, name: str, delay_s: float):
+    """The factory ``name`` with every kernel it makes busy-waiting ``delay_s`` per call."""
+    real = B.factory(name)
+
+    def slow(*args, **kwargs):
+        fn = real(*args, **kwargs)
+
+        def run(*a):
+            end = time.perf_counter() + delay_s
+            while time.perf_counter() < end:
+                pass
+            return fn(*a)
+        run.spec = getattr(fn, "spec", None)
+        return run
+    monkeypatch.setitem(B._factories, name, slow)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_records_are_written_then_reused(tuned, inner, monkeypatch):
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(16, 64)
+    expected, got, reports = compile_run(model, (x,), inner)
+    assert_close(got, expected)
+    records = _records()
+    assert len(records) == 2 and {r["op"] for r in records} == {"linear_gelu", "linear"}
+    for r in records:
+        assert r["choice"] in ("kwker", "aten") and r["times_us"]["kwker"] > 0
+        assert r["target"]["cpu"] == host_target().cpu
+        assert r["threads"] == torch.get_num_threads()
+    report = reports[-1]
+    lowered = {k[0] for k in report.kernels}
+    assert {t[1] for t in report.tuned} == lowered  # every kept kernel says what it measured
+    assert all("x ATen" in t[2] for t in report.tuned)
+
+    def no_timing(*a, **k):
+        raise AssertionError("a recorded problem was measured again")
+    monkeypatch.setattr(tune, "best_times", no_timing)
+    expected, got, reports = compile_run(model, (x,), inner)
+    assert_close(got, expected)
+    assert {k[0] for k in reports[-1].kernels} == lowered
+
+
+def test_a_slower_kernel_leaves_its_nodes_on_aten(tuned, monkeypatch):
+    """The linear kernels made slower than ATen by 5 ms a call: the nodes stay on the inner
+    compiler, the report gives the ratio, the answer is eager's."""
+    _slow_factory(monkeypatch, "make_linear", 5e-3)
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(16, 64)
+    expected, got, reports = compile_run(model, (x,), "eager")
+    assert_close(got, expected)
+    report = reports[-1]
+    assert report.kernels == []
+    reasons = [why for _, op, why in report.missed if op == "linear"]
+    assert reasons and all("faster on this CPU" in why for why in reasons), report
+    assert report.specs == []  # the kernels built for the measurement are not listed
+    assert {r["choice"] for r in _records()} == {"aten"}
+
+
+def test_the_reference_computes_what_the_kernel_computes(tuned):
+    """The ATen side of a measurement runs the replaced nodes: for each match of a model with a
+    fused epilogue, a residual and attention, on the same random inputs, both agree."""
+    from kwker.lowering.partition import const_nodes
+    from kwker.lowering.patterns import Matcher
+    from kwker.lowering.shapes import propagate
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(64, 192)
+            self.out = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 16, 3, 4, 16).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return x + self.out(a.transpose(1, 2).reshape(2, 16, 64))
+
+    torch.manual_seed(0)
+    model = Block().eval()
+    seen = []
+
+    def capture(gm, example_inputs):  # dynamo's graph, as the backend receives it
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=capture)(torch.randn(2, 16, 64))
+    (gm, args), = seen
+    metas = propagate(gm, args)
+    consts = const_nodes(gm, args)
+    assert consts
+    matches = Matcher(list(gm.graph.nodes), metas, set(consts), False).run()
+    assert {m.kind for m in matches} >= {"linear", "sdpa"}
+    checked = 0
+    for m in matches:
+        fn, why = B.build(m, metas, consts)
+        assert fn is not None, why
+        inputs = B.runtime_inputs(m)
+        ref = tune.reference(m, metas, consts, inputs)
+        assert ref is not None, m.name
+        values = [tune._random(metas[n]) for n in inputs]
+        with torch.no_grad():
+            torch.testing.assert_close(fn(*values), ref(*values), rtol=1e-4, atol=1e-5)
+        checked += 1
+    assert checked == len(matches)
+
+
+def test_records_of_another_machine_or_version_are_not_used(tuned, monkeypatch):
+    target, threads = host_target(), torch.get_num_threads()
+    problem = json.dumps({"kind": "test", "n": 1})
+    tuning.store(problem, target, threads, {"choice": "aten", "times_us": {"kwker": 2,
+                                                                           "aten": 1}})
+    assert tuning.load(problem, target, threads)["choice"] == "aten"
+    assert tuning.load(problem, replace(target, cpu=target.cpu + "-other"), threads) is None
+    assert tuning.load(problem, replace(target, features=target.features + ",+x"),
+                       threads) is None
+    assert tuning.load(problem, target, threads + 1) is None
+    monkeypatch.setattr(tuning, "tuning_version", lambda: "another-version")
+    assert tuning.load(problem, target, threads) is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "edit", "garbage", "foreign"])
+def test_a_broken_record_is_removed_and_measured_again(tuned, damage, caplog):
+    target, threads = host_target(), torch.get_num_threads()
+    problem = json.dumps({"kind": "test", "n": 2})
+    tuning.store(problem, target, threads, {"choice": "kwker", "times_us": {"kwker": 1,
+                                                                            "aten": 2}})
+    path = tuning.record_path(tuning.record_key(problem, target, threads))
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[:len(data) // 2])
+    elif damage == "edit":  # a hand edit that keeps valid JSON fails the checksum
+        path.write_bytes(data.replace(b'"kwker"', b'"aten"', 1))
+    elif damage == "garbage":
+        path.write_bytes(b"\x7fELF" + bytes(100))
+    else:  # a whole record of another problem copied under this key
+        other = json.dumps({"kind": "test", "n": 3})
+        path.write_bytes(tuning.encode({**tuning.decode(data), "problem": other}))
+    assert tuning.load(problem, target, threads) is None
+    assert not path.exists()
+
+
+def test_off_measures_nothing_and_bad_values_are_refused(tuned, monkeypatch):
+    monkeypatch.setenv("KWKER_TUNE", "off")
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(4, 64)
+    expected, got, reports = compile_run(model, (x,), "eager")
+    assert_close(got, expected)
+    assert _records() == [] and reports[-1].tuned == []
+    assert len(reports[-1].kernels) == 2
+    monkeypatch.setenv("KWKER_TUNE", "fast")
+    with pytest.raises(ValueError, match="KWKER_TUNE must be one of"):
+        tuning.mode()
+
+
+def test_a_named_target_is_not_measured(tuned, monkeypatch):
+    """Timings under KWKER_CPU would be recorded for a CPU they were not taken on."""
+    monkeypatch.setenv("KWKER_CPU", host_target().cpu)
+    assert not tune.enabled()
+
+
+def test_force_measures_again(tuned, monkeypatch):
+    target, threads = host_target(), torch.get_num_threads()
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(8, 64)
+    compile_run(model, (x,), "eager")
+    created = sorted(r["created"] for r in _records())
+    monkeypatch.setenv("KWKER_TUNE", "force")
+    compile_run(model, (x,), "eager")
+    again = sorted(r["created"] for r in _records())
+    assert len(again) == len(created) == 2 and all(a > c for a, c in zip(again, created))
+    assert kd.last_report().tuned
+    assert target == host_target() and threads == torch.get_num_threads()
