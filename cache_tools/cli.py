@@ -3,7 +3,8 @@
     kwker-cache info                  where it is, what is in it, this machine's target
     kwker-cache list                  entries: family, dtype, shapes, size, last use
     kwker-cache prewarm [--manifest FILE | --package FILE] [--jobs N]
-    kwker-cache clear [--stale | --older-than AGE] [--dry-run]
+    kwker-cache tuning [--stale]      measured choices: op, sizes, winner, times, CPU
+    kwker-cache clear [--stale | --older-than AGE | --tuning] [--dry-run]
 
 Every command takes ``--json`` (machine-readable stdout) and ``--cache-dir DIR`` (instead of
 KWKER_CACHE_DIR). A failure exits with status 1 and one line on stderr saying why; usage errors
@@ -78,7 +79,31 @@ def cmd_info(args, out: dict) -> str | None:
         print(f"  matrix tiles   {tiles.get(t['tiles'], 'not used')}"
               + (f" ({t['tile_refusal']})" if t["tile_refusal"] else ""))
         print(f"versions         kwker {v['kwker']}, llvmlite {v['llvmlite']}, LLVM {v['llvm']}")
+        r = report["tuning_records"]
+        print(f"tuning records   {sum(r.values())}: {r['current']} for this machine, "
+              f"{r['other target'] + r['other version']} stale, {r['bad']} unreadable "
+              f"(KWKER_TUNE={report['tuning_mode']})")
     return problem
+
+
+def cmd_tuning(args, out: dict) -> str | None:
+    root = inventory.cache_dir()
+    records = inventory.scan_tuning(root) if root.is_dir() else []
+    if args.stale:
+        records = [r for r in records if r.status != "current"]
+    records.sort(key=lambda r: (r.op, r.inputs))
+    out["cache_dir"] = str(root)
+    out["records"] = [r.to_json() for r in records]
+    if not args.json:
+        def us(t):
+            return "-" if t is None else f"{t:g}"
+        rows = [[r.op, r.inputs, r.choice, us(r.kwker_us), us(r.aten_us),
+                 f"{r.target}/{r.threads}t", r.status] for r in records]
+        if rows:
+            print(table(rows, ["OP", "INPUTS", "CHOICE", "KWKER US", "ATEN US", "CPU/THREADS",
+                               "STATUS"]))
+        print(f"{len(records)} tuning records in {root / 'tuning'}")
+    return None
 
 
 def cmd_list(args, out: dict) -> str | None:
@@ -167,15 +192,26 @@ def cmd_clear(args, out: dict) -> str | None:
         mode = "stale"
     elif args.older_than:
         mode, age = "older", inventory.parse_age(args.older_than)
-    removed, errors = inventory.clear(root, mode, age, args.dry_run) if root.is_dir() else ([], [])
+    elif args.tuning:
+        mode = "tuning"
+    removed, errors = ([], [])
+    if root.is_dir() and mode != "tuning":
+        removed, errors = inventory.clear(root, mode, age, args.dry_run)
+    records, rec_errors = (inventory.clear_tuning(root, mode, age, args.dry_run)
+                           if root.is_dir() else ([], []))
+    errors += rec_errors
     total = sum(i.size for i in removed)
     out.update(cache_dir=str(root), mode=mode, dry_run=args.dry_run, removed_bytes=total,
-               removed=[i.to_json() for i in removed], errors=errors)
+               removed=[i.to_json() for i in removed], errors=errors,
+               removed_records=[r.to_json() for r in records])
     if not args.json:
         verb = "would remove" if args.dry_run else "removed"
         for i in removed:
             print(f"{verb} {i.family} {i.symbol} ({i.status}, {human(i.size)})")
-        print(f"{verb} {len(removed)} entries, {human(total)} from {root}")
+        for r in records:
+            print(f"{verb} tuning record {r.op} {r.inputs} ({r.status})")
+        print(f"{verb} {len(removed)} entries, {human(total)}, and {len(records)} tuning "
+              f"records from {root}")
     if errors:
         return f"{len(errors)} files could not be removed (first: {errors[0]})"
     return None
@@ -211,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Manage Kwker's on-disk kernel cache.",
                                 epilog="Environment: KWKER_CACHE_DIR, KWKER_CACHE=0, "
                                        "KWKER_CACHE_MAX_BYTES (default 1G), KWKER_CPU, "
-                                       "KWKER_FEATURES.")
+                                       "KWKER_FEATURES, KWKER_TUNE (on, off, force).")
     p.add_argument("--version", action="version", version=f"kwker {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -246,15 +282,26 @@ def build_parser() -> argparse.ArgumentParser:
     bar.add_argument("--no-progress", dest="progress", action="store_false")
     s.set_defaults(func=cmd_prewarm)
 
+    s = sub.add_parser("tuning", parents=[common], help="list tuning records",
+                       description="List the choices measured on this machine (kernel or ATen, "
+                       "per op and sizes) with their times, the CPU and thread count they were "
+                       "measured for, and whether they still apply here.")
+    s.add_argument("--stale", action="store_true",
+                   help="only records of other CPUs or versions, and unreadable ones")
+    s.set_defaults(func=cmd_tuning)
+
     s = sub.add_parser("clear", parents=[common], help="remove entries (all by default)",
-                       description="Remove all entries, only stale ones, or ones not used for "
-                       "a while, and report what was removed.")
+                       description="Remove all entries and tuning records, only stale ones, ones "
+                       "not used for a while, or only the tuning records, and report what was "
+                       "removed.")
     which = s.add_mutually_exclusive_group()
     which.add_argument("--all", action="store_true", help="every entry (the default)")
     which.add_argument("--stale", action="store_true",
                        help="entries for other CPUs or Kwker/LLVM versions, and unreadable ones")
     which.add_argument("--older-than", type=_age, metavar="AGE",
                        help="entries not used for AGE (e.g. 12h, 7d, 2w)")
+    which.add_argument("--tuning", action="store_true",
+                       help="only the tuning records (measured again on next use)")
     s.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     s.set_defaults(func=cmd_clear)
     return p

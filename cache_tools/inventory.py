@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kwker.runtime import cache, tile_permission
+from kwker.runtime import cache, tile_permission, tuning
 from kwker.runtime.target import Target, host_target
 
 
@@ -126,6 +126,66 @@ def scan(root: Path) -> list[Item]:
     return items
 
 
+@dataclass
+class Record:
+    """One tuning record (kwker/runtime/tuning.py) as the CLI shows it."""
+    path: str
+    status: str  # current, other target, other version, bad
+    op: str = "?"
+    choice: str = "?"
+    kwker_us: float | None = None
+    aten_us: float | None = None
+    inputs: str = "-"
+    target: str = "?"
+    threads: int | None = None
+    created: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _describe_inputs(problem: str) -> str:
+    """The shapes and dtypes of a record's problem, as ``64x256 float32, ...``."""
+    import json
+    try:
+        inputs = json.loads(problem).get("inputs", [])
+        return ", ".join("x".join(map(str, t[1])) + " " + str(t[3]).replace("torch.", "")
+                         for t in inputs) or "-"
+    except (ValueError, AttributeError, IndexError, TypeError):
+        return "?"
+
+
+def scan_tuning(root: Path) -> list[Record]:
+    """Every tuning record under ``root``; a record of this CPU with other versions (or of
+    another CPU) is stale: it will never be used here again."""
+    target, versions = host_target(), {"tuning": tuning.tuning_version(), **cache.versions()}
+    records = []
+    for path, body in tuning.iter_records(root / tuning.DIR):
+        rec = Record(str(path), "bad", created=path.stat().st_mtime if path.exists() else 0.0)
+        if body is not None:
+            times = body.get("times_us") or {}
+            t = body.get("target") if isinstance(body.get("target"), dict) else {}
+            rec = Record(str(path), classify(body, target, versions), str(body.get("op", "?")),
+                         str(body.get("choice", "?")), times.get("kwker"), times.get("aten"),
+                         _describe_inputs(str(body.get("problem", ""))), str(t.get("cpu", "?")),
+                         body.get("threads"), float(body.get("created", 0.0)))
+        records.append(rec)
+    return records
+
+
+def clear_tuning(root: Path, mode: str, age: float | None = None,
+                 dry_run: bool = False) -> tuple[list[Record], list[str]]:
+    """Remove tuning records: mode all, stale or older (measured more than ``age`` ago)."""
+    now = time.time()
+    chosen = [r for r in scan_tuning(root)
+              if mode in ("all", "tuning") or (mode == "stale" and r.status != "current")
+              or (mode == "older" and now - r.created > age)]
+    if dry_run:
+        return chosen, []
+    errors: list[str] = []
+    return [r for r in chosen if _unlink(Path(r.path), errors)], errors
+
+
 def free_bytes(root: Path) -> int | None:
     with contextlib.suppress(OSError):
         return shutil.disk_usage(_nearest_existing(root)).free
@@ -136,6 +196,7 @@ def info(root: Path) -> tuple[dict, str | None]:
     status, problem = diagnose(root)
     items = scan(root) if status in ("ok", "unusable", "disabled") and root.is_dir() else []
     target = host_target()
+    records = scan_tuning(root) if root.is_dir() else []
     counts = {s: sum(i.status == s for i in items)
               for s in ("current", "other target", "other version", "bad")}
     report = {
@@ -148,6 +209,9 @@ def info(root: Path) -> tuple[dict, str | None]:
         "target": {**asdict(target), "description": target.describe(),
                    "tile_refusal": tile_permission.refusal()},
         "versions": cache.versions(),
+        "tuning_mode": os.environ.get("KWKER_TUNE", "on"),
+        "tuning_records": {s: sum(r.status == s for r in records)
+                           for s in ("current", "other target", "other version", "bad")},
     }
     return report, problem if status != "disabled" else None
 

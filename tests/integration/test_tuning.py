@@ -221,3 +221,19 @@ def test_force_measures_again(tuned, monkeypatch):
     assert len(again) == len(created) == 2 and all(a > c for a, c in zip(again, created))
     assert kd.last_report().tuned
     assert target == host_target() and threads == torch.get_num_threads()
+
+
+def test_cli_lists_and_clears_records(tuned, capsys):
+    from cache_tools import cli
+    torch.manual_seed(0)
+    compile_run(Mlp().eval(), (torch.randn(8, 64),), "eager")
+    assert cli.main(["tuning", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["records"]
+    assert sorted(r["op"] for r in listed) == ["linear", "linear_gelu"]
+    assert all(r["status"] == "current" and r["inputs"].endswith("float32") for r in listed)
+    assert cli.main(["info"]) == 0
+    assert "tuning records   2: 2 for this machine" in capsys.readouterr().out
+    entries = len(list((tuned / "v1").glob("??/*.kwo")))
+    assert cli.main(["clear", "--tuning"]) == 0
+    assert "2 tuning records" in capsys.readouterr().out
+    assert _records() == [] and len(list((tuned / "v1").glob("??/*.kwo"))) == entries > 0
