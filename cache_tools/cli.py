@@ -165,17 +165,23 @@ def cmd_prewarm(args, out: dict) -> str | None:
     target = host_target()
     t0 = time.perf_counter()
     results = prewarm.prewarm(specs, jobs, None if args.json else args.progress)
+    tuned = None
+    if args.package and not args.no_tune:
+        tuned = prewarm.tune_package(args.package)
     failed = [r for r in results if r.status == "failed"]
     counts = {s: sum(r.status == s for r in results) for s in ("compiled", "cached", "failed")}
     out.update(cache_dir=str(root), target=target.describe(), source=source, jobs=jobs,
                seconds=round(time.perf_counter() - t0, 3), **counts,
-               kernels=[r.__dict__ for r in results])
+               kernels=[r.__dict__ for r in results], tuning_records=tuned)
     if not args.json:
         for r in failed:
             print(f"failed: {r.symbol}: {r.error}", file=sys.stderr)
         print(f"prewarmed {len(results)} kernels from {source} for {target.describe()} into "
               f"{root}: {counts['compiled']} compiled, {counts['cached']} already cached, "
               f"{counts['failed']} failed ({out['seconds']:.1f} s, {jobs} jobs)")
+        if tuned is not None:
+            print(f"tuning: {tuned} records for this machine hold the package's choices "
+                  "(kwker-cache tuning lists them)")
     if failed:
         return (f"{len(failed)} of {len(results)} kernels failed (first: {failed[0].symbol}: "
                 f"{failed[0].error})")
@@ -274,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--package", metavar="FILE",
                        help="compile the kernels of the package FILE (kwker.package) for this "
                        "CPU, so loading it here compiles nothing")
+    s.add_argument("--no-tune", action="store_true",
+                   help="with --package: only compile; do not measure the package's choices "
+                   "(kernel or ATen per op) on this machine")
     s.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N",
                    help="parallel compile processes (default: one per CPU)")
     bar = s.add_mutually_exclusive_group()

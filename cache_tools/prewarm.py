@@ -73,5 +73,15 @@ def prewarm(specs: list, jobs: int, progress: bool | None) -> list[Result]:
     return results
 
 
+def tune_package(path) -> int:
+    """Load the package ``path`` once in this process, which installs its tuning records and
+    measures any choice this machine has no record of; returns how many records it uses."""
+    from kwker.lowering import tune
+    from kwker.packaging import load_package
+    with tune.recording() as records:
+        load_package(path)
+    return len(records)
+
+
 def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -9,8 +9,9 @@ A package is a zip file (stored, not compressed) holding:
 
 - ``kwker-package.json``: the graph (``lowering/exported.py``'s document: ATen ops by name,
   argument slots, constants, metadata, input ranges), the kernel specs, the versions it was
-  built with, one entry per target (CPU name and features -> object code members) and the
-  SHA-256 of every other member;
+  built with, one entry per target (CPU name and features -> object code members), the tuning
+  records its lowering used on the build machine (installed into the loading machine's cache,
+  where they apply only to the same CPU type) and the SHA-256 of every other member;
 - ``INTEGRITY``: the SHA-256 of ``kwker-package.json``, so any change to any byte is caught;
 - ``weights.bin``: the constants, raw, 64-byte aligned (no pickle: loading runs no code);
 - ``objects/<key>.o``: object code per kernel and target, keyed like the kernel cache;
@@ -51,8 +52,9 @@ from .lowering.exported import (
     tree_is_flat_tuple,
 )
 from .lowering.partition import const_nodes, lower_graph
+from .lowering import tune
 from .lowering.report import Report, new_graph_id
-from .runtime import cache, kernel
+from .runtime import cache, kernel, tuning
 from .runtime.target import Target, host_target, make_target
 from .spec import spec_from_json
 
@@ -84,7 +86,8 @@ def package(exported_program, path, targets=None) -> Path:
     doc, tensors = describe(exported_program)
     layout, blob = _pack_weights(doc, tensors)
     host = host_target()
-    specs = _lower(doc, _tensors_from(layout, bytearray(blob)))[2]
+    with tune.recording() as records:
+        specs = _lower(doc, _tensors_from(layout, bytearray(blob)))[2]
     per_target = [(host, specs)]
     for t in targets or ():
         target = _parse_target(t)
@@ -109,6 +112,7 @@ def package(exported_program, path, targets=None) -> Path:
                 "versions": {"torch": torch.__version__, "kwker_package": __version__,
                              **cache.versions()},
                 "graph": doc, "weights": layout, "targets": entries,
+                "tuning": list({json.dumps(r, sort_keys=True): r for r in records}.values()),
                 "spec_modules": {s.family: type(s).__module__ for s in all_specs},
                 "exported": EXPORTED if saved is not None else None,
                 "members": {name: hashlib.sha256(data).hexdigest()
@@ -365,6 +369,8 @@ def load_package(path) -> PackagedModel:
         log.warning("kwker: package %s has no code for this CPU, %s (it has %s): compiling its "
                     "kernels into the kernel cache (kwker-cache prewarm --package does it "
                     "ahead of time)", path, host_target().describe(), built)
+    for record in manifest.get("tuning") or ():
+        tuning.install(tuning.encode(record))
     program, report, _ = _lower_stored(path, manifest, blob)
     return PackagedModel(path, manifest, program, report)
 

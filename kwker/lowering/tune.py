@@ -10,9 +10,11 @@ prewarmed caches and packages reuse it. Matches with dynamic sizes and the sorti
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -29,6 +31,23 @@ MIN_ROUNDS = 5          # interleaved timings of each candidate at least
 MAX_ROUNDS = 200
 BUDGET_S = 0.15         # time spent timing one problem at most (after the first rounds)
 WARMUP_S = 0.02         # each candidate runs this long first (caches, page faults, the AMX unit)
+
+
+_used = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+    """Yield the list of the tuning records that verdicts inside use (a package carries them,
+    so loading it on this CPU type measures nothing)."""
+    outer = getattr(_used, "records", None)
+    _used.records = records = []
+    try:
+        yield records
+    finally:
+        _used.records = outer
+        if outer is not None:
+            outer.extend(records)
 
 
 def _describe(v) -> object:
@@ -173,6 +192,9 @@ def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None,
             "choice": choice, "times_us": {"kwker": round(t_kwker * 1e6, 2),
                                            "aten": round(t_aten * 1e6, 2)},
             "op": m.name})
+    used = getattr(_used, "records", None)
+    if used is not None:
+        used.append(record)
     times = record.get("times_us", {})
     kw, at = times.get("kwker"), times.get("aten")
     if not (kw and at):

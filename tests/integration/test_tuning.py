@@ -37,8 +37,10 @@ class Mlp(torch.nn.Module):
 @pytest.fixture
 def tuned(tmp_path, monkeypatch):
     """Tuning on, records (and object code) in a fresh cache of this test's own."""
+    from kwker.runtime import kernel
     monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KWKER_TUNE", "on")
+    monkeypatch.setattr(kernel, "_provided", {})  # object code a loaded package handed over
     monkeypatch.delenv("KWKER_CPU", raising=False)
     if host_target().tiles == "emulated":
         pytest.skip("KWKER_TILES=emulate: timings of emulated tiles say nothing about a CPU")
@@ -236,4 +238,45 @@ def test_cli_lists_and_clears_records(tuned, capsys):
     entries = len(list((tuned / "v1").glob("??/*.kwo")))
     assert cli.main(["clear", "--tuning"]) == 0
     assert "2 tuning records" in capsys.readouterr().out
-    assert _records() == [] and len(list((tuned / "v1").glob("??/*.kwo"))) == entries > 0
+    assert _records() == [] and len(list((tuned / "v1").glob("??/*.kwo"))) == entries
+
+
+def _mlp_package(path):
+    import kwker
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(8, 64)
+    kwker.package(torch.export.export(model, (x,)), path)
+    return model, x
+
+
+def test_packages_carry_their_records(tuned, tmp_path, monkeypatch):
+    import kwker
+    from kwker.packaging import _open
+    model, x = _mlp_package(tmp_path / "mlp.kwk")
+    z, manifest = _open(tmp_path / "mlp.kwk")
+    z.close()
+    assert sorted(r["op"] for r in manifest["tuning"]) == ["linear", "linear_gelu"]
+    tuning_dir = tuned / "v1" / tuning.DIR
+    for path, _ in tuning.iter_records(tuning_dir):
+        path.unlink()
+
+    def no_timing(*a, **k):
+        raise AssertionError("a package's recorded choice was measured again")
+    monkeypatch.setattr(tune, "best_times", no_timing)
+    loaded = kwker.load_package(tmp_path / "mlp.kwk")
+    with torch.no_grad():
+        assert_close(loaded(x), model(x))
+    assert sorted(r["op"] for r in _records()) == ["linear", "linear_gelu"]
+
+
+@pytest.mark.parametrize("no_tune", [False, True])
+def test_prewarm_of_a_package_tunes(tuned, tmp_path, no_tune, capsys):
+    from cache_tools import cli
+    _mlp_package(tmp_path / "mlp.kwk")
+    for path, _ in tuning.iter_records(tuned / "v1" / tuning.DIR):
+        path.unlink()
+    assert cli.main(["prewarm", "--package", str(tmp_path / "mlp.kwk"), "--jobs", "1",
+                     "--json"] + (["--no-tune"] if no_tune else [])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tuning_records"] == (None if no_tune else 2)
+    assert len(_records()) == (0 if no_tune else 2)
