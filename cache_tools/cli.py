@@ -95,12 +95,11 @@ def cmd_tuning(args, out: dict) -> str | None:
     out["cache_dir"] = str(root)
     out["records"] = [r.to_json() for r in records]
     if not args.json:
-        def us(t):
-            return "-" if t is None else f"{t:g}"
-        rows = [[r.op, r.inputs, r.choice, us(r.kwker_us), us(r.aten_us),
+        rows = [[r.op, r.inputs, r.choice,
+                 ", ".join(f"{k} {v:g}" for k, v in (r.times_us or {}).items()) or "-",
                  f"{r.target}/{r.threads}t", r.status] for r in records]
         if rows:
-            print(table(rows, ["OP", "INPUTS", "CHOICE", "KWKER US", "ATEN US", "CPU/THREADS",
+            print(table(rows, ["OP", "INPUTS", "CHOICE", "TIMES (us)", "CPU/THREADS",
                                "STATUS"]))
         print(f"{len(records)} tuning records in {root / 'tuning'}")
     return None
@@ -165,14 +164,17 @@ def cmd_prewarm(args, out: dict) -> str | None:
     target = host_target()
     t0 = time.perf_counter()
     results = prewarm.prewarm(specs, jobs, None if args.json else args.progress)
-    tuned = None
+    tuned = thresholds = None
     if args.package and not args.no_tune:
         tuned = prewarm.tune_package(args.package)
+    elif not args.manifest and not args.no_tune:
+        thresholds = prewarm.tune_drop_in()
     failed = [r for r in results if r.status == "failed"]
     counts = {s: sum(r.status == s for r in results) for s in ("compiled", "cached", "failed")}
     out.update(cache_dir=str(root), target=target.describe(), source=source, jobs=jobs,
                seconds=round(time.perf_counter() - t0, 3), **counts,
-               kernels=[r.__dict__ for r in results], tuning_records=tuned)
+               kernels=[r.__dict__ for r in results], tuning_records=tuned,
+               drop_in_thresholds=thresholds)
     if not args.json:
         for r in failed:
             print(f"failed: {r.symbol}: {r.error}", file=sys.stderr)
@@ -182,6 +184,9 @@ def cmd_prewarm(args, out: dict) -> str | None:
         if tuned is not None:
             print(f"tuning: {tuned} records for this machine hold the package's choices "
                   "(kwker-cache tuning lists them)")
+        if thresholds:
+            print("drop-in size thresholds measured here (min elements / min row length): "
+                  + ", ".join(f"{f} {n}/{r}" for f, (n, r) in thresholds.items()))
     if failed:
         return (f"{len(failed)} of {len(results)} kernels failed (first: {failed[0].symbol}: "
                 f"{failed[0].error})")
@@ -281,8 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compile the kernels of the package FILE (kwker.package) for this "
                        "CPU, so loading it here compiles nothing")
     s.add_argument("--no-tune", action="store_true",
-                   help="with --package: only compile; do not measure the package's choices "
-                   "(kernel or ATen per op) on this machine")
+                   help="only compile: do not measure the drop-in ops' size thresholds (the "
+                   "default prewarm) or a package's choices (kernel or ATen per op) here")
     s.add_argument("--jobs", "-j", type=_jobs, default=0, metavar="N",
                    help="parallel compile processes (default: one per CPU)")
     bar = s.add_mutually_exclusive_group()

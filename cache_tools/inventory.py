@@ -133,8 +133,7 @@ class Record:
     status: str  # current, other target, other version, bad
     op: str = "?"
     choice: str = "?"
-    kwker_us: float | None = None
-    aten_us: float | None = None
+    times_us: dict | None = None  # candidate -> best time measured
     inputs: str = "-"
     target: str = "?"
     threads: int | None = None
@@ -166,7 +165,7 @@ def scan_tuning(root: Path) -> list[Record]:
             times = body.get("times_us") or {}
             t = body.get("target") if isinstance(body.get("target"), dict) else {}
             rec = Record(str(path), classify(body, target, versions), str(body.get("op", "?")),
-                         str(body.get("choice", "?")), times.get("kwker"), times.get("aten"),
+                         str(body.get("choice", "?")), dict(times),
                          _describe_inputs(str(body.get("problem", ""))), str(t.get("cpu", "?")),
                          body.get("threads"), float(body.get("created", 0.0)))
         records.append(rec)

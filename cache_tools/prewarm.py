@@ -83,5 +83,15 @@ def tune_package(path) -> int:
     return len(records)
 
 
+def tune_drop_in() -> dict | None:
+    """Measure the drop-in ops' size thresholds on this machine and record them (None when
+    tuning is off or the target is not this CPU's own)."""
+    from kwker.ops import thresholds
+    from kwker.runtime import tuning
+    if not tuning.measuring():
+        return None
+    return thresholds.calibrate()
+
+
 def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from .ops import sorting as ops
+from .ops import thresholds
 
 VERIFIED_TORCH = ("2.13.0",)
 
@@ -192,6 +193,7 @@ def _activate() -> None:
                 f"not {torch.__version__}; every sorting op keeps running on ATen.",
                 RuntimeWarning, stacklevel=3)
         return
+    thresholds.apply()  # this CPU's measured size thresholds, where kwker-cache prewarm took them
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")

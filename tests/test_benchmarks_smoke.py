@@ -5,6 +5,7 @@ No timing is asserted (the machine is shared); only the harness's logic is.
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -225,3 +226,26 @@ def test_package_targets_can_fail(bp):
                                   "python": "3", "date": "d"}, "calls": good,
                       "startup": start, "targets": bp.targets(good, start)})
     assert "| Ranker | 1 | 50.0 | 80.0 (1.60x)" in md and "floor" in md
+
+
+# ------------------------------------------------------------------ bench_ops.py harness
+@pytest.fixture(scope="module")
+def bo():
+    yield from _bench_module("bench_ops")
+
+
+def test_single_ops_rows_and_table(bo, monkeypatch, tmp_path):
+    """One case through the harness: three compiles, the decision text, the summary line that
+    names cases below the floor."""
+    monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(bo, "cases", lambda quick: [
+        ("linear", "7x33x65", bo.Linear(65, 33), (torch.randn(7, 65),), torch.float32)])
+    (row,) = bo.run(quick=True, reps=1, rounds=1)
+    assert row["floor_ms"] > 0 and row["tuned_ms"] > 0 and row["fixed_ms"] > 0
+    assert row["ratio"] == pytest.approx(row["floor_ms"] / row["tuned_ms"])
+    assert row["decision"].startswith(("kernel linear", "ATen: ATen "))
+    slow = dict(row, ratio=0.5)
+    md = bo.render([row, slow], {"cpu": "x", "cores": 2, "torch": "t", "threads": 2,
+                                 "python": "3", "date": "d"})
+    assert "Tuned cases below 1.0x: 1 (linear 7x33x65 float32 0.50x)" in md
+    assert os.environ.get("KWKER_TUNE") == "off"  # the suite's pin is restored

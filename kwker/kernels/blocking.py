@@ -134,6 +134,27 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
     return Blocking(mr, nr, kc, mc, nb, True)
 
 
+# bf16 products of up to this many rows on a CPU with tiles are measured on both paths (the
+# crossover moves with the shape and the CPU: on Emerald Rapids 4 rows were faster on the
+# vector path for 3 shapes of 4, 8 rows on tiles for all 3)
+TILE_OR_VECTOR_ROWS = 32
+
+
+def variants(m: int | None, n: int, k: int, dtype: str = "f32",
+             target: Target | None = None) -> dict[str, Blocking]:
+    """The blockings worth measuring for a product, by name; the first is ``choose``'s.
+    A single entry means there is nothing to measure."""
+    from dataclasses import replace
+    target = target or host_target()
+    first = choose(m, n, k, target, dtype=dtype)
+    out = {first.path: first}
+    if dtype == "bf16" and target.tiles and m is not None and m <= TILE_OR_VECTOR_ROWS:
+        other = "vector" if first.path == "tile" else "tile"
+        out[other] = (choose(m, n, k, replace(target, tiles=""), dtype=dtype)
+                      if other == "vector" else tile_blocking(n, k))
+    return out
+
+
 def tile_blocking(n: int, k: int, l2: int | None = None) -> Blocking:
     """Blocks of the tile path (codegen/gemm_tile.py) for ``k`` words (bf16 pairs, int8
     quads). K stays in one block up to ``TILE_KC`` words: a 32-row A block and a B panel of that

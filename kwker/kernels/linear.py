@@ -7,7 +7,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import blocking
+from . import blocking, variants
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function
 from .specs import GemmSpec
 
@@ -123,15 +123,33 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
         raise ValueError(f"make_linear: bias must be ({n},), got {tuple(bias.shape)}")
     bf16 = dt == "bf16"
     kk = k + (k % 2) if bf16 else k          # bf16 kernels step over k pairs
-    blk = blocking.choose(m, n, kk // 2 if bf16 else k, dtype=dt)
-    spec = GemmSpec(m or 0, n, kk, 1, "packed", bias is not None, epilogue, residual,
-                    **blk.as_kwargs(), dtype=dt)
-    fn = entry(spec, 5, 2 if generic else 1)
-    packed = shared_panels(weight, blk.nr, bf16, source, blk.k_step)
     bias_c = None
     if bias is not None:  # bf16: rounded as autocast rounds it, then added in float32
         bias_c = (bias.detach().to(torch.bfloat16) if bf16 else bias.detach()).float() \
             .contiguous()
+    args = (weight, bias_c, m, n, k, kk, epilogue, residual, dtype, source)
+    options = blocking.variants(m, n, kk // 2 if bf16 else k, dtype=dt)
+    if len(options) == 1:
+        return _build(next(iter(options.values())), *args)
+
+    def inputs():
+        x = torch.randn(m, k).to(dtype)
+        return [x, torch.randn(m, n).to(dtype)] if residual else [x]
+    problem = {"inputs": [["tensor", [m, k], [k, 1], str(dtype)]], "n": n, "k": k,
+               "bias": bias is not None, "epilogue": epilogue, "residual": residual}
+    return variants.pick("linear", problem, {name: (lambda b=blk: _build(b, *args))
+                                             for name, blk in options.items()}, inputs)[1]
+
+
+def _build(blk: blocking.Blocking, weight, bias_c, m, n, k, kk, epilogue, residual, dtype,
+           source):
+    """The linear kernel of blocking ``blk`` and its callable (see ``make_linear``)."""
+    dt = kernel_dtype(dtype, "make_linear")
+    bf16, generic = dt == "bf16", m is None
+    spec = GemmSpec(m or 0, n, kk, 1, "packed", bias_c is not None, epilogue, residual,
+                    **blk.as_kwargs(), dtype=dt)
+    fn = entry(spec, 5, 2 if generic else 1)
+    packed = shared_panels(weight, blk.nr, bf16, source, blk.k_step)
     if generic:
         return _generic_run(fn, spec, packed, bias_c, n, k, pad=kk != k, dtype=dtype)
     w_ptr = packed.data_ptr()

@@ -28,7 +28,10 @@ def module():
         verified = getattr(importlib.import_module("kwker.torch_ops"), "torch_verified", None)
     except ImportError:
         return None
-    return mod if verified is None or verified() else None
+    if verified is not None and not verified():
+        return None
+    importlib.import_module("kwker.ops.thresholds").apply()  # this CPU's, once measured
+    return mod
 
 
 def variant(op: str, b: dict) -> tuple[str, tuple] | None:

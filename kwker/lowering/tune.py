@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
-import time
 
 import torch
 from torch.fx import Node
@@ -26,11 +24,6 @@ from ..runtime.target import host_target
 from .shapes import TensorMeta
 
 log = logging.getLogger("kwker")
-
-MIN_ROUNDS = 5          # interleaved timings of each candidate at least
-MAX_ROUNDS = 200
-BUDGET_S = 0.15         # time spent timing one problem at most (after the first rounds)
-WARMUP_S = 0.02         # each candidate runs this long first (caches, page faults, the AMX unit)
 
 
 _used = threading.local()
@@ -137,39 +130,10 @@ def reference(m, metas: dict, consts: dict, inputs: list):
     return run
 
 
-def best_times(fa, fb, args: list) -> tuple[float, float]:
-    """Best seconds of ``fa(*args)`` and ``fb(*args)``, timed alternately (load hits both
-    alike), after each ran ``WARMUP_S``."""
-    for f in (fa, fb):
-        start = time.perf_counter()
-        while time.perf_counter() - start < WARMUP_S:
-            f(*args)
-    ta = tb = float("inf")
-    start, rounds = time.perf_counter(), 0
-    while rounds < MIN_ROUNDS or (time.perf_counter() - start < BUDGET_S
-                                  and rounds < MAX_ROUNDS):
-        t = time.perf_counter()
-        fa(*args)
-        ta = min(ta, time.perf_counter() - t)
-        t = time.perf_counter()
-        fb(*args)
-        tb = min(tb, time.perf_counter() - t)
-        rounds += 1
-    return ta, tb
-
-
-def enabled() -> bool:
-    """Measuring means something only for this CPU's own code: not under a named target
-    (``KWKER_CPU``) or emulated tiles, whose timings say nothing about the CPU named."""
-    target = host_target()
-    return tuning.mode() != "off" and not os.environ.get("KWKER_CPU") and \
-        target.tiles != "emulated"
-
-
 def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None, str]:
     """(why the nodes stay on ATen, or None to keep the kernel ``fn`` taking ``inputs``;
     the measurement in words for the report, "" when nothing was measured)."""
-    if fn is None or m.kind == "sorting" or not m.covers or not enabled():
+    if fn is None or m.kind == "sorting" or not m.covers or not tuning.measuring():
         return None, ""
     key = problem(m, metas, consts, inputs)
     if key is None:
@@ -183,7 +147,7 @@ def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None,
         args = [_random(metas[n]) for n in inputs]
         try:
             with torch.no_grad():
-                t_kwker, t_aten = best_times(fn, ref, args)
+                t_kwker, t_aten = tuning.best_times([fn, ref], args)
         except Exception as e:  # noqa: BLE001 - a failed measurement keeps the built kernel
             log.debug("kwker: timing %s failed: %s", m.name, e)
             return None, ""

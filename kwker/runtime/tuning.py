@@ -29,6 +29,11 @@ from pathlib import Path
 from . import cache
 from .target import Target
 
+MIN_ROUNDS = 5          # interleaved timings of each candidate at least
+MAX_ROUNDS = 200
+BUDGET_S = 0.15         # time spent timing one problem at most (after the first rounds)
+WARMUP_S = 0.02         # each candidate runs this long first (caches, page faults, the AMX unit)
+
 FORMAT = "kwker-tuning-1"
 DIR = "tuning"
 SUFFIX = ".json"
@@ -41,6 +46,33 @@ def mode() -> str:
     if value not in MODES:
         raise ValueError(f"KWKER_TUNE must be one of {', '.join(MODES)}, not {value!r}")
     return value
+
+
+def measuring() -> bool:
+    """Whether choices are measured: tuning is on, and the target is this CPU's own (timings
+    under ``KWKER_CPU`` or emulated tiles would be recorded for a CPU they say nothing about)."""
+    from .target import host_target
+    return mode() != "off" and not os.environ.get("KWKER_CPU") and \
+        host_target().tiles != "emulated"
+
+
+def best_times(fns: list, args: list, budget: float = BUDGET_S) -> list[float]:
+    """Best seconds of each ``fn(*args)``, timed round-robin (load hits all alike), after each
+    ran ``WARMUP_S``: at least ``MIN_ROUNDS`` rounds, then more within ``budget`` seconds."""
+    for f in fns:
+        start = time.perf_counter()
+        while time.perf_counter() - start < WARMUP_S:
+            f(*args)
+    best = [float("inf")] * len(fns)
+    start, rounds = time.perf_counter(), 0
+    clock = time.perf_counter
+    while rounds < MIN_ROUNDS or (clock() - start < budget and rounds < MAX_ROUNDS):
+        for i, f in enumerate(fns):
+            t = clock()
+            f(*args)
+            best[i] = min(best[i], clock() - t)
+        rounds += 1
+    return best
 
 
 @functools.cache

@@ -87,7 +87,7 @@ def test_records_are_written_then_reused(tuned, inner, monkeypatch):
 
     def no_timing(*a, **k):
         raise AssertionError("a recorded problem was measured again")
-    monkeypatch.setattr(tune, "best_times", no_timing)
+    monkeypatch.setattr(tuning, "best_times", no_timing)
     expected, got, reports = compile_run(model, (x,), inner)
     assert_close(got, expected)
     assert {k[0] for k in reports[-1].kernels} == lowered
@@ -208,7 +208,7 @@ def test_off_measures_nothing_and_bad_values_are_refused(tuned, monkeypatch):
 def test_a_named_target_is_not_measured(tuned, monkeypatch):
     """Timings under KWKER_CPU would be recorded for a CPU they were not taken on."""
     monkeypatch.setenv("KWKER_CPU", host_target().cpu)
-    assert not tune.enabled()
+    assert not tuning.measuring()
 
 
 def test_force_measures_again(tuned, monkeypatch):
@@ -262,7 +262,7 @@ def test_packages_carry_their_records(tuned, tmp_path, monkeypatch):
 
     def no_timing(*a, **k):
         raise AssertionError("a package's recorded choice was measured again")
-    monkeypatch.setattr(tune, "best_times", no_timing)
+    monkeypatch.setattr(tuning, "best_times", no_timing)
     loaded = kwker.load_package(tmp_path / "mlp.kwk")
     with torch.no_grad():
         assert_close(loaded(x), model(x))
@@ -280,3 +280,96 @@ def test_prewarm_of_a_package_tunes(tuned, tmp_path, no_tune, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["tuning_records"] == (None if no_tune else 2)
     assert len(_records()) == (0 if no_tune else 2)
+
+
+def _busy(seconds: float, result=None):
+    def run(*args):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        return result
+    return run
+
+
+def test_a_family_variant_is_measured_once_and_the_winner_recorded(tuned, monkeypatch):
+    from kwker.kernels import variants
+    built = []
+
+    def candidate(name, seconds):
+        def build():
+            built.append(name)
+            return _busy(seconds, name)
+        return build
+    problem = {"inputs": [["tensor", [3, 5], [5, 1], "torch.float32"]], "n": 7}
+    candidates = {"default": candidate("default", 2e-3), "quick": candidate("quick", 0.0)}
+    name, fn = variants.pick("test", problem, candidates, lambda: [])
+    assert name == "quick" and fn() == "quick" and built == ["default", "quick"]
+    (record,) = _records()
+    assert record["choice"] == "quick" and set(record["times_us"]) == {"default", "quick"}
+    assert record["times_us"]["default"] > record["times_us"]["quick"]
+    built.clear()
+    name, fn = variants.pick("test", problem, candidates, lambda: [])
+    assert name == "quick" and built == ["quick"]  # the record is read: only the winner is built
+    monkeypatch.setenv("KWKER_TUNE", "off")  # pinned: the built-in default, nothing timed
+    built.clear()
+    assert variants.pick("test", problem, candidates, lambda: [])[0] == "default"
+    assert built == ["default"]
+
+
+def test_bf16_decode_sizes_measure_the_tile_and_the_vector_path(tuned, native_tiles):
+    """On a CPU with AMX, a bf16 linear of few rows is built on the path that measured faster;
+    both paths give the same answer as ATen's arithmetic."""
+    from kwker.kernels.linear import make_linear
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 192), torch.randn(6, 192).bfloat16()
+    f = make_linear(w, None, 6, dtype=torch.bfloat16)
+    (record,) = [r for r in _records() if r["op"] == "linear variant"]
+    assert set(record["times_us"]) == {"tile", "vector"}
+    assert f.spec.path == record["choice"]
+    reference = x.float() @ w.bfloat16().float().t()
+    torch.testing.assert_close(f(x).float(), reference, rtol=1e-2, atol=1e-2)
+    again = make_linear(w, None, 6, dtype=torch.bfloat16)
+    assert again.spec == f.spec  # the recorded choice gives the same kernel
+
+
+def test_threshold_fit_takes_the_faster_side_everywhere():
+    """Synthetic grid: Kwker faster from 4096 elements and rows of 128 up; the fitted
+    thresholds choose the faster side at every point (the built-in pair loses time here)."""
+    from kwker.ops import thresholds as T
+    points = []
+    for rows in T.ROWS:
+        for n in T.LENGTHS:
+            wins = rows * n >= 4096 and n >= 128
+            points.append((rows, n, 1.0 if wins else 2.0, 1.5))
+    numel_min, row_min = T.fit(points, (8192, 1000))
+    for rows, n, t_kw, t_at in points:
+        takes_kwker = rows * n >= numel_min and n >= row_min
+        assert takes_kwker == (t_kw < t_at), (rows, n, numel_min, row_min)
+    assert T.fit(points, (numel_min, row_min)) == (numel_min, row_min)  # ties keep the default
+
+
+def test_drop_in_thresholds_are_measured_recorded_and_applied(tuned, monkeypatch):
+    from kwker.ops import sorting as S
+    from kwker.ops import thresholds as T
+    import kwker.torch_ops as kto
+    monkeypatch.setattr(T, "FAMILIES", ("topk", "sort"))
+    monkeypatch.setattr(T, "LENGTHS", (32, 512, 8192))
+    monkeypatch.setattr(T, "_state", {"done": False})
+    for family in ("topk", "sort"):  # restored after the test
+        monkeypatch.setitem(S.MIN_NUMEL, family, S.MIN_NUMEL[family])
+        monkeypatch.setitem(S.MIN_ROW, family, S.MIN_ROW[family])
+    measured = T.calibrate()
+    assert set(measured) == {"topk", "sort"}
+    (record,) = [r for r in _records() if r["op"] == "drop-in thresholds"]
+    assert record["thresholds"] == {f: list(v) for f, v in measured.items()}
+    S.MIN_NUMEL["topk"] = S.MIN_ROW["topk"] = -1
+    assert T.apply() == record["thresholds"]  # a new process: the record, not the defaults
+    assert [S.MIN_NUMEL["topk"], S.MIN_ROW["topk"]] == record["thresholds"]["topk"]
+    torch.manual_seed(0)
+    for shape in [(1, 32), (8, 512), (1, 8192), (64, 512)]:  # either side: ATen's answer
+        x = torch.randint(0, 5, shape).float()
+        with kto.accelerated():
+            got = torch.topk(x, 5), torch.sort(x)
+        want = torch.topk(x, 5), torch.sort(x)
+        for g, w in zip(got, want):
+            assert torch.equal(g.values, w.values) and torch.equal(g.indices, w.indices)

@@ -24,7 +24,8 @@ CODEGEN_VERSION = cache.codegen_version()
 def child_env(cache_dir: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KWKER_")}
     env.update(KWKER_CACHE_DIR=str(cache_dir), PYTHONPATH=f"{HERE}{os.pathsep}{REPO}",
-               KWKER_TEST_CODEGEN_VERSION=CODEGEN_VERSION)
+               KWKER_TEST_CODEGEN_VERSION=CODEGEN_VERSION,
+               KWKER_TUNE="off")  # the suite's pin (tests/conftest.py): nothing measured
     env.update(extra)
     return env
 

@@ -1,0 +1,134 @@
+"""The drop-in ops' size thresholds, measured on this CPU instead of taken from another one.
+
+Below ``MIN_NUMEL`` elements or rows shorter than ``MIN_ROW`` (``ops/sorting.py``) a call goes
+to ATen, whose kernel is then faster than Kwker's call overhead plus per-row set-up. The
+built-in values are crossovers measured on a Zen 4. ``calibrate`` measures each family's
+Kwker and ATen times on a grid of shapes (1-64 rows of 32-32768 elements, float32), picks the
+thresholds under which the chosen side is fastest over the grid, and records them
+(``runtime/tuning.py``: per CPU identity, thread count and Kwker version). ``apply`` puts the
+record of this machine, if any, into the thresholds; ``kwker-cache prewarm`` calibrates.
+Either side gives ATen's exact answer, so thresholds only ever change speed.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from ..runtime import tuning
+from ..runtime.target import host_target
+from . import sorting as S
+
+PROBLEM = '{"drop-in thresholds": 1}'
+ROWS = (1, 8, 64)
+LENGTHS = (32, 128, 512, 2048, 8192, 32768)
+MAX_NUMEL = 1 << 19
+NUMEL_STEPS = (0, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384, 32768, 65536, 131072)
+ROW_STEPS = (0, 32, 64, 128, 256, 512, 1000, 2048, 8192)
+BUDGET_S = 0.03  # timing per grid point and side, after the first rounds
+
+
+def _calls(family: str, x: torch.Tensor):
+    """(Kwker's call, ATen's call) of one family on ``x`` (rows along the last dim)."""
+    n = x.shape[-1]
+    if family == "topk":
+        k = min(10, n)
+        return (lambda: S.fast_topk(x, k)), (lambda: torch.topk(x, k))
+    if family in ("sort", "stable"):
+        stable = family == "stable"
+        return (lambda: S.fast_sort(x, stable)), (lambda: torch.sort(x, stable=stable))
+    if family == "kthvalue":
+        return (lambda: S.fast_kthvalue(x, n // 2 + 1)), (lambda: torch.kthvalue(x, n // 2 + 1))
+    if family == "median":
+        return (lambda: S.fast_median_dim(x, -1)), (lambda: torch.median(x, -1))
+    if family == "mode":
+        return (lambda: S.fast_mode(x, -1)), (lambda: torch.mode(x, -1))
+    flat = x.reshape(-1)
+    return (lambda: S.fast_median_all(flat)), (lambda: torch.median(flat))
+
+
+FAMILIES = ("topk", "sort", "stable", "kthvalue", "median", "median_all", "mode")
+
+
+def measure(family: str) -> list[tuple[int, int, float, float]]:
+    """(rows, length, Kwker seconds, ATen seconds) over the grid, Kwker forced at every size
+    (ATen's kernels are called directly: the overrides need not be installed)."""
+    rows_set = (1,) if family == "median_all" else ROWS
+    saved = S.MIN_NUMEL[family], S.MIN_ROW[family]
+    S.MIN_NUMEL[family], S.MIN_ROW[family] = 0, 0
+    points = []
+    try:
+        for rows in rows_set:
+            for n in LENGTHS:
+                if rows * n > MAX_NUMEL:
+                    continue
+                x = torch.randn(rows, n)
+                kw, at = _calls(family, x)
+                if kw() is NotImplemented:
+                    continue
+                t_kw, t_at = tuning.best_times([kw, at], [], budget=BUDGET_S)
+                points.append((rows, n, t_kw, t_at))
+    finally:
+        S.MIN_NUMEL[family], S.MIN_ROW[family] = saved
+    return points
+
+
+def fit(points, default: tuple[int, int]) -> tuple[int, int]:
+    """(min numel, min row) under which the side chosen at each point loses least time over
+    the grid (sum of log(chosen / fastest)); the built-in pair is kept when it is as good."""
+    def loss(numel_min, row_min):
+        total = 0.0
+        for rows, n, t_kw, t_at in points:
+            chosen = t_kw if rows * n >= numel_min and n >= row_min else t_at
+            total += math.log(chosen / min(t_kw, t_at))
+        return total
+    best, best_loss = default, loss(*default) - 1e-9
+    for numel_min in NUMEL_STEPS:
+        for row_min in ROW_STEPS:
+            cand = loss(numel_min, row_min)
+            if cand < best_loss:
+                best, best_loss = (numel_min, row_min), cand
+    return best
+
+
+def calibrate() -> dict:
+    """Measure every family on this machine, record the thresholds and apply them."""
+    result = {}
+    for family in FAMILIES:
+        points = measure(family)
+        if points:
+            result[family] = list(fit(points, (_DEFAULTS[family])))
+    body = tuning.store(PROBLEM, host_target(), torch.get_num_threads(),
+                        {"choice": "measured", "op": "drop-in thresholds",
+                         "thresholds": result})
+    _set(body["thresholds"])
+    return result
+
+
+_DEFAULTS = {f: (S.MIN_NUMEL[f], S.MIN_ROW[f]) for f in S.MIN_NUMEL}
+_applied = threading.Lock()
+_state = {"done": False}
+
+
+def _set(thresholds: dict) -> None:
+    for family, (numel_min, row_min) in thresholds.items():
+        if family in S.MIN_NUMEL:
+            S.MIN_NUMEL[family], S.MIN_ROW[family] = int(numel_min), int(row_min)
+
+
+def apply() -> dict | None:
+    """Once per process: this machine's recorded thresholds into ``ops.sorting`` (None, and the
+    built-in ones, when there is no record or tuning is off)."""
+    with _applied:
+        if _state["done"]:
+            return _state.get("thresholds")
+        _state["done"] = True
+        if not tuning.measuring():
+            return None
+        record = tuning.load(PROBLEM, host_target(), torch.get_num_threads())
+        if record is None or not isinstance(record.get("thresholds"), dict):
+            return None
+        _set(record["thresholds"])
+        _state["thresholds"] = record["thresholds"]
+        return record["thresholds"]
