@@ -83,11 +83,17 @@ def backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = Non
         publish(Report(graph_id, inner, status=leave[0], reason=leave[1]))
         return _inner(gm, example_inputs, inner, mode)
     from .lowering.decompose import decompose
+    original = gm
     gm, decomposed = decompose(gm)
     dump = opts.get("dump_dir")
     if inner == "eager":
         from .lowering.partition import EagerCompiled
-        return EagerCompiled(gm, list(example_inputs), graph_id, inner, dump, decomposed)
+        compiled = EagerCompiled(gm, list(example_inputs), graph_id, inner, dump, decomposed)
+        if compiled.report.status == "lowered" and not compiled.report.kernels:
+            # nothing became a kernel (none fits, or ATen measured faster): the graph as
+            # dynamo gave it, at exactly the cost of backend="eager"
+            return original.forward
+        return compiled
     from .lowering.inductor import compile_inductor
     return compile_inductor(gm, list(example_inputs), graph_id, mode, dump, decomposed)
 
