@@ -164,8 +164,11 @@ def scan_tuning(root: Path) -> list[Record]:
         if body is not None:
             times = body.get("times_us") or {}
             t = body.get("target") if isinstance(body.get("target"), dict) else {}
+            choice = str(body.get("choice", "?"))
+            if isinstance(body.get("thresholds"), dict):  # the drop-in's (min numel/min row)
+                choice = ", ".join(f"{f} {v[0]}/{v[1]}" for f, v in body["thresholds"].items())
             rec = Record(str(path), classify(body, target, versions), str(body.get("op", "?")),
-                         str(body.get("choice", "?")), dict(times),
+                         choice, dict(times),
                          _describe_inputs(str(body.get("problem", ""))), str(t.get("cpu", "?")),
                          body.get("threads"), float(body.get("created", 0.0)))
         records.append(rec)
