@@ -36,10 +36,13 @@ def _tile(m: int | None, bf16: bool) -> tuple[int, int]:
 
 
 def _bounds(w: torch.Tensor) -> torch.Tensor:
-    """e_j = c |w_j|, rounded up: how far a bf16 score may be from the float32 one per |q|."""
+    """e_j = c |w_j|, rounded up: how far a bf16 score may be from the float32 one per |q|;
+    then max_j e_j (NaN if any is), with which the tile path screens whole rows at once."""
     norms = torch.linalg.vector_norm(w.detach().double(), dim=1)
     e = (norms * bound_factor(w.shape[1]) * (1 + 2.0 ** -20)).float()
-    return torch.nextafter(e, torch.full_like(e, math.inf)).contiguous()
+    e = torch.nextafter(e, torch.full_like(e, math.inf))
+    widest = e.max() if not e.isnan().any() else torch.tensor(math.nan)
+    return torch.cat([e, widest.view(1)]).contiguous()
 
 
 def _int8_pack(w: torch.Tensor, nr: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,6 +122,36 @@ def check_topk_screen(m, n, kd, k, largest) -> None:
     check_topk(wi, xi, k, largest, exact=True)
 
 
+SPECIAL_SCREEN_CASES = ["nan_w", "inf_w", "nan_x", "zero_x", "tiny", "huge", "smallest"]
+
+
+def check_topk_screen_special(case: str) -> None:
+    """The tile screen's whole-row test (each row's heap root moved by the widest bound) on
+    non-finite, zero, subnormal and huge scores: torch.topk's indices, NaN included."""
+    g = torch.Generator().manual_seed(len(case))
+    w, x = torch.randn(3000, 48, generator=g), torch.randn(20, 48, generator=g)
+    largest = case != "smallest"
+    if case == "nan_w":
+        w[[3, 777, 2999], 5] = float("nan")
+    elif case == "inf_w":
+        w[[10, 11], 0] = float("inf")
+        w[12, 1] = float("-inf")
+    elif case == "nan_x":
+        x[1, 7] = float("nan")
+    elif case == "zero_x":
+        x[0] = 0.0
+    elif case == "tiny":
+        w, x = w * 1e-20, x * 1e-21
+    elif case == "huge":
+        w, x = w * 1e17, x * 1e17
+    f = make_linear_topk(w, 20, 10, largest)
+    assert f.spec.path == "tile" and f.spec.approx == "bf16"
+    v, i = f(x)
+    rv, ri = torch.topk(x @ w.t(), 10, largest=largest)
+    assert torch.equal(i, ri), case
+    torch.testing.assert_close(v, rv, rtol=1e-5, atol=0, equal_nan=True)
+
+
 def _worker(out: str) -> int:
     torch.set_num_threads(2)
     print(host_target().describe())
@@ -133,6 +163,9 @@ def _worker(out: str) -> int:
         print("int8", case, "ok" if ok else "FAIL " + why)
     for case in TOPK_CASES if host_target().has("avx512bf16") else ():   # the screen needs it
         check_topk_screen(*case)   # raises on a mismatch
+        print("topk screen", case, "ok")
+    for case in SPECIAL_SCREEN_CASES if host_target().has("avx512bf16") else ():
+        check_topk_screen_special(case)
         print("topk screen", case, "ok")
     for case in BF16_TOPK_CASES:
         ok, why = check_bf16_topk(*case)
@@ -197,6 +230,11 @@ def test_native_int8_tiles(case, threads, native_tiles):
 @pytest.mark.parametrize("case", TOPK_CASES, ids=str)
 def test_native_topk_screen_on_tiles(case, threads, native_tiles):
     check_topk_screen(*case)
+
+
+@pytest.mark.parametrize("case", SPECIAL_SCREEN_CASES)
+def test_native_topk_screen_special_values(case, threads, native_tiles):
+    check_topk_screen_special(case)
 
 
 @pytest.mark.parametrize("case", BF16_TOPK_CASES, ids=str)
