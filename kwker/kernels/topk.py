@@ -10,7 +10,7 @@ from ..codegen.fused_topk import MAX_INT8_K, TOPK_TILE
 from ..codegen.gemm_bf16 import bound_factor
 from ..codegen.gemm_tile import STEP as TILE_K_STEP
 from ..runtime.target import host_target
-from . import blocking
+from . import blocking, variants
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function, require_f32
 from .linear import make_linear, pack_bf16_panels, pack_panels
 from .specs import TopkGemmSpec
@@ -105,12 +105,56 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
             return torch.topk(scores(x), k, dim=-1, largest=largest)
         via_topk.spec = scores.spec
         return via_topk
+    options = _paths(m, kd, half, screen, host_target())
+    build = {name: (lambda o=o: _build(weight_rows, m, k, largest, dtype, half, *o))
+             for name, o in options.items()}
+    if len(build) == 1:
+        return next(iter(build.values()))()
+
+    def inputs():
+        return [torch.randn(m, kd).to(dtype)]
+    problem = {"inputs": [["tensor", [m, kd], [kd, 1], str(dtype)]], "n": n, "k": k,
+               "largest": largest}
+    return variants.pick("linear_topk", problem, build, inputs)[1]
+
+
+def _paths(m, kd, half, screen, target) -> dict[str, tuple[str, bool]]:
+    """The (screen, tiles) choices worth measuring for ``m`` rows, by name; the first is the
+    built-in rule's. Screens: "none", "bf16", "int8" (float32 scores; bf16 scores have none)."""
+    tiles_ok = bool(target.tiles) and m is not None
+    if half:
+        tiles = tiles_ok and m >= blocking.TILE_MIN_ROWS
+        out = {"tile" if tiles else "vector": ("none", tiles)}
+        if tiles_ok and m <= blocking.TILE_OR_VECTOR_ROWS:
+            out.setdefault("vector" if tiles else "tile", ("none", not tiles))
+        return out
+    can_screen = target.has("avx512bf16") and blocking.lanes(target) == 16
+    if screen is None:
+        screen = can_screen and kd >= MIN_BF16_K
+    elif screen and not can_screen:
+        raise NotImplementedError("make_linear_topk: bf16 screening needs AVX512_BF16")
+    vnni = target.has("avx512vnni") or target.cpu in VNNI_CPUS
+    int8 = screen and m is not None and m <= MAX_INT8_ROWS and kd <= MAX_INT8_K and vnni
+    approx = "int8" if int8 else "bf16" if screen else "none"
+    tiles = approx == "bf16" and tiles_ok and m >= blocking.TILE_MIN_ROWS
+    out = {f"{approx} screen" + (" tile" if tiles else ""): (approx, tiles)}
+    if approx == "int8":  # few rows: int8 halves the bytes read, bf16 may still win
+        out["bf16 screen"] = ("bf16", False)
+        if tiles_ok:
+            out["bf16 screen tile"] = ("bf16", True)
+    elif approx == "bf16" and tiles_ok and m <= blocking.TILE_OR_VECTOR_ROWS:
+        out.setdefault("bf16 screen tile" if not tiles else "bf16 screen", ("bf16", not tiles))
+    return out
+
+
+def _build(weight_rows, m, k, largest, dtype, half, approx: str, tiles: bool):
+    """The fused kernel with screen ``approx`` on the tile (``tiles``) or the vector path."""
+    n, kd = weight_rows.shape
     target = host_target()
     if half:
         mr, nr = _tile(m, False)
         if blocking.lanes(target) == 8:
             mr = min(mr, 4)  # widened pairs: 2 float32 vectors per B vector (see blocking.py)
-        tiles = bool(target.tiles) and m is not None and m >= blocking.TILE_MIN_ROWS
         if tiles:
             mr, nr = TOPK_TILE
         kk = kd + kd % 2  # k pairs: an odd K gets one zero column
@@ -119,19 +163,8 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
         step = TILE_K_STEP if tiles else 1
         return _runner(spec, lambda: (pack_bf16_panels(weight_rows, nr, step), None, None), m,
                        kd, k, dtype, pad=kk != kd)
-    can_screen = target.has("avx512bf16") and blocking.lanes(target) == 16
-    if screen is None:
-        screen = can_screen and kd >= MIN_BF16_K
-    elif screen and not can_screen:
-        raise NotImplementedError("make_linear_topk: bf16 screening needs AVX512_BF16")
+    screen, int8 = approx != "none", approx == "int8"
     mr, nr = _tile(m, screen)
-    # few rows: int8 weights halve the bytes read per score (the screening is bandwidth bound)
-    int8 = screen and m is not None and m <= MAX_INT8_ROWS and kd <= MAX_INT8_K and (
-        target.has("avx512vnni") or target.cpu in VNNI_CPUS)
-    approx = "int8" if int8 else "bf16" if screen else "none"
-    # the bf16 screen on matrix tiles, from as many rows as the GEMM takes tiles
-    tiles = approx == "bf16" and target.tiles and m is not None and \
-        m >= blocking.TILE_MIN_ROWS
     if tiles:
         mr, nr = TOPK_TILE
     spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, approx,

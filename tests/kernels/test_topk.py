@@ -176,3 +176,22 @@ def test_int8_screening_close_scores(m, threads):
     rv, ri = torch.topk(x @ w.t(), 20)
     assert torch.equal(i, ri)
     torch.testing.assert_close(v, rv, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "bf16"])
+def test_every_variant_the_tuner_measures_is_exact(m, half):
+    """Each screen and path the tuner may pick for ``m`` rows on this CPU (kernels/topk.py
+    ``_paths``) returns torch.topk's values and tie order on tie-heavy scores."""
+    from kwker.kernels import topk as T
+    from kwker.kernels.linear import make_linear
+    torch.manual_seed(m)
+    dt = torch.bfloat16 if half else torch.float32
+    w = torch.randint(-2, 3, (3001, 48)).float().to(dt)
+    x = torch.randint(-2, 3, (m, 48)).float().to(dt)
+    scores = make_linear(w, None, m, dtype=dt)(x) if half else x @ w.t()
+    for largest in (True, False):
+        rv, ri = torch.topk(scores, 10, largest=largest)
+        for name, (approx, tiles) in T._paths(m, 48, half, None, T.host_target()).items():
+            v, i = T._build(w, m, 10, largest, dt, half, approx, tiles)(x)
+            assert torch.equal(i, ri) and torch.equal(v, rv), (name, largest)
