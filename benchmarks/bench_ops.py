@@ -8,8 +8,9 @@ or small shape, float32 and bf16, compiled three ways in one process and timed i
   nodes it replaces, and the faster kept;
 - Kwker with its built-in choices (``KWKER_TUNE=off``): every op that fits is lowered.
 
-The table gives both ratios against the floor and what the tuned lowering decided (kernel, or
-ATen with the measured ratio). Targets (issue 19): every tuned ratio >= 1.0 (within the noise of
+The table gives both ratios against the floor and what the tuned lowering decided: the kernel
+and the instructions its measured variant runs on (amx, avx512-bf16, avx512, avx2), or ATen with
+the measured ratio. Targets (issue 19): every tuned ratio >= 1.0 (within the noise of
 the run), geomean >= 1.2x.
 
     python benchmarks/bench_ops.py            # writes results/ops.{md,json} (--out DIR)
@@ -141,7 +142,8 @@ def decision(report) -> str:
         return "?"
     if report.kernels:
         tuned = "; ".join(t for _, _, t in report.tuned)
-        return f"kernel {report.kernels[0][0]}" + (f" ({tuned})" if tuned else "")
+        paths = "+".join(sorted(set(report.kernel_paths.values())))
+        return f"kernel {report.kernels[0][0]} on {paths}" + (f" ({tuned})" if tuned else "")
     missed = [why for _, _, why in report.missed]
     return "ATen: " + missed[0] if missed else "ATen (nothing to lower)"
 
