@@ -48,7 +48,7 @@ LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns an
 MATMUL_CASES = [  # m, k, n, batch, b transposed
     (40, 17, 33, 1, False), (40, 17, 33, 1, True), (64, 64, 128, 4, False),
     (64, 64, 128, 4, True), (130, 301, 70, 2, False), (130, 301, 70, 2, True),
-    (300, 1700, 100, 1, False),
+    (300, 1700, 100, 1, False), (70, 2300, 60, 1, True),  # the last in 2 K blocks
 ]
 SAPPHIRE = make_target("sapphirerapids")
 EMULATED = make_target("sapphirerapids", tiles="emulated")
