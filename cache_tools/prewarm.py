@@ -76,9 +76,9 @@ def prewarm(specs: list, jobs: int, progress: bool | None) -> list[Result]:
 def tune_package(path) -> int:
     """Load the package ``path`` once in this process, which installs its tuning records and
     measures any choice this machine has no record of; returns how many records it uses."""
-    from kwker.lowering import tune
     from kwker.packaging import load_package
-    with tune.recording() as records:
+    from kwker.runtime import tuning
+    with tuning.recording() as records:
         load_package(path)
     return len(records)
 

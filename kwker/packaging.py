@@ -52,7 +52,6 @@ from .lowering.exported import (
     tree_is_flat_tuple,
 )
 from .lowering.partition import const_nodes, lower_graph
-from .lowering import tune
 from .lowering.report import Report, new_graph_id
 from .runtime import cache, kernel, tuning
 from .runtime.target import Target, host_target, make_target
@@ -86,7 +85,7 @@ def package(exported_program, path, targets=None) -> Path:
     doc, tensors = describe(exported_program)
     layout, blob = _pack_weights(doc, tensors)
     host = host_target()
-    with tune.recording() as records:
+    with tuning.recording() as records:
         specs = _lower(doc, _tensors_from(layout, bytearray(blob)))[2]
     per_target = [(host, specs)]
     for t in targets or ():

@@ -10,10 +10,8 @@ prewarmed caches and packages reuse it. Matches with dynamic sizes and the sorti
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import threading
 
 import torch
 from torch.fx import Node
@@ -24,23 +22,6 @@ from ..runtime.target import host_target
 from .shapes import TensorMeta
 
 log = logging.getLogger("kwker")
-
-
-_used = threading.local()
-
-
-@contextlib.contextmanager
-def recording():
-    """Yield the list of the tuning records that verdicts inside use (a package carries them,
-    so loading it on this CPU type measures nothing)."""
-    outer = getattr(_used, "records", None)
-    _used.records = records = []
-    try:
-        yield records
-    finally:
-        _used.records = outer
-        if outer is not None:
-            outer.extend(records)
 
 
 def _describe(v) -> object:
@@ -156,9 +137,6 @@ def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None,
             "choice": choice, "times_us": {"kwker": round(t_kwker * 1e6, 2),
                                            "aten": round(t_aten * 1e6, 2)},
             "op": m.name})
-    used = getattr(_used, "records", None)
-    if used is not None:
-        used.append(record)
     times = record.get("times_us", {})
     kw, at = times.get("kwker"), times.get("aten")
     if not (kw and at):

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -38,6 +39,30 @@ FORMAT = "kwker-tuning-1"
 DIR = "tuning"
 SUFFIX = ".json"
 MODES = ("on", "off", "force")
+
+
+_used = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+    """Yield the list of the records loaded or stored inside (a package carries those its
+    lowering used, so loading it on this CPU type measures nothing)."""
+    outer = getattr(_used, "records", None)
+    _used.records = records = []
+    try:
+        yield records
+    finally:
+        _used.records = outer
+        if outer is not None:
+            outer.extend(records)
+
+
+def _note(body: dict) -> dict:
+    used = getattr(_used, "records", None)
+    if used is not None:
+        used.append(body)
+    return body
 
 
 def mode() -> str:
@@ -159,7 +184,7 @@ def load(problem: str, target: Target, threads: int) -> dict | None:
         with contextlib.suppress(OSError):
             path.unlink()
         return None
-    return body
+    return _note(body)
 
 
 def store(problem: str, target: Target, threads: int, result: dict) -> dict:
@@ -169,7 +194,7 @@ def store(problem: str, target: Target, threads: int, result: dict) -> dict:
             "created": time.time(), **result}
     path = record_path(record_key(problem, target, threads))
     if path is None:
-        return body
+        return _note(body)
     try:
         cache.ensure_dir(path.parent.parent.parent)
         for d in (path.parent.parent, path.parent):
@@ -187,7 +212,7 @@ def store(problem: str, target: Target, threads: int, result: dict) -> dict:
     except (cache.UnusableCache, OSError) as e:
         cache.warn_once(f"kwker: cannot write tuning records under {path.parent}: {e}; "
                         "choices are measured again in the next process", topic="tuning-write")
-    return body
+    return _note(body)
 
 
 def install(data: bytes) -> bool:
