@@ -387,6 +387,9 @@ def main(argv=None) -> int:
                     help="f32: float32 models; bf16: bf16 and autocast models; avx2: bf16 "
                          "without AVX512_BF16 (child process)")
     ap.add_argument("--no-peers", action="store_true", help="skip ONNX Runtime and OpenVINO")
+    ap.add_argument("--max-autotune", action="store_true",
+                    help="bf16 section: also Inductor with freezing and max-autotune (CPP and "
+                    "ATen GEMMs), the best PyTorch peer; minutes of autotuning per model")
     ap.add_argument("--isa", choices=tuple(isa_env.ISA_ENVS),
                     help="run only the bf16 rows of this ISA in this process and print them "
                          "as JSON (re-executes with its environment)")
@@ -431,7 +434,8 @@ def main(argv=None) -> int:
     bf16 = data.setdefault("bf16", {}) if sections & {"bf16", "avx2"} else data.get("bf16")
     if "bf16" in sections:
         bf16.update(machine=info, reps=reps, rounds=rounds, rows=_merged(
-            bf16.get("rows", []), models_bf16.run(bf16_names, reps, rounds, peer_list),
+            bf16.get("rows", []), models_bf16.run(bf16_names, reps, rounds, peer_list,
+                                                  max_autotune=args.max_autotune),
             args.models))
     if "avx2" in sections:
         fresh = models_bf16.run_avx2(bf16_names, args.quick, Path(__file__))

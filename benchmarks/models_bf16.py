@@ -30,8 +30,14 @@ MODES = ("bf16", "autocast")
 MODE_LABELS = {"bf16": ".to(bfloat16)", "autocast": "autocast(bf16)"}
 VARIANTS = ("eager", "inductor", "kwker_eager", "kwker")
 KWKER = ("kwker_eager", "kwker")
+# the best PyTorch peer, on request (--max-autotune: minutes of autotuning per model): Inductor
+# with frozen weights and its own CPP GEMM templates (AMX micro-kernels on such CPUs) or ATen
+MAX_AUTOTUNE = "inductor_max"
+MAX_AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True,
+                        "max_autotune_gemm_backends": "CPP,ATEN"}
 LABELS = {"eager": "eager bf16", "inductor": "Inductor bf16", "kwker_eager": "Kwker inner=eager",
-          "kwker": "Kwker (default)", "openvino": "OpenVINO bf16", "onnxruntime": "ONNX Runtime"}
+          "kwker": "Kwker (default)", "openvino": "OpenVINO bf16", "onnxruntime": "ONNX Runtime",
+          MAX_AUTOTUNE: "Inductor max-autotune bf16"}
 ERR_FACTOR, ERR_ABS = 1.25, 1e-3  # the contract: err <= 1.25 x eager's + 1e-3 x max|ref|
 AVX2_TAG = "AVX2_ROWS "           # the child's result line on stdout
 
@@ -64,6 +70,8 @@ def compile_variant(model, variant: str):
         return model
     if variant == "inductor":
         return torch.compile(model)
+    if variant == MAX_AUTOTUNE:
+        return torch.compile(model, options=MAX_AUTOTUNE_OPTIONS)
     return torch.compile(model, backend="kwker",
                          options={"inner": "eager"} if variant == "kwker_eager" else None)
 
@@ -163,11 +171,13 @@ def speed(name: str, mode: str, reps: int, rounds: int, variants=VARIANTS,
     return row
 
 
-def run(names, reps: int, rounds: int, peer_list=peers.PEERS, log=print) -> list[dict]:
+def run(names, reps: int, rounds: int, peer_list=peers.PEERS, log=print,
+        max_autotune: bool = False) -> list[dict]:
     rows = []
+    variants = VARIANTS + ((MAX_AUTOTUNE,) if max_autotune else ())
     for name in names:
         for mode in MODES:
-            rows.append(speed(name, mode, reps, rounds, peer_list=peer_list))
+            rows.append(speed(name, mode, reps, rounds, variants=variants, peer_list=peer_list))
             log(speed_table(rows[-1:], markdown=False).splitlines()[-1], flush=True)
     return rows
 
@@ -232,6 +242,9 @@ def target_mark(r) -> str:
     if r.get("target") and k:
         got = ratio(r, "eager", k)
         marks.append(f"{r['target']:g}x " + ("ok" if got >= r["target"] else "BELOW"))
+    if k and r.get("ms", {}).get(MAX_AUTOTUNE):
+        marks.append("vs Inductor max-autotune: " + ("ahead" if ratio(r, MAX_AUTOTUNE, k) > 1
+                                                     else "BEHIND"))
     if r.get("beat_openvino") and k:
         vs = ratio(r, "openvino", k)
         marks.append("vs OpenVINO: " + ("not timed" if vs is None else
@@ -244,8 +257,11 @@ def _skip(r, n):
 
 
 def speed_table(rows, markdown=True) -> str:
-    headers = ["model", "mode", *(LABELS[v] + " ms" for v in (*VARIANTS, "openvino")),
-               "eager / Kwker inner=eager", "eager / Kwker", "OpenVINO / best Kwker",
+    peer_cols = [p for p in (MAX_AUTOTUNE, "openvino")
+                 if p == "openvino" or any(r.get("ms", {}).get(p) for r in rows)]
+    headers = ["model", "mode", *(LABELS[v] + " ms" for v in (*VARIANTS, *peer_cols)),
+               "eager / Kwker inner=eager", "eager / Kwker",
+               *(f"{LABELS[p].replace(' bf16', '')} / best Kwker" for p in peer_cols),
                "target (best Kwker)"]
     body = []
     for r in rows:
@@ -254,9 +270,9 @@ def speed_table(rows, markdown=True) -> str:
             continue
         k = best_kwker(r)
         body.append([r["model"], MODE_LABELS[r["mode"]],
-                     *(_ms(r, v) for v in (*VARIANTS, "openvino")),
+                     *(_ms(r, v) for v in (*VARIANTS, *peer_cols)),
                      *(_x(ratio(r, "eager", v)) for v in KWKER),
-                     _x(ratio(r, "openvino", k) if k else None), target_mark(r)])
+                     *(_x(ratio(r, p, k) if k else None) for p in peer_cols), target_mark(r)])
     return (common.md_table if markdown else common.text_table)(headers, body)
 
 

@@ -244,8 +244,8 @@ def test_single_ops_rows_and_table(bo, monkeypatch, tmp_path):
     assert row["floor_ms"] > 0 and row["tuned_ms"] > 0 and row["fixed_ms"] > 0
     assert row["ratio"] == pytest.approx(row["floor_ms"] / row["tuned_ms"])
     assert row["decision"].startswith(("kernel linear on ", "ATen: ATen ")), row["decision"]
-    slow = dict(row, ratio=0.5)
-    md = bo.render([row, slow], {"cpu": "x", "cores": 2, "torch": "t", "threads": 2,
+    fast, slow = dict(row, ratio=1.5), dict(row, ratio=0.5)  # the summary's logic, not timing
+    md = bo.render([fast, slow], {"cpu": "x", "cores": 2, "torch": "t", "threads": 2,
                                  "python": "3", "date": "d"})
     assert "Tuned cases below 1.0x: 1 (linear 7x33x65 float32 0.50x)" in md
     assert os.environ.get("KWKER_TUNE") == "off"  # the suite's pin is restored
