@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import kwker.dynamo as kd  # noqa: E402
+from model_defs import Attention  # noqa: E402
 
 B16, F32 = torch.bfloat16, torch.float32
 
@@ -48,15 +49,6 @@ class Linear(torch.nn.Module):
 class Bmm(torch.nn.Module):
     def forward(self, a, b):
         return torch.bmm(a, b)
-
-
-class Sdpa(torch.nn.Module):
-    def __init__(self, causal):
-        super().__init__()
-        self.causal = causal
-
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
 
 
 class Gelu(torch.nn.Module):
@@ -103,10 +95,10 @@ def cases(quick: bool) -> list[tuple[str, str, torch.nn.Module, tuple, torch.dty
                                     (8, 12, 1, 128, 64, False)]:
         qkv = (r(b, h, lq, e), r(b, h, lk, e), r(b, h, lk, e))
         out.append(("sdpa" + (" causal" if causal else ""), f"({b},{h},{lq},{lk},{e})",
-                    Sdpa(causal), qkv, F32))
+                    Attention(causal), qkv, F32))
     for b, h, l_, e in [(2, 8, 64, 80), (1, 16, 256, 64)]:
         qkv = (r(b, h, l_, e), r(b, h, l_, e), r(b, h, l_, e))
-        out.append(("sdpa causal", f"({b},{h},{l_},{l_},{e})", Sdpa(True), qkv, B16))
+        out.append(("sdpa causal", f"({b},{h},{l_},{l_},{e})", Attention(True), qkv, B16))
     for n in (1000, 100_000):
         out.append(("gelu", str(n), Gelu(), (r(n),), F32))
     out.append(("gelu", "50000", Gelu(), (r(50_000),), B16))

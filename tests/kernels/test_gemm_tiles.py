@@ -36,7 +36,7 @@ from kwker.runtime.target import host_target, make_target, tile_mode
 sys.path.insert(0, os.path.dirname(__file__))
 from test_gemm_bf16 import check_linear, check_matmul, run_gemm_cases  # noqa: E402
 from test_gemm_bf16 import check_topk as check_bf16_topk  # noqa: E402
-from test_topk import check as check_topk  # noqa: E402
+from test_topk import check as check_topk, with_special_values  # noqa: E402
 
 BF16 = torch.bfloat16
 LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns and K steps
@@ -131,16 +131,8 @@ def check_topk_screen_special(case: str) -> None:
     g = torch.Generator().manual_seed(len(case))
     w, x = torch.randn(3000, 48, generator=g), torch.randn(20, 48, generator=g)
     largest = case != "smallest"
-    if case == "nan_w":
-        w[[3, 777, 2999], 5] = float("nan")
-    elif case == "inf_w":
-        w[[10, 11], 0] = float("inf")
-        w[12, 1] = float("-inf")
-    elif case == "nan_x":
-        x[1, 7] = float("nan")
-    elif case == "zero_x":
-        x[0] = 0.0
-    elif case == "tiny":
+    w, x = with_special_values(case, w, x)
+    if case == "tiny":
         w, x = w * 1e-20, x * 1e-21
     elif case == "huge":
         w, x = w * 1e17, x * 1e17

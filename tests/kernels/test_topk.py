@@ -120,15 +120,11 @@ def test_int8_screening_is_exact(m, largest, threads):
     assert torch.equal(i, ri) and torch.equal(v, rv)
 
 
-@needs_bf16
-@pytest.mark.parametrize("case", ["nan_w", "inf_w", "nan_x", "zero_x", "zero_rows"])
-def test_int8_screening_non_finite_and_zero(case, threads):
-    """Rows the int8 bound cannot cover (NaN, inf) always pass the screen; the answers are
-    ATen's, NaN included."""
-    torch.manual_seed(300)
-    w, x = torch.randn(2000, 48), torch.randn(2, 48)
+def with_special_values(case: str, w: torch.Tensor, x: torch.Tensor):
+    """(w, x) with the special values ``case`` names written in (in place): NaN or inf in
+    weights, NaN in a query, a zero query, zero weight rows."""
     if case == "nan_w":
-        w[[3, 777, 1999], 5] = float("nan")
+        w[[3, 777, w.shape[0] - 1], 5] = float("nan")
     elif case == "inf_w":
         w[[10, 11], 0] = float("inf")
         w[12, 1] = float("-inf")
@@ -136,8 +132,18 @@ def test_int8_screening_non_finite_and_zero(case, threads):
         x[1, 7] = float("nan")
     elif case == "zero_x":
         x[0] = 0.0
-    else:
+    elif case == "zero_rows":
         w[::7] = 0.0
+    return w, x
+
+
+@needs_bf16
+@pytest.mark.parametrize("case", ["nan_w", "inf_w", "nan_x", "zero_x", "zero_rows"])
+def test_int8_screening_non_finite_and_zero(case, threads):
+    """Rows the int8 bound cannot cover (NaN, inf) always pass the screen; the answers are
+    ATen's, NaN included."""
+    torch.manual_seed(300)
+    w, x = with_special_values(case, torch.randn(2000, 48), torch.randn(2, 48))
     f = make_linear_topk(w, 2, 10, screen=True)
     assert f.spec.approx == "int8"
     v, i = f(x)
