@@ -171,7 +171,7 @@ def geomean(xs) -> float:
 def render(rows: list[dict], info: dict) -> str:
     g_t, g_f = geomean([r["ratio"] for r in rows]), geomean([r["fixed_ratio"] for r in rows])
     below = [r for r in rows if r["ratio"] < 1.0]
-    lines = [f"# Single ops against the floor (`backend=\"eager\"`)", "",
+    lines = ["# Single ops against the floor (`backend=\"eager\"`)", "",
              common.machine_line(info), "",
              f"Geomean over {len(rows)} cases: **{g_t:.2f}x** tuned (target 1.2x), {g_f:.2f}x with "
              f"the built-in choices. Tuned cases below 1.0x: {len(below)}"

@@ -192,7 +192,6 @@ def bp():
 def test_package_overhead_is_the_call_without_its_kernels(bp, tmp_path):
     """The stubbed package answers exactly as the real one (stored kernel answers), so what it
     costs is everything but the kernels."""
-    import copy
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
                                 torch.nn.Linear(64, 8)).eval()
     import kwker
