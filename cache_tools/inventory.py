@@ -6,6 +6,7 @@ Kwker itself refuses to load from.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -145,7 +146,6 @@ class Record:
 
 def _describe_inputs(problem: str) -> str:
     """The shapes and dtypes of a record's problem, as ``64x256 float32, ...``."""
-    import json
     try:
         inputs = json.loads(problem).get("inputs", [])
         return ", ".join("x".join(map(str, t[1])) + " " + str(t[3]).replace("torch.", "")

@@ -187,6 +187,24 @@ def load(problem: str, target: Target, threads: int) -> dict | None:
     return _note(body)
 
 
+def _write(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` atomically, in directories private to this user (their
+    failures raise UnusableCache or OSError)."""
+    cache.ensure_dir(path.parent.parent.parent)
+    for d in (path.parent.parent, path.parent):
+        d.mkdir(mode=0o700, exist_ok=True)
+        cache.check_private(d)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=cache.TMP_PREFIX, suffix=SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def store(problem: str, target: Target, threads: int, result: dict) -> dict:
     """Write the record of ``problem`` (``result``: choice, times, notes) and return its body;
     a cache that cannot be written only costs the record, never the caller."""
@@ -196,19 +214,7 @@ def store(problem: str, target: Target, threads: int, result: dict) -> dict:
     if path is None:
         return _note(body)
     try:
-        cache.ensure_dir(path.parent.parent.parent)
-        for d in (path.parent.parent, path.parent):
-            d.mkdir(mode=0o700, exist_ok=True)
-            cache.check_private(d)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=cache.TMP_PREFIX, suffix=SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(encode(body))
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        _write(path, encode(body))
     except (cache.UnusableCache, OSError) as e:
         cache.warn_once(f"kwker: cannot write tuning records under {path.parent}: {e}; "
                         "choices are measured again in the next process", topic="tuning-write")
@@ -216,28 +222,22 @@ def store(problem: str, target: Target, threads: int, result: dict) -> dict:
 
 
 def install(data: bytes) -> bool:
-    """Store a record carried by a package (``data`` as ``encode`` wrote it) if it is whole;
-    a record of another machine is kept too (its key is its own) and simply never matches."""
+    """Store a record carried by a package (``data`` as ``encode`` wrote it) if it is whole and
+    from this Kwker version; a record of another machine is kept too (its key is its own) and
+    simply never matches here."""
     try:
         body = decode(data)
-    except ValueError:
+        problem, target = body.get("problem"), Target(**body.get("target"))
+        threads = int(body.get("threads", 0))
+    except (ValueError, TypeError):
         return False
-    problem = body.get("problem")
-    target = body.get("target")
-    if not isinstance(problem, str) or not isinstance(target, dict):
-        return False
-    try:
-        key = record_key(problem, Target(**target), int(body.get("threads", 0)))
-    except (TypeError, ValueError):
-        return False
-    path = record_path(key)
+    if not isinstance(problem, str) or mismatch(body, problem, identity(target, threads)):
+        return False  # another version's record: its key here would never be looked up
+    path = record_path(record_key(problem, target, threads))
     if path is None or path.exists():
         return False
     with contextlib.suppress(cache.UnusableCache, OSError):
-        cache.ensure_dir(path.parent.parent.parent)
-        for d in (path.parent.parent, path.parent):
-            d.mkdir(mode=0o700, exist_ok=True)
-        path.write_bytes(data)
+        _write(path, data)
         return True
     return False
 

@@ -373,3 +373,19 @@ def test_drop_in_thresholds_are_measured_recorded_and_applied(tuned, monkeypatch
         want = torch.topk(x, 5), torch.sort(x)
         for g, w in zip(got, want):
             assert torch.equal(g.values, w.values) and torch.equal(g.indices, w.indices)
+
+
+def test_install_takes_whole_records_of_this_version_only(tuned):
+    """A package's records: a whole one of this Kwker version is installed (and then used);
+    one of another version, or a damaged one, is not written at all."""
+    target, threads = host_target(), torch.get_num_threads()
+    problem = json.dumps({"kind": "test", "n": 4})
+    body = tuning.store(problem, target, threads, {"choice": "aten", "times_us": {"kwker": 2,
+                                                                                  "aten": 1}})
+    path = tuning.record_path(tuning.record_key(problem, target, threads))
+    path.unlink()
+    assert not tuning.install(tuning.encode({**body, "kwker": "0.0.0+other"}))
+    assert not tuning.install(tuning.encode(body)[:-10])
+    assert not path.exists()
+    assert tuning.install(tuning.encode(body))
+    assert tuning.load(problem, target, threads)["choice"] == "aten"
