@@ -14,10 +14,7 @@ import json
 import logging
 from collections.abc import Callable
 
-import torch
-
 from ..runtime import tuning
-from ..runtime.target import host_target
 
 log = logging.getLogger("kwker")
 
@@ -27,23 +24,12 @@ def pick(family: str, problem: dict, candidates: dict[str, Callable[[], Callable
     """(name, built kernel) of the fastest of ``candidates`` (name -> builder) for ``problem``
     (plain data naming the sizes and flags); ``inputs()`` makes arguments for a call."""
     names = list(candidates)
-    default = names[0]
     if len(names) == 1 or not tuning.measuring():
-        return default, candidates[default]()
+        return names[0], candidates[names[0]]()
     key = json.dumps({"family": family, "variants": names, **problem}, sort_keys=True)
-    target, threads = host_target(), torch.get_num_threads()
-    record = None if tuning.mode() == "force" else tuning.load(key, target, threads)
-    if record is not None and record.get("choice") in candidates:
-        choice = record["choice"]
-        return choice, candidates[choice]()
-    built = {name: build() for name, build in candidates.items()}
-    args = inputs()
-    with torch.no_grad():
-        times = tuning.best_times(list(built.values()), args)
-    choice = names[min(range(len(names)), key=times.__getitem__)]
-    tuning.store(key, target, threads, {
-        "choice": choice, "op": family + " variant",
-        "times_us": {name: round(t * 1e6, 2) for name, t in zip(names, times)}})
-    log.info("kwker: %s %s: %s", family, problem, ", ".join(
-        f"{n} {t * 1e6:.1f} us" for n, t in zip(names, times)))
-    return choice, built[choice]
+    record, built = tuning.decide(key, family + " variant", candidates, inputs)
+    choice = record["choice"]
+    if built:
+        log.info("kwker: %s %s: %s", family, problem, ", ".join(
+            f"{n} {t:g} us" for n, t in record["times_us"].items()))
+    return choice, built.get(choice) or candidates[choice]()

@@ -18,7 +18,6 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from ..runtime import tuning
-from ..runtime.target import host_target
 from .shapes import TensorMeta
 
 log = logging.getLogger("kwker")
@@ -119,24 +118,15 @@ def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None,
     key = problem(m, metas, consts, inputs)
     if key is None:
         return None, ""
-    target, threads = host_target(), torch.get_num_threads()
-    record = None if tuning.mode() == "force" else tuning.load(key, target, threads)
-    if record is None:
-        ref = reference(m, metas, consts, inputs)
-        if ref is None:
-            return None, ""
-        args = [_random(metas[n]) for n in inputs]
-        try:
-            with torch.no_grad():
-                t_kwker, t_aten = tuning.best_times([fn, ref], args)
-        except Exception as e:  # noqa: BLE001 - a failed measurement keeps the built kernel
-            log.debug("kwker: timing %s failed: %s", m.name, e)
-            return None, ""
-        choice = "aten" if t_aten < t_kwker else "kwker"
-        record = tuning.store(key, target, threads, {
-            "choice": choice, "times_us": {"kwker": round(t_kwker * 1e6, 2),
-                                           "aten": round(t_aten * 1e6, 2)},
-            "op": m.name})
+    ref = reference(m, metas, consts, inputs)
+    if ref is None:
+        return None, ""
+    try:
+        record, _ = tuning.decide(key, m.name, {"kwker": lambda: fn, "aten": lambda: ref},
+                                  lambda: [_random(metas[n]) for n in inputs])
+    except Exception as e:  # noqa: BLE001 - a failed measurement keeps the built kernel
+        log.debug("kwker: timing %s failed: %s", m.name, e)
+        return None, ""
     times = record.get("times_us", {})
     kw, at = times.get("kwker"), times.get("aten")
     if not (kw and at):

@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import cache
-from .target import Target
+from .target import Target, host_target
 
 MIN_ROUNDS = 5          # interleaved timings of each candidate at least
 MAX_ROUNDS = 200
@@ -76,7 +76,6 @@ def mode() -> str:
 def measuring() -> bool:
     """Whether choices are measured: tuning is on, and the target is this CPU's own (timings
     under ``KWKER_CPU`` or emulated tiles would be recorded for a CPU they say nothing about)."""
-    from .target import host_target
     return mode() != "off" and not os.environ.get("KWKER_CPU") and \
         host_target().tiles != "emulated"
 
@@ -98,6 +97,25 @@ def best_times(fns: list, args: list, budget: float = BUDGET_S) -> list[float]:
             best[i] = min(best[i], clock() - t)
         rounds += 1
     return best
+
+
+def decide(problem: str, op: str, candidates: dict, inputs) -> tuple[dict, dict]:
+    """(record, built): the record of ``problem`` on this machine (``candidates``: name ->
+    builder of a callable, the built-in choice first), measured now when there is none or
+    ``KWKER_TUNE=force``: every candidate built, timed on ``inputs()``, the fastest recorded;
+    ``built`` holds the callables built for that (empty when the record was read)."""
+    import torch  # the runtime's other modules do without it; only measuring needs it
+    target, threads = host_target(), torch.get_num_threads()
+    record = None if mode() == "force" else load(problem, target, threads)
+    if record is not None and record.get("choice") in candidates:
+        return record, {}
+    built = {name: build() for name, build in candidates.items()}
+    with torch.no_grad():
+        times = best_times(list(built.values()), inputs())
+    choice = min(zip(times, built), key=lambda tn: tn[0])[1]
+    return store(problem, target, threads, {
+        "choice": choice, "op": op,
+        "times_us": {name: round(t * 1e6, 2) for name, t in zip(built, times)}}), built
 
 
 @functools.cache
