@@ -185,3 +185,26 @@ def instruction_path(spec, target) -> str:
             target.has("avx512bf16"):
         return "avx512-bf16"
     return width
+
+
+@register_spec
+@dataclass(frozen=True)
+class LowbitGemmSpec(Spec):
+    """``out = act(x @ deq(W).T + bias) + residual`` with int8/int4 weights and float scales per
+    group of ``group`` along K (see codegen/gemm_lowbit.py). ``m`` 0: the row count is passed per
+    call. ``lanes`` is the vector width the int4 weights were packed for; ``mr`` x ``rr`` the
+    tile of x rows by W rows."""
+    m: int
+    n: int
+    k: int
+    bits: int
+    group: int
+    zero_point: bool = False
+    bias: bool = False
+    epilogue: str = "none"
+    residual: bool = False
+    dtype: str = "f32"
+    lanes: int = 16
+    mr: int = 1
+    rr: int = 8
+    family = "gemm_lowbit"

@@ -23,6 +23,7 @@ import torch
 from torch.fx import Node
 
 from ..codegen.attention_tile import tile_path_fits
+from ..kernels.linear_lowbit import is_quantized
 from ..runtime import kernel
 from ..runtime.target import host_target
 from . import sorting as S
@@ -215,7 +216,13 @@ def _weight(m: Match, consts: dict) -> torch.Tensor:
 
 def _linear(m: Match, metas, consts):
     xm: TensorMeta = metas[m.inputs["x"]]
-    w = _weight(m, consts)
+    source = consts[m.inputs["weight"]]
+    if is_quantized(source):  # torchao's int8/int4 weights: the low-bit GEMV family
+        if m.inputs["transposed"]:
+            return None, f"a transposed {type(source).__name__} weight"
+        maker, w, extra = "make_linear_lowbit", source, {}
+    else:
+        maker, w, extra = "make_linear", _weight(m, consts), {"source": source}
     n_out, k_in = w.shape
     if xm.shape[-1] != k_in:
         return None, f"input has {xm.shape[-1]} features, weight expects {k_in}"
@@ -229,9 +236,8 @@ def _linear(m: Match, metas, consts):
             return None, f"residual shape {rm.shape} is not the output shape {out_shape}"
     bias = consts[m.inputs["bias"]].detach() if m.inputs["bias"] is not None else None
     if not known(*lead):
-        fn, why = _make("make_linear", w, bias, None, epilogue=m.params["epilogue"],
-                        residual=res is not None, dtype=xm.dtype,
-                        source=consts[m.inputs["weight"]])
+        fn, why = _make(maker, w, bias, None, epilogue=m.params["epilogue"],
+                        residual=res is not None, dtype=xm.dtype, **extra)
         if fn is None or len(lead) == 1:
             return _mark(fn, True), why
         if res is None:
@@ -242,8 +248,8 @@ def _linear(m: Match, metas, consts):
     rows = _prod(lead)
     if rows == 0 or k_in == 0:
         return None, "empty input"
-    fn, why = _make("make_linear", w, bias, rows, epilogue=m.params["epilogue"],
-                    residual=res is not None, dtype=xm.dtype, source=consts[m.inputs["weight"]])
+    fn, why = _make(maker, w, bias, rows, epilogue=m.params["epilogue"],
+                    residual=res is not None, dtype=xm.dtype, **extra)
     if fn is None:
         return None, why
     if len(lead) == 1:

@@ -28,7 +28,12 @@ def _describe(v) -> object:
     if isinstance(v, TensorMeta):
         return ["tensor", list(v.shape), list(v.stride), str(v.dtype)]
     if isinstance(v, torch.Tensor):
-        return ["const", list(v.shape), list(v.stride()), str(v.dtype)]
+        plain = ["const", list(v.shape), list(v.stride()), str(v.dtype)]
+        flatten = getattr(v, "__tensor_flatten__", None)
+        if type(v) in (torch.Tensor, torch.nn.Parameter) or flatten is None:
+            return plain
+        names, attrs = flatten()  # a tensor subclass (torchao's quantised weights): its format
+        return plain + [type(v).__name__, list(names), _describe(attrs)]
     if isinstance(v, (list, tuple)):
         return [_describe(x) for x in v]
     if isinstance(v, dict):

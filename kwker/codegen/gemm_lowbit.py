@@ -1,0 +1,374 @@
+"""Weight-only low-bit linear ``out = act(x @ deq(W).T + bias) + residual``: the GEMM family's
+decode (GEMV) schedule for int8 and int4 weights, widened in registers.
+
+Decoding reads every weight once per token, so the kernel streams the weights at memory speed and
+never holds a float copy of them. ``deq(W)[n, k] = (q[n, k] - zp[n, g]) * scale[n, g]`` with
+``g = k // group`` (torchao's affine dequantisation, float32).
+
+Weights, by ``bits``:
+
+- 8: ``q`` as torchao holds it, (N, K) int8 row-major, read in place (no copy). Per W row and
+  group, the float32 partial sums ``sum_k x[k] * (q - zp)`` (exact small integers times x) are
+  scaled once at the end of the group: one vector FMA per group instead of one per weight.
+- 4: repacked two per byte by the factory (``kernels/linear_lowbit.pack_int4``): per W row,
+  chunks of ``8 * lanes`` weights in ``lanes`` 32-bit words, weight ``k = chunk * 8L + j * L + l``
+  in nibble ``j`` of word ``l`` as ``u = q + 8``; K padded to whole chunks and groups with
+  ``u = 8 + zp`` (weight 0). A nibble becomes its weight through a 16-entry table per row and
+  group, ``table[u] = (u - 8 - zp) * scale``, looked up with one ``vpermps`` (AVX-512: the
+  index is the word's low 4 bits, so a shift exposes each nibble); on AVX2 the nibble is masked,
+  converted and scaled. The weight is then exactly torchao's float32 dequantised value.
+
+``scale`` is float32 (N, groups) and ``zp`` int8 (N, groups) (read only with
+``zero_point=True``; int4 groups padded as the weights are).
+
+Schedule: x (``m`` rows, or ``rows`` at run time for ``m == 0``) is widened once per thread into a
+float32 buffer padded with zeros to whole vectors. Threads split the W rows into contiguous ranges
+of ``rr``-row blocks; per block the x rows go by tiles of ``mr`` (the block's weights stay in L1
+across the tiles), keeping ``mr * rr`` vector accumulators. Each (x row, W row) sum is reduced
+across lanes into a float32 scratch row, then the epilogue runs as vectors over the thread's
+columns: ``act(sum + bias) + residual``, rounded once to bf16 for a bf16 model.
+
+ABI: ``sym(x, w, scale, zp, bias, res, out[, rows], nthreads)``; ``bias``, ``res``, ``zp`` may be
+null when the spec says they are absent.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import bf16, omp, simd, vmath
+from .irutil import (Fn, aligned_malloc, const, f32, i8, i16, i32, i64, intrinsic, new_module,
+                     ptr, void)
+
+GRAIN = 1 << 16     # weights per thread before a second thread pays for its fork (~2 us)
+LINE = 64           # bytes
+
+
+def chunk(bits: int, lanes: int) -> int:
+    """Weights per step of the K loop: one vector of int8, or ``lanes`` words of nibbles."""
+    return lanes if bits == 8 else 8 * lanes
+
+
+def padded_k(spec, lanes: int) -> int:
+    """K as the weights are laid out: int8 as is, int4 rounded up to whole chunks and groups."""
+    if spec.bits == 8:
+        return spec.k
+    step = max(chunk(4, lanes), spec.group)
+    return -(-spec.k // step) * step
+
+
+def groups(spec, lanes: int) -> int:
+    """Scale groups per W row (int4: over the padded K)."""
+    return -(-padded_k(spec, lanes) // spec.group)
+
+
+def _check(spec, lanes: int) -> None:
+    if spec.bits not in (4, 8) or spec.dtype not in ("f32", "bf16"):
+        raise ValueError(f"kwker gemm_lowbit: bits {spec.bits}, dtype {spec.dtype!r}")
+    if spec.lanes != lanes:
+        raise ValueError(f"kwker gemm_lowbit: packed for {spec.lanes} lanes, target has {lanes}")
+    g, c = spec.group, chunk(spec.bits, lanes)
+    if spec.bits == 8 and not (g % lanes == 0 or g >= spec.k):
+        raise ValueError(f"kwker gemm_lowbit: int8 group {g} is not whole vectors of {lanes}")
+    if spec.bits == 4 and not (g % lanes == 0 and (c % g == 0 or g % c == 0)):
+        raise ValueError(f"kwker gemm_lowbit: int4 group {g} does not tile chunks of {c}")
+
+
+def _prefetch(f: Fn, addr) -> None:
+    """Ask for the line at ``addr`` ahead of its use: a W row is only a few lines long, too
+    short a stream for the hardware prefetchers to follow (int8 GPT-2 decode: 11 -> GB/s)."""
+    f.call_intrinsic("llvm.prefetch.p0", void, [addr, const(i32, 0), const(i32, 3),
+                                                 const(i32, 1)])
+
+
+class _Tile:
+    """Emits the (x rows) x (W rows) tile functions of one spec."""
+
+    def __init__(self, module, spec, target):
+        self.module, self.s = module, spec
+        self.L = simd.float_lanes(target)
+        self.avx512 = self.L == 16
+        self.kp = padded_k(spec, self.L)
+        self.ng = groups(spec, self.L)
+        self.xstride = -(-self.kp // self.L) * self.L     # float32 x row, padded with zeros
+        self._made: dict = {}
+
+    def get(self, mr: int, rr: int) -> ir.Function:
+        """``tile(xbuf, w_rows, scale_rows, zp_rows, sums)``: ``sums[i * rr + r]`` = the dot of
+        x row ``i`` with dequantised W row ``r`` (float32 scalars)."""
+        key = (mr, rr)
+        if key not in self._made:
+            f = Fn(self.module, f"{self.s.symbol}.tile{mr}x{rr}", void, [ptr] * 5,
+                   ["x", "w", "scale", "zp", "sums"])
+            (self._int8 if self.s.bits == 8 else self._int4)(f, mr, rr)
+            f.finish()
+            self._made[key] = f.fn
+        return self._made[key]
+
+    # ------------------------------------------------------------------------------ int8
+    def _int8(self, f: Fn, mr: int, rr: int) -> None:
+        b, L, s = f.b, self.L, self.s
+        x, w, scale, zp, sums = f.args
+        vt, it = simd.vty(L), simd.vty(L, i32)
+        zero = vmath.splat(vt, 0.0)
+        total = [[f.var(vt, zero, f"t{i}_{r}") for r in range(rr)] for i in range(mr)]
+        part = [[f.var(vt, zero, f"p{i}_{r}") for r in range(rr)] for i in range(mr)]
+        k = s.k
+        g = min(s.group, k)
+
+        def step(at, active):
+            """One vector of k from ``at`` (i64) into the partial sums; ``active`` lanes."""
+            for r in range(rr):
+                at_r = b.add(at, const(i64, r * k))
+                q = self._load_i8(b, w, at_r, active)
+                qi = b.sext(q, it)
+                if s.zero_point:
+                    qi = b.sub(qi, self._zp_vec[r])
+                wf = b.sitofp(qi, vt)
+                for i in range(mr):
+                    xv = simd.load_vec(b, x, b.add(at, const(i64, i * self.xstride)), L)
+                    part[i][r].set(vmath.fma(b, xv, wf, part[i][r].get()))
+
+        def close_group(gi):
+            for r in range(rr):
+                sv = simd.broadcast(b, simd.load_scalar(
+                    b, scale, b.add(gi, const(i64, r * self.ng))), L)
+                for i in range(mr):
+                    total[i][r].set(vmath.fma(b, part[i][r].get(), sv, total[i][r].get()))
+                    part[i][r].set(zero)
+
+        def open_group(gi):
+            if s.zero_point:
+                self._zp_vec = [simd.broadcast(b, b.sext(simd.load_scalar(
+                    b, zp, b.add(gi, const(i64, r * self.ng)), i8), i32), L) for r in range(rr)]
+
+        unroll = max(1, LINE // L)      # steps per cache line of a W row
+
+        def sweep(base, vectors: int):
+            """``vectors`` whole vectors from ``base``, a line of each W row per iteration,
+            the same line of the next block of rows prefetched."""
+            u = min(unroll, vectors)
+            with f.for_range(0, vectors // u, name="c") as c:
+                at = b.add(base, b.mul(c, const(i64, u * L)))
+                for r in range(rr):
+                    _prefetch(f, simd.gep(b, w, b.add(at, const(i64, r * k + rr * k)), i8))
+                for j in range(u):
+                    step(b.add(at, const(i64, j * L)), L)
+            for j in range(vectors // u * u, vectors):
+                step(b.add(base, const(i64, j * L)), L)
+
+        full = k // g if g % L == 0 else 0
+        if full:
+            with f.for_range(0, full, name="g") as gi:
+                open_group(gi)
+                sweep(b.mul(gi, const(i64, g)), g // L)
+                close_group(gi)
+        rest = k - full * g
+        if rest:  # the last (or only) group: whole vectors, then one masked vector
+            gi = const(i64, full)
+            open_group(gi)
+            base = full * g
+            if rest // L:
+                sweep(const(i64, base), rest // L)
+            if rest % L:
+                step(const(i64, base + rest // L * L), rest % L)
+            close_group(gi)
+        self._store_sums(f, total, sums, mr, rr)
+
+    def _load_i8(self, b, w, at, active: int):
+        """``active`` int8 of a W row at byte ``at`` (the rest 0): only real bytes are read."""
+        L = self.L
+        vt = ir.VectorType(i8, L)
+        addr = simd.gep(b, w, at, i8)
+        if active >= L:
+            return b.load(addr, typ=vt, align=1)
+        mask = simd.const_mask(L, active)
+        fn = intrinsic(b.module, f"llvm.masked.load.v{L}i8.p0", vt, [ptr, i32, mask.type, vt])
+        return b.call(fn, [addr, ir.Constant(i32, 1), mask, ir.Constant(vt, [0] * L)])
+
+    # ------------------------------------------------------------------------------ int4
+    def _int4(self, f: Fn, mr: int, rr: int) -> None:
+        b, L, s = f.b, self.L, self.s
+        x, w, scale, zp, sums = f.args
+        vt, it = simd.vty(L), simd.vty(L, i32)
+        zero = vmath.splat(vt, 0.0)
+        total = [[f.var(vt, zero, f"t{i}_{r}") for r in range(rr)] for i in range(mr)]
+        c = chunk(4, L)
+        words_per_row = self.kp // 8                  # L words per chunk, 8 nibbles a word
+        per_group = s.group // L                      # nibbles (vectors) a group spans
+        base = ir.Constant(vt, [float(u - 8) for u in range(16)]) if self.avx512 else None
+        table = [None] * rr
+
+        def make_table(r, gi):
+            sv = simd.broadcast(b, simd.load_scalar(b, scale, b.add(gi, const(i64, r * self.ng))),
+                                L)
+            off = None
+            if s.zero_point:
+                zf = b.sitofp(simd.load_scalar(b, zp, b.add(gi, const(i64, r * self.ng)), i8), f32)
+                off = simd.broadcast(b, zf, L)
+            if self.avx512:
+                t = b.fsub(base, off) if off is not None else base
+                table[r] = b.fmul(t, sv)        # (u - 8 - zp) * scale: torchao's value
+            else:
+                table[r] = (sv, off)
+
+        def weight(r, word, j):
+            shifted = b.lshr(word, ir.Constant(it, [4 * j] * L)) if j else word
+            if self.avx512:
+                return f.call_intrinsic("llvm.x86.avx512.permvar.sf.512", vt,
+                                        [table[r], shifted])
+            sv, off = table[r]
+            u = b.sitofp(b.and_(shifted, ir.Constant(it, [15] * L)), vt)
+            u = b.fsub(u, vmath.splat(vt, 8.0))
+            if off is not None:
+                u = b.fsub(u, off)
+            return b.fmul(u, sv)
+
+        with f.for_range(0, self.kp // c, name="c") as ci:
+            words = [simd.gep(b, w, b.add(b.mul(ci, const(i64, L)),
+                                          const(i64, r * words_per_row)), i32) for r in range(rr)]
+            vals = [b.load(p, typ=it, align=4) for p in words]
+            for p in words:  # the same line of the next block of rows
+                _prefetch(f, simd.gep(b, p, const(i64, rr * words_per_row), i32))
+            k0 = b.mul(ci, const(i64, c))
+            for j in range(8):
+                if (j * L) % s.group == 0:
+                    gi = b.udiv(b.add(k0, const(i64, j * L)), const(i64, s.group)) \
+                        if per_group <= 8 else b.udiv(k0, const(i64, s.group))
+                    for r in range(rr):
+                        make_table(r, gi)
+                for r in range(rr):
+                    wv = weight(r, vals[r], j)
+                    for i in range(mr):
+                        xv = simd.load_vec(b, x, b.add(k0, const(i64, i * self.xstride + j * L)),
+                                           L)
+                        total[i][r].set(vmath.fma(b, xv, wv, total[i][r].get()))
+        self._store_sums(f, total, sums, mr, rr)
+
+    def _store_sums(self, f: Fn, total, sums, mr: int, rr: int) -> None:
+        b = f.b
+        for i in range(mr):
+            for r in range(rr):
+                simd.store_scalar(b, simd.hsum(b, total[i][r].get()), sums,
+                                  const(i64, i * rr + r))
+
+
+def _widen_x(f: Fn, spec, lanes: int, x, xbuf, rows, kp: int, xstride: int) -> None:
+    """x rows (float32 or bf16, K a row) -> float32 rows of ``xstride``, zero past K."""
+    b, L, k = f.b, lanes, spec.k
+    zero = vmath.splat(simd.vty(L), 0.0)
+    with f.for_range(0, rows, name="xr") as r:
+        src = simd.gep(b, x, b.mul(r, const(i64, k)), i16 if spec.dtype == "bf16" else f32)
+        dst = simd.gep(b, xbuf, b.mul(r, const(i64, xstride)))
+        if k // L:
+            with f.for_range(0, k // L, name="xv") as v:
+                at = b.mul(v, const(i64, L))
+                simd.store_vec(b, bf16.load_as(b, spec.dtype, src, at, L), dst, at)
+        if k % L:
+            at = const(i64, k // L * L)
+            simd.store_vec(b, bf16.load_as(b, spec.dtype, src, at, L, k % L), dst, at)
+        for v in range(-(-k // L), xstride // L):
+            simd.store_vec(b, zero, dst, const(i64, v * L))
+
+
+def _epilogue(f: Fn, spec, lanes: int, sums, rows, n0, n1, bias, res, out) -> None:
+    """out[i, n0:n1] = act(sums[i] + bias) + res[i] for every x row, as (masked) vectors."""
+    b, L, n = f.b, lanes, spec.n
+    width = b.sub(n1, n0)
+    with f.for_range(0, rows, name="er") as i:
+        srow = b.mul(i, width)
+        orow = b.add(b.mul(i, const(i64, n)), n0)
+        with f.for_range(0, width, step=L, name="ec") as col:
+            mask = simd.lane_mask(b, L, b.sub(width, col))
+            v = simd.masked_load(b, sums, b.add(srow, col), mask, L)
+            at = b.add(orow, col)
+            if spec.bias:
+                v = b.fadd(v, simd.masked_load(b, bias, b.add(n0, col), mask, L))
+            v = vmath.activation(b, spec.epilogue, v, spec.dtype == "bf16")
+            if spec.dtype == "bf16":
+                if spec.residual:
+                    v = b.fadd(v, bf16.load(b, res, at, L, mask=mask))
+                bf16.store(b, v, out, at, mask=mask)
+            else:
+                if spec.residual:
+                    v = b.fadd(v, simd.masked_load(b, res, at, mask, L))
+                simd.masked_store(b, v, out, at, mask)
+
+
+def emit(spec, target) -> ir.Module:
+    L = simd.float_lanes(target)
+    _check(spec, L)
+    module = new_module(spec.symbol)
+    tiles = _Tile(module, spec, target)
+    body = omp.body_fn(module, f"{spec.symbol}.body")
+    ctx = omp.Context(body, body.args[0])
+    b = body.b
+    x, w, scale, zp, bias, res, out = (ctx.ptr(slot) for slot in range(7))
+    rows = const(i64, spec.m) if spec.m else ctx.i64(7)
+    n, rr, mr = spec.n, spec.rr, spec.mr
+    blocks = -(-n // rr)
+    begin, end = omp.split(body, blocks, body.args[1], body.args[2])
+    with body.if_(b.icmp_signed("<", begin, end)):
+        n0 = b.mul(begin, const(i64, rr))
+        n1 = b.mul(end, const(i64, rr))
+        n1 = b.select(b.icmp_signed(">", n1, const(i64, n)), const(i64, n), n1)
+        xraw, xbuf = aligned_malloc(body, b.mul(rows, const(i64, tiles.xstride * 4)))
+        sraw, sums = aligned_malloc(body, b.mul(b.mul(rows, b.sub(n1, n0)), const(i64, 4)))
+        tsums = body.array(f32, mr * rr, "tile_sums")
+        _widen_x(body, spec, L, x, xbuf, rows, tiles.kp, tiles.xstride)
+        wrow = tiles.kp if spec.bits == 8 else tiles.kp // 2     # bytes a W row
+        with body.for_range(begin, end, name="blk") as blk:
+            r0 = b.mul(blk, const(i64, rr))
+            _block(body, spec, tiles, xbuf, w, scale, zp, sums, tsums, rows, r0, n0, n1, wrow)
+        _epilogue(body, spec, L, sums, rows, n0, n1, bias, res, out)
+        free = intrinsic(module, "free", void, [ptr])
+        b.call(free, [xraw])
+        b.call(free, [sraw])
+    body.finish()
+    args = [ptr] * 7 + ([] if spec.m else [i64])
+    cap = max(1, n * spec.k // GRAIN)
+    omp.emit_parallel(module, spec.symbol, args, body.fn, max_threads=min(cap, blocks))
+    return module
+
+
+def _block(f: Fn, spec, tiles: _Tile, xbuf, w, scale, zp, sums, tsums, rows, r0, n0, n1,
+           wrow: int) -> None:
+    """W rows ``r0 .. r0 + rr`` (fewer in the last block) against every x row tile."""
+    b, rr, mr, n = f.b, spec.rr, spec.mr, spec.n
+    wp = simd.gep(b, w, b.mul(r0, const(i64, wrow)), i8)
+    sp = simd.gep(b, scale, b.mul(r0, const(i64, tiles.ng)))
+    zpp = simd.gep(b, zp, b.mul(r0, const(i64, tiles.ng)), i8)
+    width = b.sub(n1, n0)
+    col = b.sub(r0, n0)
+
+    def run(rows_here: int, w_rows: int, i0):
+        fn = tiles.get(rows_here, w_rows)
+        xp = simd.gep(b, xbuf, b.mul(i0, const(i64, tiles.xstride)))
+        f.call(fn, xp, wp, sp, zpp, tsums)
+        for i in range(rows_here):
+            dst = b.add(b.mul(b.add(i0, const(i64, i)), width), col)
+            for r in range(w_rows):
+                v = simd.load_scalar(b, tsums, const(i64, i * w_rows + r))
+                simd.store_scalar(b, v, sums, b.add(dst, const(i64, r)))
+
+    def by_rows(w_rows: int):
+        full = b.udiv(rows, const(i64, mr))
+        with f.for_range(0, full, name="xt") as t:
+            run(mr, w_rows, b.mul(t, const(i64, mr)))
+        left = b.urem(rows, const(i64, mr))
+        i0 = b.mul(full, const(i64, mr))
+        for count in range(1, mr):
+            if spec.m and spec.m % mr != count:
+                continue
+            with f.if_(b.icmp_unsigned("==", left, const(i64, count))):
+                run(count, w_rows, i0)
+
+    edge = n % rr
+    if edge:
+        is_edge = b.icmp_signed("==", r0, const(i64, n - edge))
+        with f.if_else(is_edge) as (last, whole):
+            with last:
+                by_rows(edge)
+            with whole:
+                by_rows(rr)
+    else:
+        by_rows(rr)
