@@ -16,17 +16,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..codegen import gemm_lowbit, simd
 from ..runtime.target import host_target
+from . import blocking
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function
 from .linear import EPILOGUES
-from .specs import LowbitGemmSpec
+from .specs import GemmSpec, LowbitGemmSpec, LowbitUnpackSpec
 
 FORMATS = {"Int8Tensor", "IntxUnpackedToInt8Tensor"}
 # W rows per block for a tile of this many x rows (mr * rr accumulators fit the registers)
 ROWS_PER_BLOCK = {1: 8, 2: 6, 3: 4, 4: 3}
 MAX_TILE_ROWS = 4
+# from this many rows the weights are dequantised per call into the GEMM family's kernel (its
+# FLOPs then outweigh one pass over the weights): see make_linear_lowbit
+PREFILL_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,10 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
         raise ValueError(f"make_linear_lowbit: bias must be ({n},), got {tuple(bias.shape)}")
     lanes = simd.float_lanes(host_target())
     rows = min(m, MAX_TILE_ROWS) if m else 3
-    spec = LowbitGemmSpec(m or 0, n, k, lw.bits, lw.group, lw.zero_point is not None,
+    group = lw.group
+    if lw.bits == 4 and group >= k:  # one group a row: it spans the row's padding too
+        group = -(-k // gemm_lowbit.chunk(4, lanes)) * gemm_lowbit.chunk(4, lanes)
+    spec = LowbitGemmSpec(m or 0, n, k, lw.bits, group, lw.zero_point is not None,
                           bias is not None, epilogue, residual, dt, lanes, rows,
                           ROWS_PER_BLOCK[rows])
     try:
@@ -139,10 +147,92 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     bias_c = None
     if bias is not None:  # bf16: rounded as the model holds it, added in float32
         bias_c = bias.detach().to(dtype).float().contiguous()
-    fn = entry(spec, 7, 1 if m else 2)
-    ptrs = (w.data_ptr(), scale.data_ptr(), zp.data_ptr() if zp is not None else None,
-            bias_c.data_ptr() if bias_c is not None else None)
-    threads, empty, symbol = torch.get_num_threads, torch.empty, spec.symbol
+    buffers = _Buffers(w, scale, zp, bias_c)
+    if m is not None and m < PREFILL_ROWS:
+        return _wrap(_gemv(spec, buffers, dtype), [spec], buffers, n, k, m, residual, dtype)
+    prefill, specs = _prefill(spec, buffers, dtype, m)
+    if m is not None:
+        return _wrap(prefill, specs, buffers, n, k, m, residual, dtype)
+    gemv = _gemv(spec, buffers, dtype)
+
+    def either(x, r):
+        return (gemv if x.shape[0] < PREFILL_ROWS else prefill)(x, r)
+    return _wrap(either, [spec] + specs, buffers, n, k, m, residual, dtype)
+
+
+@dataclass
+class _Buffers:
+    """What the kernels read besides x: the weights (int8: torchao's qdata), scales, zero
+    points and bias; held by the callable for as long as it lives."""
+    w: torch.Tensor
+    scale: torch.Tensor
+    zp: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def ptrs(self) -> tuple:
+        return (self.w.data_ptr(), self.scale.data_ptr(),
+                self.zp.data_ptr() if self.zp is not None else None,
+                self.bias.data_ptr() if self.bias is not None else None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.zp)
+                   if t is not None)
+
+
+def _gemv(spec: LowbitGemmSpec, buf: _Buffers, dtype):
+    """``call(x, residual pointer) -> out`` on the decode kernel (weights streamed once)."""
+    fn = entry(spec, 7, 2 if spec.m == 0 else 1)
+    w_p, s_p, z_p, b_p = buf.ptrs()
+    n, threads, empty = spec.n, torch.get_num_threads, torch.empty
+
+    def call(x, r_ptr):
+        out = empty(x.shape[0], n, dtype=dtype)
+        if spec.m:
+            fn(x.data_ptr(), w_p, s_p, z_p, b_p, r_ptr, out.data_ptr(), threads())
+        elif x.shape[0]:
+            fn(x.data_ptr(), w_p, s_p, z_p, b_p, r_ptr, out.data_ptr(), x.shape[0], threads())
+        return out
+    return call
+
+
+def _prefill(spec: LowbitGemmSpec, buf: _Buffers, dtype, m: int | None):
+    """``call(x, residual pointer) -> out`` for many rows: the weights dequantised per call into
+    a float32/bf16 (N, K) buffer (freed after it), multiplied by the GEMM family's kernel for
+    ``x @ B.T`` with runtime B (bf16: on AMX tiles where the CPU has them)."""
+    n, k, dt = spec.n, spec.k, spec.dtype
+    kk = k + (k % 2) if dt == "bf16" else k      # bf16 steps over k pairs
+    unpack = LowbitUnpackSpec(n, k, spec.bits, spec.group, spec.zero_point, dt, spec.lanes, kk)
+    un = entry(unpack, 4)
+    blk = blocking.choose(m, n, kk // 2 if dt == "bf16" else k, b_layout="nk", dtype=dt)
+    gspec = GemmSpec(m or 0, n, kk, 1, "nk", spec.bias, spec.epilogue, spec.residual,
+                     **blk.as_kwargs(), dtype=dt)
+    gemm = entry(gspec, 5, 1 if m else 2)
+    w_p, s_p, z_p, b_p = buf.ptrs()
+    threads, empty = torch.get_num_threads, torch.empty
+    pad = kk != k
+
+    def call(x, r_ptr):
+        rows = x.shape[0]
+        out = empty(rows, n, dtype=dtype)
+        if rows == 0:
+            return out
+        weights = (torch.zeros if pad else empty)(n, kk, dtype=dtype)
+        un(w_p, s_p, z_p, weights.data_ptr(), threads())
+        if pad:
+            x = F.pad(x, (0, 1))
+        if m:
+            gemm(x.data_ptr(), weights.data_ptr(), b_p, r_ptr, out.data_ptr(), threads())
+        else:
+            gemm(x.data_ptr(), weights.data_ptr(), b_p, r_ptr, out.data_ptr(), rows, threads())
+        return out
+    return call, [unpack, gspec]
+
+
+def _wrap(call, specs: list, buf: _Buffers, n: int, k: int, m: int | None, residual: bool,
+          dtype):
+    """The factory's callable around ``call(x, residual pointer)``: input checks, profiler."""
+    symbol = specs[0].symbol
 
     def prepare(x):
         if not (x.dim() == 2 and x.shape[1] == k and x.dtype == dtype and x.is_contiguous()):
@@ -152,17 +242,11 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
             raise ValueError(f"low-bit linear: built for {m} rows, got {tuple(x.shape)}")
         return x
 
-    def call(x, r_ptr):
-        out = empty(x.shape[0], n, dtype=dtype)
-        if x.shape[0] == 0:
-            return out
-        args = (x.data_ptr(), *ptrs, r_ptr, out.data_ptr())
+    def profiled(x, r_ptr):
         if _profiler_enabled():
             with record_function(symbol):
-                fn(*args, threads()) if m else fn(*args, x.shape[0], threads())
-        else:
-            fn(*args, threads()) if m else fn(*args, x.shape[0], threads())
-        return out
+                return call(x, r_ptr)
+        return call(x, r_ptr)
 
     if residual:
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
@@ -170,15 +254,12 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
             shape = (x.shape[0], n)
             if not (res.shape == shape and res.dtype == dtype and res.is_contiguous()):
                 res = checked(res, shape, "low-bit linear residual", dtype)
-            return call(x, res.data_ptr())
+            return profiled(x, res.data_ptr())
     else:
         def run(x: torch.Tensor) -> torch.Tensor:
-            return call(prepare(x), None)
+            return profiled(prepare(x), None)
 
-    # keep every buffer the kernel reads alive (int8: torchao's own qdata)
-    run.spec, run.packed_weight, run.scale, run.zero_point, run.bias = spec, w, scale, zp, bias_c
-    run.weight_bytes = w.numel() * w.element_size() + scale.numel() * 4 + \
-        (zp.numel() if zp is not None else 0)
+    run.specs, run.buffers, run.weight_bytes = specs, buf, buf.nbytes
     return run
 
 

@@ -208,3 +208,19 @@ class LowbitGemmSpec(Spec):
     mr: int = 1
     rr: int = 8
     family = "gemm_lowbit"
+
+
+@register_spec
+@dataclass(frozen=True)
+class LowbitUnpackSpec(Spec):
+    """Low-bit weights (the layout of ``LowbitGemmSpec``) dequantised into row-major (N, ``ld``)
+    float32 or bf16: the prefill GEMM's B operand, made per call."""
+    n: int
+    k: int
+    bits: int
+    group: int
+    zero_point: bool = False
+    dtype: str = "f32"
+    lanes: int = 16
+    ld: int = 0
+    family = "lowbit_unpack"

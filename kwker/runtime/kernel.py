@@ -32,6 +32,7 @@ EMITTERS = {
     "topk_gemm": "kwker.codegen.fused_topk",
     "layernorm": "kwker.codegen.layernorm",
     "gemm_lowbit": "kwker.codegen.gemm_lowbit",
+    "lowbit_unpack": "kwker.codegen.gemm_lowbit",
 }
 
 stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0, "packaged": 0}

@@ -72,6 +72,32 @@ def layer_norm(checks: dict) -> None:
             checks[f"layer_norm {dt} d={d}"] = all(oks)
 
 
+def lowbit(checks: dict) -> None:
+    """torchao int8/int4 weight-only linears on this ISA (int4 without AVX-512's table
+    lookup), decode rows, their leftovers and the prefill path, against the dequantised
+    weights; skipped where torchao is not installed."""
+    try:
+        from torchao.quantization import (Int8WeightOnlyConfig, IntxWeightOnlyConfig,
+                                          MappingType, quantize_)
+        from torchao.quantization.granularity import PerGroup
+    except ImportError:
+        return
+    from kwker.kernels.linear_lowbit import dequantized, make_linear_lowbit
+    configs = {"int8": Int8WeightOnlyConfig(),
+               "int4 asym g32": IntxWeightOnlyConfig(weight_dtype=torch.int4,
+                                                     granularity=PerGroup(32),
+                                                     mapping_type=MappingType.ASYMMETRIC)}
+    for name, cfg in configs.items():
+        lin = torch.nn.Linear(96, 45)
+        quantize_(lin, cfg)
+        ref_w = dequantized(lin.weight)
+        for m in (1, 6, 21, None):
+            fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, "relu")
+            x = torch.randn(m or 9, 96)
+            checks[f"lowbit {name} m={m}"] = close(fn(x), torch.relu(F.linear(x, ref_w,
+                                                                              lin.bias)), 1e-5)
+
+
 def main() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(2)
@@ -103,6 +129,7 @@ def main() -> int:
             y, F.scaled_dot_product_attention(q, kk, v, is_causal=causal))
     sdpa_generic(checks)
     layer_norm(checks)
+    lowbit(checks)
     w = torch.randint(-2, 3, (2000, 16)).float()
     x = torch.randint(-2, 3, (9, 16)).float()
     vals, idx = make_linear_topk(w, 9, 20)(x)

@@ -1,0 +1,135 @@
+"""Weight-only int8/int4 linears (kernels/linear_lowbit.py) against torchao's dequantised weights.
+
+The reference is ``x @ ((q - zp) * scale).T`` in float64 from torchao's own tensors; float32
+activations must agree to float32 accumulation error, bf16 ones to the bf16 rounding of the
+output (and, on the prefill path, of the dequantised weight, as eager bf16 rounds it).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+torchao = pytest.importorskip("torchao")
+from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, MappingType, quantize_
+from torchao.quantization.granularity import PerAxis, PerGroup
+
+from kwker.kernels.linear_lowbit import PREFILL_ROWS, dequantized, lowbit_weight, make_linear_lowbit
+
+FORMATS = {
+    "int8-channel": (Int8WeightOnlyConfig, {}),
+    "int8-group32": (Int8WeightOnlyConfig, {"granularity": PerGroup(32)}),
+    "intx8-axis": (IntxWeightOnlyConfig, {"weight_dtype": torch.int8,
+                                          "granularity": PerAxis(0)}),
+    "int4-group32": (IntxWeightOnlyConfig, {"weight_dtype": torch.int4,
+                                            "granularity": PerGroup(32)}),
+    "int4-group64-asym": (IntxWeightOnlyConfig, {"weight_dtype": torch.int4,
+                                                 "granularity": PerGroup(64),
+                                                 "mapping_type": MappingType.ASYMMETRIC}),
+    "int4-group128": (IntxWeightOnlyConfig, {"weight_dtype": torch.int4,
+                                             "granularity": PerGroup(128)}),
+    "int4-axis": (IntxWeightOnlyConfig, {"weight_dtype": torch.int4,
+                                         "granularity": PerAxis(0)}),
+    "int2-group32": (IntxWeightOnlyConfig, {"weight_dtype": torch.int2,
+                                            "granularity": PerGroup(32)}),
+}
+EPILOGUES = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu,
+             "gelu_tanh": lambda y: F.gelu(y, approximate="tanh")}
+
+
+def quantized(fmt: str, n: int, k: int, dtype=torch.float32, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n).to(dtype)
+    config, kwargs = FORMATS[fmt]
+    quantize_(lin, config(**kwargs))
+    return lin
+
+
+def reference(lin: nn.Linear, x, epilogue="none", res=None, dtype=torch.float32):
+    w = dequantized(lin.weight).double()
+    y = x.double() @ w.T + lin.bias.detach().to(dtype).double()
+    y = EPILOGUES[epilogue](y)
+    return y if res is None else y + res.double()
+
+
+def assert_close(y, ref, dtype, what=""):
+    assert y.dtype == dtype and y.shape == ref.shape, what
+    scale = ref.abs().max().item()
+    err = (y.double() - ref).abs().max().item()
+    bound = 1e-5 if dtype == torch.float32 else 2 ** -7   # bf16: output (and weight) rounding
+    assert err <= bound * scale, f"{what}: error {err:g} against max |ref| {scale:g}"
+
+
+def shape_for(fmt):
+    return (37, 70) if fmt.endswith(("channel", "axis")) else (100, 256)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_each_format_every_row_count(fmt, dtype):
+    """Decode tiles (1, 3 rows), their leftovers (5 = 4 + 1), the prefill path and the kernel
+    generic over rows at counts on both sides of the switch."""
+    n, k = shape_for(fmt)
+    lin = quantized(fmt, n, k, dtype)
+    lw = lowbit_weight(lin.weight)
+    assert lw.bits == (4 if fmt.startswith(("int4", "int2")) else 8)
+    for m in (1, 3, 5, PREFILL_ROWS + 3, None):
+        fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, dtype=dtype)
+        for rows in ([m] if m else [1, 2, 7, PREFILL_ROWS, 40]):
+            x = torch.randn(rows, k).to(dtype)
+            assert_close(fn(x), reference(lin, x, dtype=dtype), dtype, f"{fmt} m={m} {rows}")
+
+
+@pytest.mark.parametrize("epilogue", sorted(EPILOGUES))
+@pytest.mark.parametrize("rows", [1, PREFILL_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_epilogues_and_residual(epilogue, rows, dtype):
+    lin = quantized("int4-group32", 72, 128, dtype)
+    for m in (rows, None):
+        x, res = torch.randn(rows, 128).to(dtype), torch.randn(rows, 72).to(dtype)
+        fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, epilogue, True, dtype)
+        assert_close(fn(x, res), reference(lin, x, epilogue, res, dtype), dtype, epilogue)
+
+
+@pytest.mark.parametrize("fmt", ["int8-group32", "int4-group64-asym", "int8-channel"])
+@pytest.mark.parametrize("rows", [1, 3, PREFILL_ROWS + 2])
+def test_nan_and_inf_activations(fmt, rows):
+    """NaN and +-inf in x give NaN and +-inf where the dequantised product does (inf times a
+    weight of 0 is NaN)."""
+    n, k = shape_for(fmt)
+    lin = quantized(fmt, n, k)
+    x = torch.randn(rows, k)
+    x[0, 5] = float("inf")
+    if rows > 1:
+        x[1, 3], x[rows - 1, k - 1] = float("nan"), float("-inf")
+    y = make_linear_lowbit(lin.weight, lin.bias.detach(), rows)(x)
+    ref = reference(lin, x)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+    assert torch.equal(y[y.isinf()], ref[ref.isinf()].float())
+    finite = ref.isfinite()
+    if finite.any():
+        assert_close(y[finite], ref[finite], torch.float32, fmt)
+
+
+def test_int8_weights_are_read_in_place():
+    """int8 values stay torchao's (no copy); int4 ones are repacked at half their bytes."""
+    lin8 = quantized("int8-group32", 64, 256)
+    fn8 = make_linear_lowbit(lin8.weight, None, 1)
+    assert fn8.buffers.w.data_ptr() == lin8.weight.qdata.data_ptr()
+    lin4 = quantized("int4-group32", 64, 256)
+    fn4 = make_linear_lowbit(lin4.weight, None, 1)
+    assert fn4.buffers.w.numel() * fn4.buffers.w.element_size() == 64 * 256 // 2
+
+
+def test_unsupported_formats_say_why():
+    lin = quantized("int8-channel", 32, 64)
+    with pytest.raises(NotImplementedError, match="not a torchao weight"):
+        lowbit_weight(torch.randn(32, 64))
+    with pytest.raises(NotImplementedError, match="runs in float32 or bfloat16"):
+        make_linear_lowbit(lin.weight, None, 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="bias must be"):
+        make_linear_lowbit(lin.weight, torch.zeros(3), 1)
+    fn = make_linear_lowbit(lin.weight, None, 2)
+    with pytest.raises(ValueError, match="built for 2 rows"):
+        fn(torch.randn(3, 64))
+    with pytest.raises(ValueError, match="expected shape"):
+        fn(torch.randn(2, 65))
