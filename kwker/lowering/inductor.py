@@ -15,6 +15,7 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.node import map_arg
 
+from ..kernels.linear_lowbit import is_quantized
 from . import build as B
 from .autocast import make_explicit
 from . import custom_ops as C
@@ -98,6 +99,12 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
         lowered = GraphModule(gm, copy.deepcopy(gm.graph))
         report = _rewrite(lowered, example_inputs, graph_id, dump_dir, decomposed)
         left = _work_left(lowered)
+        if report.kernels and any(is_quantized(t) for t in example_inputs):
+            # AOTAutograd hands torchao's weight subclasses to Kwker's ops as they are, and
+            # the subclass refuses ops it does not know (seen on GPT-2): a flat program runs
+            # the same kernels, and torchao's own code for anything left
+            return EagerCompiled(gm, list(example_inputs), graph_id, "inductor", dump_dir,
+                                 decomposed, note="torchao weights: run as a flat program")
         if report.kernels and left is not None:
             # nothing Inductor could fuse: it would only add its call wrappers (~30 us per call
             # on the tutorial Ranker) and seconds of compile per graph; the flat program runs
