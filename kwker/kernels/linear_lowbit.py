@@ -90,20 +90,24 @@ def lowbit_weight(t: torch.Tensor) -> LowbitWeight:
     return LowbitWeight(q, scale, zp, group, bits, t.dtype, name)
 
 
-def pack_int4(q: torch.Tensor, lanes: int, kp: int) -> torch.Tensor:
-    """(N, K) int8 values in [-8, 7] -> (N, kp // 8) int32 words of nibbles ``q + 8``: per chunk
-    of ``8 * lanes`` weights, weight ``j * lanes + l`` in nibble ``j`` of word ``l``; padding
-    past K holds 8 (weight 0 before the zero point; the kernel's x padding is 0 anyway)."""
+def pack_int4(q: torch.Tensor, lanes: int, kp: int, rr: int) -> torch.Tensor:
+    """(N, K) int8 values in [-8, 7] -> int32 words of nibbles ``q + 8`` in the layout of
+    codegen/gemm_lowbit.py: per chunk of ``8 * lanes`` weights, weight ``j * lanes + l`` in
+    nibble ``j`` of word ``l``; blocks of ``rr`` rows with their chunks interleaved. Padding past
+    K and past N holds 8 (weight 0 before the zero point; the kernel's x padding is 0 anyway,
+    and padded rows are never stored)."""
     n, k = q.shape
     if int(q.min()) < -8 or int(q.max()) > 7:
         raise NotImplementedError("int4 weights outside [-8, 7]")
-    u = torch.full((n, kp), 8, dtype=torch.int32)
-    u[:, :k] = q.to(torch.int32) + 8
-    u = u.view(n, kp // (8 * lanes), 8, lanes)          # (row, chunk, nibble j, lane l)
-    words = torch.zeros(n, kp // (8 * lanes), lanes, dtype=torch.int32)
+    rows = -(-n // rr) * rr
+    chunks = kp // (8 * lanes)
+    u = torch.full((rows, kp), 8, dtype=torch.int32)
+    u[:n, :k] = q.to(torch.int32) + 8
+    u = u.view(rows, chunks, 8, lanes)                  # (row, chunk, nibble j, lane l)
+    words = torch.zeros(rows, chunks, lanes, dtype=torch.int32)
     for j in range(8):
         words |= u[:, :, j, :] << (4 * j)
-    return words.view(n, kp // 8)
+    return words.view(rows // rr, rr, chunks, lanes).transpose(1, 2).contiguous().view(rows, -1)
 
 
 def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None = None,
@@ -143,7 +147,7 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     if lw.bits == 8:
         w = lw.qdata if lw.qdata.is_contiguous() else lw.qdata.contiguous()
     else:
-        w = pack_int4(lw.qdata, lanes, kp)
+        w = pack_int4(lw.qdata, lanes, kp, spec.rr)
     bias_c = None
     if bias is not None:  # bf16: rounded as the model holds it, added in float32
         bias_c = bias.detach().to(dtype).float().contiguous()
@@ -202,7 +206,8 @@ def _prefill(spec: LowbitGemmSpec, buf: _Buffers, dtype, m: int | None):
     ``x @ B.T`` with runtime B (bf16: on AMX tiles where the CPU has them)."""
     n, k, dt = spec.n, spec.k, spec.dtype
     kk = k + (k % 2) if dt == "bf16" else k      # bf16 steps over k pairs
-    unpack = LowbitUnpackSpec(n, k, spec.bits, spec.group, spec.zero_point, dt, spec.lanes, kk)
+    unpack = LowbitUnpackSpec(n, k, spec.bits, spec.group, spec.zero_point, dt, spec.lanes, kk,
+                              spec.rr)
     un = entry(unpack, 4)
     blk = blocking.choose(m, n, kk // 2 if dt == "bf16" else k, b_layout="nk", dtype=dt)
     gspec = GemmSpec(m or 0, n, kk, 1, "nk", spec.bias, spec.epilogue, spec.residual,

@@ -223,4 +223,5 @@ class LowbitUnpackSpec(Spec):
     dtype: str = "f32"
     lanes: int = 16
     ld: int = 0
+    rr: int = 8            # int4: rows per block of the packed layout
     family = "lowbit_unpack"
