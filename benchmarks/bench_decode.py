@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import probes  # noqa: E402
+import common
+import probes
 
 PROMPT, NEW = 128, 64
 ROWS = [  # (label, activation dtype, quantisation, how it runs)

@@ -1,4 +1,4 @@
-"""Elementwise kernels: GELU (erf and tanh forms), ReLU, exp, erf, tanh.
+"""Elementwise kernels: GELU (erf and tanh forms), ReLU, SiLU, exp, erf, tanh; SiLU * y.
 
 Contract: ``out[i] = op(x[i])`` for a contiguous buffer of ``numel`` elements (in place allowed)
 of ``spec.dtype``: float32, or bfloat16 widened to float32, computed in float32 and rounded once
@@ -24,7 +24,14 @@ GRAIN = {"relu": 1 << 15}  # others: DEFAULT_GRAIN
 DEFAULT_GRAIN = 1 << 12
 UNROLL = {"relu": 4}  # others: 1
 
+def _silu(b, x):
+    """x / (1 + e^-x), as ATen computes SiLU."""
+    one = vmath.splat(x.type, 1.0)
+    return b.fdiv(x, b.fadd(one, vmath.exp(b, b.fsub(vmath.splat(x.type, 0.0), x))))
+
+
 OPS = {
+    "silu": _silu,
     "gelu": lambda b, x: vmath.gelu(b, x, "none"),
     "gelu_tanh": lambda b, x: vmath.gelu(b, x, "tanh"),
     "relu": vmath.relu,
@@ -59,25 +66,46 @@ def _store_bf16(b, x, base, index, mask=None):
 IO = {"f32": (_load_f32, _store_f32), "bf16": (_load_bf16, _store_bf16)}
 
 
+# binary ops: ``out = OPS[first](a) * b`` (SwiGLU's ``silu(gate) * up``); bf16 rounds the first
+# op's result before the product, as eager runs the two ops
+BINARY = {"silu_mul": "silu"}
+
+
 def emit(spec, target) -> ir.Module:
-    if spec.op not in OPS:
-        raise ValueError(f"kwker: no elementwise op {spec.op!r}; have {sorted(OPS)}")
+    if spec.op not in OPS and spec.op not in BINARY:
+        raise ValueError(f"kwker: no elementwise op {spec.op!r}; have "
+                         f"{sorted(OPS) + sorted(BINARY)}")
     if spec.dtype not in IO:
         raise ValueError(f"kwker: elementwise dtype {spec.dtype!r}; have {sorted(IO)}")
-    op = OPS[spec.op]
     load, store = IO[spec.dtype]
+    arity = 2 if spec.op in BINARY else 1
     lanes = simd.float_lanes(target)
     module = new_module(spec.symbol)
     body = omp.body_fn(module, f"{spec.symbol}.body")
     ctx = omp.Context(body, body.args[0])
     tid, nt = body.args[1], body.args[2]
     b = body.b
-    src, dst = ctx.ptr(0), ctx.ptr(1)
+    src, dst = ctx.ptr(0), ctx.ptr(arity)
+    if arity == 1:
+        op = OPS[spec.op]
+    else:
+        first, other = OPS[BINARY[spec.op]], ctx.ptr(1)
+
+        def op(b, x, at, mask=None):
+            y = first(b, x)
+            if spec.dtype == "bf16":
+                y = bf16.widen(b, bf16.narrow(b, y))
+            return b.fmul(y, load(b, other, at, lanes, mask))
+    if arity == 1:
+        unary = op
+
+        def op(b, x, at, mask=None):
+            return unary(b, x)
     if spec.numel:
         numel = const(i64, spec.numel)
         vecs = (spec.numel + lanes - 1) // lanes
     else:
-        numel = ctx.i64(2)
+        numel = ctx.i64(arity + 1)
         vecs = b.udiv(b.add(numel, const(i64, lanes - 1)), const(i64, lanes))
     vbegin, vend = omp.split(body, vecs, tid, nt)
     begin = b.mul(vbegin, const(i64, lanes))
@@ -88,24 +116,26 @@ def emit(spec, target) -> ir.Module:
     step = lanes * unroll
     with body.while_(lambda: b.icmp_signed("<=", b.add(i.get(), const(i64, step)), end)):
         base = i.get()
-        xs = [load(b, src, b.add(base, const(i64, u * lanes)), lanes) for u in range(unroll)]
-        for u, x in enumerate(xs):
-            store(b, op(b, x), dst, b.add(base, const(i64, u * lanes)))
+        ats = [b.add(base, const(i64, u * lanes)) for u in range(unroll)]
+        xs = [load(b, src, at, lanes) for at in ats]
+        for at, x in zip(ats, xs):
+            store(b, op(b, x, at), dst, at)
         i.set(b.add(base, const(i64, step)))
     with body.while_(lambda: b.icmp_signed("<=", b.add(i.get(), const(i64, lanes)), end)):
         base = i.get()
-        store(b, op(b, load(b, src, base, lanes)), dst, base)
+        store(b, op(b, load(b, src, base, lanes), base), dst, base)
         i.set(b.add(base, const(i64, lanes)))
     rest = b.sub(end, i.get())
     with body.if_(b.icmp_signed(">", rest, const(i64, 0))):
         mask = simd.lane_mask(b, lanes, rest)
-        store(b, op(b, load(b, src, i.get(), lanes, mask)), dst, i.get(), mask)
+        at = i.get()
+        store(b, op(b, load(b, src, at, lanes, mask), at, mask), dst, at, mask)
     body.finish()
     grain = GRAIN.get(spec.op, DEFAULT_GRAIN)
     if spec.numel:
-        omp.emit_parallel(module, spec.symbol, [ptr, ptr], body.fn,
+        omp.emit_parallel(module, spec.symbol, [ptr] * (arity + 1), body.fn,
                           max_threads=max(1, spec.numel // grain))
     else:  # the same cap, from the numel argument
-        omp.emit_parallel(module, spec.symbol, [ptr, ptr, i64], body.fn,
-                          lambda b, args: omp.per_grain(b, args[2], grain))
+        omp.emit_parallel(module, spec.symbol, [ptr] * (arity + 1) + [i64], body.fn,
+                          lambda b, args: omp.per_grain(b, args[arity + 1], grain))
     return module

@@ -1,4 +1,5 @@
-"""LayerNorm: ``out = (x - mean) / sqrt(var + eps) * w + b`` over each row of ``d`` elements.
+"""LayerNorm: ``out = (x - mean) / sqrt(var + eps) * w + b`` over each row of ``d`` elements;
+RMSNorm (``spec.norm``): ``x / sqrt(mean(x^2) + eps) * w``, the same sweeps without the mean.
 
 Contract: ``rows`` contiguous rows of ``spec.dtype`` (float32, or bfloat16 widened to float32)
 in, the same out; ``w`` and ``b`` are float32 (either may be absent). Maths in float32, no
@@ -70,7 +71,37 @@ def _total(b, accs) -> ir.Value:
     return simd.hsum(b, vs[0])
 
 
+def _rms_row(fn, spec, lanes: int, xrow, orow, w) -> None:
+    """RMSNorm: ``x * (1 / sqrt(sum(x^2) / d + eps)) * w`` (``rms_hf``: the product before ``w``
+    rounded to x's dtype first, as transformers computes it)."""
+    b, d, dtype = fn.b, spec.d, spec.dtype
+    vt = simd.vty(lanes)
+    zero = vmath.splat(vt, 0.0)
+    sqs = [fn.var(vt, zero, f"sq{k}") for k in range(min(UNROLL, -(-d // lanes)))]
+
+    def square(i, k, active):
+        x = bf16.load_as(b, dtype, xrow, i, lanes, active)
+        sqs[k].set(vmath.fma(b, x, x, sqs[k].get()))
+
+    _sweep(fn, d, lanes, square)
+    ms = b.fdiv(_total(b, sqs), const(f32, float(d)), name="ms")
+    root = fn.call_intrinsic("llvm.sqrt.f32", f32, [b.fadd(ms, const(f32, spec.eps))])
+    rv = simd.broadcast(b, b.fdiv(const(f32, 1.0), root, name="rstd"), lanes)
+
+    def write(i, k, active):
+        y = b.fmul(bf16.load_as(b, dtype, xrow, i, lanes, active), rv)
+        if dtype == "bf16" and spec.norm == "rms_hf":
+            y = bf16.widen(b, bf16.narrow(b, y))
+        if spec.weight:
+            y = b.fmul(simd.load_any(b, w, i, lanes, active), y)
+        bf16.store_as(b, dtype, y, orow, i, active)
+
+    _sweep(fn, d, lanes, write)
+
+
 def _row(fn, spec, lanes: int, xrow, orow, w, bias) -> None:
+    if spec.norm != "layer":
+        return _rms_row(fn, spec, lanes, xrow, orow, w)
     b, d, dtype = fn.b, spec.d, spec.dtype
     vt = simd.vty(lanes)
     zero = vmath.splat(vt, 0.0)
@@ -131,6 +162,8 @@ def _row(fn, spec, lanes: int, xrow, orow, w, bias) -> None:
 def emit(spec, target) -> ir.Module:
     if spec.dtype not in ("f32", "bf16"):
         raise ValueError(f"kwker: layernorm dtype {spec.dtype!r}; have ['bf16', 'f32']")
+    if spec.norm not in ("layer", "rms", "rms_hf") or spec.norm != "layer" and spec.bias:
+        raise ValueError(f"kwker: norm {spec.norm!r} (layer, or rms / rms_hf without a bias)")
     if spec.d < 1 or spec.rows < 0:
         raise ValueError(f"kwker: layernorm needs d >= 1 and rows >= 0, got {spec}")
     lanes = simd.float_lanes(target)

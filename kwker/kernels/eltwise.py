@@ -70,3 +70,40 @@ def make_gelu(numel: int | None, approximate: str = "none", dtype: torch.dtype =
     if approximate not in _GELU_OPS:
         raise ValueError(f"GELU approximate must be 'none' or 'tanh', not {approximate!r}")
     return make_eltwise(_GELU_OPS[approximate], numel, dtype)
+
+
+def make_silu_mul(numel: int | None, dtype: torch.dtype = torch.float32):
+    """``callable(x, y) -> F.silu(x) * y`` (SwiGLU's gate) for contiguous ``x`` and ``y`` of one
+    shape and ``dtype``; ``numel=None``: any size. bf16 rounds the SiLU before the product, as
+    eager runs the two ops."""
+    if dtype not in _DTYPES:
+        raise NotImplementedError(f"kwker silu_mul: float32 or bfloat16 only, got {dtype}")
+    if numel is not None and int(numel) < 1:
+        raise ValueError(f"kwker silu_mul: numel must be >= 1 or None (any size), got {numel}")
+    spec = EltwiseSpec("silu_mul", int(numel or 0), _DTYPES[dtype])
+    fn = entry(spec, 3, 1 if numel else 2)
+    symbol, name = spec.symbol, "kwker silu_mul"
+    get_threads, empty_like = torch.get_num_threads, torch.empty_like
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        n = x.numel() if numel is None else numel
+        if not (x.numel() == n and x.dtype == dtype and x.is_contiguous()):
+            x = _checked(x, n, dtype, name).view(x.shape)
+        if not (y.shape == x.shape and y.dtype == dtype and y.is_contiguous()):
+            if y.shape != x.shape:
+                raise ValueError(f"{name}: y {tuple(y.shape)} is not x's shape "
+                                 f"{tuple(x.shape)}")
+            y = _checked(y, n, dtype, name).view(y.shape)
+        out = empty_like(x)
+        if n == 0:
+            return out
+        args = (x.data_ptr(), y.data_ptr(), out.data_ptr()) + (() if numel else (n,))
+        if _profiler_enabled():
+            with record_function(symbol):
+                fn(*args, get_threads())
+        else:
+            fn(*args, get_threads())
+        return out
+
+    run.spec = spec
+    return run

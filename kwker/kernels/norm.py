@@ -40,14 +40,23 @@ def _checked(x: torch.Tensor, d: int, rows: int | None, dtype: torch.dtype) -> t
 
 
 def make_layer_norm(d: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                    rows: int | None = None, dtype: torch.dtype = torch.float32):
+                    rows: int | None = None, dtype: torch.dtype = torch.float32,
+                    norm: str = "layer"):
     """``callable(x) -> F.layer_norm(x, (d,), weight, bias, eps)`` for ``x`` of shape (..., d).
 
     ``rows=None`` builds one kernel for any number of rows (numel // d, read per call); an int
     specialises it to that many. ``dtype`` float32 or bfloat16 is x's and the output's; bf16
     weights may be float32 or bf16, and the maths is float32 with one rounding at the store, as
     ATen computes bf16 layer_norm. weight and bias are copied to float32 here, once.
+
+    ``norm="rms"`` is RMSNorm instead, ``x * rsqrt(mean(x^2) + eps) * weight`` (no bias) as
+    ``F.rms_norm`` computes it; ``"rms_hf"`` rounds ``x * rsqrt(...)`` to ``dtype`` before the
+    weight, as transformers' Llama/T5 norms do (the same in float32).
     """
+    if norm not in ("layer", "rms", "rms_hf"):
+        raise ValueError(f"make_layer_norm: norm must be layer, rms or rms_hf, not {norm!r}")
+    if norm != "layer" and bias is not None:
+        raise ValueError("make_layer_norm: RMSNorm has no bias")
     dt = kernel_dtype(dtype, "make_layer_norm")
     d = int(d)
     if d < 1:
@@ -55,7 +64,8 @@ def make_layer_norm(d: int, weight: torch.Tensor | None, bias: torch.Tensor | No
     if rows is not None and int(rows) < 1:
         raise ValueError(f"make_layer_norm: rows must be >= 1 or None (any), got {rows}")
     w_c, b_c = _param(weight, d, dtype, "weight"), _param(bias, d, dtype, "bias")
-    spec = LayerNormSpec(d, int(rows or 0), float(eps), w_c is not None, b_c is not None, dt)
+    spec = LayerNormSpec(d, int(rows or 0), float(eps), w_c is not None, b_c is not None, dt,
+                         norm)
     fn = entry(spec, 4, 1 if rows else 2)
     w_ptr = None if w_c is None else w_c.data_ptr()
     b_ptr = None if b_c is None else b_c.data_ptr()

@@ -156,13 +156,17 @@ class TopkGemmSpec(Spec):
 class LayerNormSpec(Spec):
     """``out = (x - mean) * rstd * w + b`` over ``rows`` rows of ``d`` contiguous elements (see
     codegen/layernorm.py); ``rows`` 0: any row count, passed per call (one compile for every
-    batch and sequence size). ``weight``/``bias``: whether w and b are read (float32 buffers)."""
+    batch and sequence size). ``weight``/``bias``: whether w and b are read (float32 buffers).
+    ``norm``: ``layer``, or RMSNorm ``x * rsqrt(mean(x^2) + eps) * w`` as ``rms`` (one rounding,
+    ATen's ``rms_norm``) or ``rms_hf`` (rounded to x's dtype before the weight, as transformers'
+    Llama/T5 norms compute it)."""
     d: int
     rows: int
     eps: float
     weight: bool
     bias: bool
     dtype: str = "f32"     # element type of x and out ("f32" | "bf16"); maths in float32
+    norm: str = "layer"
     family = "layernorm"
 
     @property
@@ -171,7 +175,8 @@ class LayerNormSpec(Spec):
         eps = struct.unpack("<Q", struct.pack("<d", self.eps))[0]  # bit-exact: one symbol per eps
         return (f"kw_layernorm_d{self.d}_r{self.rows}_e{eps:016x}"
                 f"_w{int(self.weight)}_b{int(self.bias)}"
-                + ("" if self.dtype == "f32" else "_" + self.dtype))
+                + ("" if self.dtype == "f32" else "_" + self.dtype)
+                + ("" if self.norm == "layer" else "_" + self.norm))
 
 
 def instruction_path(spec, target) -> str:

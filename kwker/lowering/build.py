@@ -426,26 +426,61 @@ def _gelu(m: Match, metas, consts):
     return _make("make_gelu", xm.numel, approximate=approximate, dtype=xm.dtype)
 
 
+def _silu_mul(m: Match, metas, consts):
+    xm: TensorMeta = metas[m.inputs["x"]]
+    silu = torch.nn.functional.silu
+    if not known(*xm.shape):
+        fn, why = _make("make_silu_mul", None, dtype=xm.dtype)
+        if fn is None:
+            return None, why
+
+        def run(x, y):  # strided inputs: ATen's, which reads any layout
+            if x.is_contiguous() and y.is_contiguous():
+                return fn(x, y)
+            return silu(x) * y
+        return _mark(run, True), None
+    ym: TensorMeta = metas[m.inputs["y"]]
+    if not (xm.contiguous and ym.contiguous) or xm.numel == 0:
+        return None, "non-contiguous or empty input"
+    return _make("make_silu_mul", xm.numel, dtype=xm.dtype)
+
+
+def norm_aten(norm: str, d: int, w, b, eps: float):
+    """``callable(x)``: the normalisation as ATen (or, for ``rms_hf``, transformers) computes
+    it, for inputs a kernel does not take."""
+    F = torch.nn.functional
+    if norm == "layer":
+        return lambda x: F.layer_norm(x, (d,), w, b, eps)
+    if norm == "rms":
+        return lambda x: F.rms_norm(x, (d,), w, eps)
+
+    def rms_hf(x):
+        h = x.float()
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return y if w is None else w.to(x.dtype) * y
+    return rms_hf
+
+
 def _layer_norm(m: Match, metas, consts):
     xm: TensorMeta = metas[m.inputs["x"]]
-    d, eps = m.params["d"], m.params["eps"]
+    d, eps, norm = m.params["d"], m.params["eps"], m.params.get("norm", "layer")
     if pinned(xm.shape[-1], True) != d:
         return None, f"normalised over {d} features, the input has {xm.shape[-1]}"
     w, b = (consts[m.inputs[k]].detach() if m.inputs[k] is not None else None
             for k in ("weight", "bias"))
     lead = xm.shape[:-1]
     if not known(*lead):
-        fn, why = _make("make_layer_norm", d, w, b, eps, None, dtype=xm.dtype)
+        fn, why = _make("make_layer_norm", d, w, b, eps, None, dtype=xm.dtype, norm=norm)
         if fn is None:
             return None, why
-        layer_norm = torch.nn.functional.layer_norm
+        aten = norm_aten(norm, d, w, b, eps)
 
         def run(x):  # a strided input: ATen's, which reads any layout
-            return fn(x) if x.is_contiguous() else layer_norm(x, (d,), w, b, eps)
+            return fn(x) if x.is_contiguous() else aten(x)
         return _mark(run, True), None
     if not xm.contiguous or xm.numel == 0:
         return None, "non-contiguous or empty input"
-    return _make("make_layer_norm", d, w, b, eps, _prod(lead), dtype=xm.dtype)
+    return _make("make_layer_norm", d, w, b, eps, _prod(lead), dtype=xm.dtype, norm=norm)
 
 
 # measured on Emerald Rapids: Kwker's bf16 attention with vector products at 0.37-0.84x
@@ -559,7 +594,8 @@ def _sorting(m: Match, metas, consts):
 
 
 _BUILDERS = {"linear": _linear, "linear_topk": _linear_topk, "matmul": _matmul, "gelu": _gelu,
-             "sdpa": _sdpa, "layer_norm": _layer_norm, "sorting": _sorting}
+             "sdpa": _sdpa, "layer_norm": _layer_norm, "silu_mul": _silu_mul,
+             "sorting": _sorting}
 
 
 def restrided(fn, meta: TensorMeta):

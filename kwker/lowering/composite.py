@@ -127,3 +127,91 @@ def find_gelus(nodes: list) -> dict:
             found[n] = g
             inside.update(g[1])
     return found
+
+
+# ------------------------------------------------------------------------------- RMSNorm
+def _is(n, fns=(), methods=()) -> bool:
+    if not isinstance(n, Node):
+        return False
+    if n.op == "call_function":
+        try:
+            return n.target in fns
+        except TypeError:
+            return False
+    return n.op == "call_method" and n.target in methods
+
+
+def _other(n: Node, x):
+    """The operand of the binary node ``n`` that is not ``x`` (None if ``x`` is not one)."""
+    a = list(n.args[:2])
+    if len(a) != 2 or n.kwargs or x not in a:
+        return None
+    return a[1] if a[0] is x else a[0]
+
+
+def _only_user(n: Node):
+    return next(iter(n.users)) if len(n.users) == 1 else None
+
+
+_MUL = ((operator.mul, torch.mul), ("mul", "__mul__", "__rmul__"))
+_ADD = ((operator.add, torch.add), ("add", "__add__", "__radd__"))
+
+
+def rms_norm_at(r: Node) -> tuple | None:
+    """An RMSNorm written out around the ``rsqrt`` node ``r`` (transformers' Llama/Mistral/T5
+    form: ``h = x.to(float32); h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)``, then
+    ``.to(x.dtype)`` and ``weight * ...``): (x, the weight node or None, eps, covered nodes in
+    graph order, the output node), or None."""
+    if not _is(r, (torch.rsqrt,), ("rsqrt",)) or len(r.args) != 1:
+        return None
+    a = r.args[0]
+    if not _is(a, *_ADD) or len(a.users) != 1:
+        return None
+    v = next((x for x in a.args[:2] if _is(x, (torch.mean,), ("mean",))), None)
+    eps = _other(a, v) if v is not None else None
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or len(v.users) != 1:
+        return None
+    dims = v.args[1:] or (v.kwargs.get("dim"),)
+    if tuple(dims) not in ((-1,), ([-1],), ((-1,),)) or v.kwargs.get("keepdim") is not True:
+        return None
+    p = v.args[0]
+    if _is(p, (torch.pow,), ("pow", "__pow__")) and len(p.args) == 2 and p.args[1] == 2 or _is(p, *_MUL) and len(p.args) == 2 and p.args[0] is p.args[1]:
+        h = p.args[0]
+    else:
+        return None
+    y = _only_user(r)
+    if y is None or len(p.users) != 1 or not _is(y, *_MUL) or _other(y, r) is not h or \
+            set(h.users) != {p, y}:
+        return None
+    covers, x = [p, v, a, r, y], h
+    if _is(h, (), ("to", "float")) and len(h.args) in (1, 2) and not h.kwargs:
+        covers.insert(0, h)
+        x = h.args[0]
+    out, weight = y, None
+    cast = _only_user(out)
+    if cast is not None and _is(cast, (), ("to",)) and len(cast.args) == 2 and not cast.kwargs:
+        covers.append(cast)
+        out = cast
+    m = _only_user(out)
+    if m is not None and _is(m, *_MUL):
+        w = _other(m, out)
+        if isinstance(w, Node) and w.op in ("placeholder", "get_attr"):
+            covers.append(m)
+            out, weight = m, w
+    return x, weight, float(eps), covers, out
+
+
+# ------------------------------------------------------------------------------- SiLU * y
+_SILU = (torch.nn.functional.silu, torch.ops.aten.silu.default)
+
+
+def silu_mul_at(n: Node) -> tuple | None:
+    """``silu(g) * u`` ending at the product ``n`` (SwiGLU's gate, Llama's MLP), the SiLU used
+    only there: (g, u, covered nodes), or None."""
+    if not _is(n, *_MUL) or len(n.args) != 2 or n.kwargs:
+        return None
+    for s, u in (n.args, n.args[::-1]):
+        if _is(s, _SILU, ("silu",)) and len(s.users) == 1 and isinstance(u, Node) and \
+                len(s.args) == 1 and not s.kwargs.get("inplace", False):
+            return s.args[0], u, [s, n]
+    return None

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from . import build as B
-from .generic import generic_shapes
 from . import sorting as S
+from .generic import generic_shapes
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides
 
@@ -37,7 +37,9 @@ _SCHEMAS = {
                    "-> (Tensor, Tensor)",
     "matmul": "matmul(Tensor a, Tensor b) -> Tensor",
     "gelu": "gelu(Tensor x, str approximate) -> Tensor",
-    "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, int d, float eps) -> Tensor",
+    "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, int d, float eps, "
+                  "str norm) -> Tensor",
+    "silu_mul": "silu_mul(Tensor x, Tensor y) -> Tensor",
     "sdpa": "sdpa(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale) "
             "-> Tensor",
 }
@@ -166,13 +168,21 @@ def gelu_kernel(numel, approximate, dtype=torch.float32, build=True):
         "gelu", {"x": "x"}, {"x": (numel,)}, {"approximate": approximate}, dtype=dtype), build)
 
 
-def layer_norm_kernel(x_shape, weight, bias, eps, dtype=torch.float32, build=True):
-    key = ("layer_norm", tuple(x_shape), _ptr(weight), _ptr(bias), eps, dtype)
+def silu_mul_kernel(numel, dtype=torch.float32, build=True):
+    return kernel_for(("silu_mul", numel, dtype), (), lambda: _make(
+        "silu_mul", {"x": "x", "y": "y"}, {"x": (numel,), "y": (numel,)}, {}, dtype=dtype),
+        build)
+
+
+def layer_norm_kernel(x_shape, weight, bias, eps, dtype=torch.float32, build=True,
+                      norm="layer"):
+    key = ("layer_norm", tuple(x_shape), _ptr(weight), _ptr(bias), eps, dtype, norm)
     consts = tuple(t for t in (weight, bias) if t is not None)
     return kernel_for(key, consts, lambda: _make(
         "layer_norm", {"x": "x", "weight": "w" if weight is not None else None,
                        "bias": "b" if bias is not None else None}, {"x": x_shape},
-        {"d": x_shape[-1], "eps": eps}, {"w": weight, "b": bias}, dtype=dtype), build)
+        {"d": x_shape[-1], "eps": eps, "norm": norm}, {"w": weight, "b": bias}, dtype=dtype),
+        build)
 
 
 def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
@@ -271,19 +281,33 @@ def _gelu_fake(x, approximate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _layer_norm(x, weight, bias, d, eps):
+def _silu_mul(x, y):
+    if x.is_contiguous() and y.is_contiguous():
+        fn, _ = silu_mul_kernel(x.numel(), x.dtype, False)
+        if fn is None:
+            fn, _ = silu_mul_kernel(None, x.dtype)
+        if fn is not None:
+            return fn(x, y)
+    return (F.silu(x) * y).contiguous()
+
+
+def _silu_mul_fake(x, y):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _layer_norm(x, weight, bias, d, eps, norm):
     fn = None
     if x.is_contiguous():
-        fn, _ = layer_norm_kernel(x.shape, weight, bias, eps, x.dtype, False)
+        fn, _ = layer_norm_kernel(x.shape, weight, bias, eps, x.dtype, False, norm)
         if fn is None:
             g = generic_shapes("layer_norm", {"x": x.shape})["x"]
-            fn, _ = layer_norm_kernel(g, weight, bias, eps, x.dtype)
+            fn, _ = layer_norm_kernel(g, weight, bias, eps, x.dtype, True, norm)
     if fn is not None:
         return fn(x)
-    return F.layer_norm(x, (d,), weight, bias, eps).contiguous()
+    return B.norm_aten(norm, d, weight, bias, eps)(x).contiguous()
 
 
-def _layer_norm_fake(x, weight, bias, d, eps):
+def _layer_norm_fake(x, weight, bias, d, eps, norm):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -334,7 +358,8 @@ def _sorting(v):
 
 _IMPLS = {"linear": (_linear, _linear_fake), "linear_topk": (_linear_topk, _linear_topk_fake),
           "matmul": (_matmul, _matmul_fake), "gelu": (_gelu, _gelu_fake),
-          "sdpa": (_sdpa, _sdpa_fake), "layer_norm": (_layer_norm, _layer_norm_fake)}
+          "sdpa": (_sdpa, _sdpa_fake), "layer_norm": (_layer_norm, _layer_norm_fake),
+          "silu_mul": (_silu_mul, _silu_mul_fake)}
 for _v in _SORTING:
     _IMPLS[_v] = _sorting(_v)
 for _name, (_impl, _fake) in _IMPLS.items():

@@ -11,7 +11,8 @@ from .shapes import known_size
 
 # inputs whose sizes a kernel depends on, and their names in ``generic_shapes``
 SIZED_INPUTS = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("a", "b"),
-                "gelu": ("x",), "sdpa": ("q", "k", "v", "mask"), "layer_norm": ("x",)}
+                "gelu": ("x",), "sdpa": ("q", "k", "v", "mask"), "layer_norm": ("x",),
+                "silu_mul": ("x", "y")}
 SHORT_NAMES = {"residual": "r", "mask": "m"}
 
 
@@ -50,6 +51,8 @@ def generic_shapes(kind: str, shapes: dict) -> dict:
         return {"a": fixed(shapes["a"], {-1}, False), "b": fixed(b, {-1, -2}, False)}
     if kind == "gelu":
         return {"x": (None,)}
+    if kind == "silu_mul":
+        return {"x": (None,), "y": (None,)}
     if kind == "sdpa":
         q = shapes["q"]
         heads = {0, 2} if len(q) == 3 else {1, 3}

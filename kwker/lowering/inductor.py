@@ -17,11 +17,11 @@ from torch.fx.node import map_arg
 
 from ..kernels.linear_lowbit import is_quantized
 from . import build as B
-from .autocast import make_explicit
 from . import custom_ops as C
-from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes
 from . import sorting as S
 from . import tune
+from .autocast import make_explicit
+from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes
 from .ops import is_view
 from .partition import EagerCompiled, const_nodes
 from .patterns import Match, Matcher, why_not
@@ -41,10 +41,12 @@ def _call_args(m: Match) -> tuple:
         return i["a"], i["b"]
     if m.kind == "gelu":
         return i["x"], p["approximate"]
+    if m.kind == "silu_mul":
+        return i["x"], i["y"]
     if m.kind == "sdpa":
         return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"]
     if m.kind == "layer_norm":
-        return i["x"], i["weight"], i["bias"], p["d"], p["eps"]
+        return i["x"], i["weight"], i["bias"], p["d"], p["eps"], p["norm"]
     return (i["x"], *p["args"])
 
 
@@ -75,9 +77,11 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
     elif m.kind == "gelu":
         n = None if generic else math.prod(shapes["x"])
         fn, why = C.gelu_kernel(n, p["approximate"], dtype)
+    elif m.kind == "silu_mul":
+        fn, why = C.silu_mul_kernel(None if generic else math.prod(shapes["x"]), dtype)
     elif m.kind == "layer_norm":
         w, b = (consts[i[k]] if i[k] is not None else None for k in ("weight", "bias"))
-        fn, why = C.layer_norm_kernel(shapes["x"], w, b, p["eps"], dtype)
+        fn, why = C.layer_norm_kernel(shapes["x"], w, b, p["eps"], dtype, norm=p["norm"])
     else:
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
                                 p["mask"], p["causal"], p["scale"], dtype=dtype)

@@ -19,7 +19,7 @@ from torch.fx import Node
 
 from . import sorting as S
 from .autocast import cast_source
-from .composite import find_gelus
+from .composite import find_gelus, rms_norm_at, silu_mul_at
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
@@ -29,7 +29,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass
 class Match:
-    kind: str                 # linear | matmul | gelu | sdpa | linear_topk | layer_norm | sorting
+    kind: str   # linear | matmul | gelu | sdpa | linear_topk | layer_norm | silu_mul | sorting
     output: Node              # the node whose value the kernel produces
     covers: list              # every node the kernel replaces, in graph order
     inputs: dict              # name -> Node (runtime tensor) or constant
@@ -44,6 +44,8 @@ class Match:
                 ("_residual" if self.inputs.get("residual") is not None else "")
         if self.kind == "sorting":
             return p["op"]
+        if self.kind == "layer_norm" and p.get("norm", "layer") != "layer":
+            return "rms_norm"
         return self.kind
 
 
@@ -176,6 +178,14 @@ class Matcher:
             return self.sdpa(n)
         if kind == "layer_norm":
             return self.layer_norm(n)
+        if kind == "rms_norm":
+            return self.rms_norm(n)
+        written = rms_norm_at(n)
+        if written is not None:
+            return self.rms_norm_written(*written)
+        gate = silu_mul_at(n)
+        if gate is not None:
+            return self.silu_mul(*gate)
         if kind in S.OPS and self.sorting:
             b = bind(n)
             if b is None or not isinstance(b["input"], Node) or not _meta(self.metas, b["input"]):
@@ -342,7 +352,49 @@ class Matcher:
                 return None
             covers[:0] = casts
             inputs[key] = v
-        return Match("layer_norm", n, covers, inputs, {"d": shape[0], "eps": float(eps)})
+        return Match("layer_norm", n, covers, inputs, {"d": shape[0], "eps": float(eps),
+                                                        "norm": "layer"})
+
+    def rms_norm(self, n: Node) -> Match | None:
+        """``F.rms_norm`` over the last dim with a constant (or no) weight."""
+        b = bind(n, "rms_norm")
+        if b is None:
+            return None
+        x, shape, eps = b["input"], b["normalized_shape"], b["eps"]
+        if not isinstance(x, Node) or not isinstance(shape, (list, tuple)) or len(shape) != 1 \
+                or type(shape[0]) is not int:
+            return None
+        if eps is None:  # ATen's default: the machine epsilon of the type it computes in
+            eps = torch.finfo(torch.float32).eps
+        return self._rms(x, b["weight"], eps, [n], n, "rms", shape[0])
+
+    def rms_norm_written(self, x, weight, eps, covers, out) -> Match | None:
+        m = _meta(self.metas, x)
+        d = m.shape[-1] if m is not None and m.shape else None
+        return self._rms(x, weight, eps, covers, out, "rms_hf", d)
+
+    def _rms(self, x, weight, eps, covers, out, norm: str, d) -> Match | None:
+        if not isinstance(x, Node) or not _fits(self.metas, x, out, rank=tuple(range(1, 9))):
+            return None
+        dt = _dtype(self.metas, x)
+        if _dtype(self.metas, out) != dt or type(d) is not int or \
+                not isinstance(eps, (int, float)) or isinstance(eps, bool):
+            return None
+        w, casts = (None, []) if weight is None else _through_cast(weight, self.consts)
+        if w is not None and (w not in self.consts or not _fits(self.metas, w, rank=(1,))
+                              or _dtype(self.metas, w) not in (dt, torch.float32)):
+            return None
+        return Match("layer_norm", out, casts + covers, {"x": x, "weight": w, "bias": None},
+                     {"d": d, "eps": float(eps), "norm": norm})
+
+    def silu_mul(self, g: Node, u: Node, covers: list) -> Match | None:
+        """``silu(g) * u`` of two tensors of one shape and dtype (no broadcasting)."""
+        mg, mu = _meta(self.metas, g), _meta(self.metas, u)
+        if mg is None or mu is None or not _fits(self.metas, g, u, covers[-1]) or \
+                mg.dtype != mu.dtype or _dtype(self.metas, covers[-1]) != mg.dtype or \
+                tuple(mg.shape) != tuple(mu.shape):
+            return None
+        return Match("silu_mul", covers[-1], covers, {"x": g, "y": u})
 
     # ------------------------------------------------------------------------ attention
     def sdpa(self, n: Node) -> Match | None:

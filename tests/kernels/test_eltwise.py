@@ -235,6 +235,7 @@ def test_bf16_eltwise_on_other_isa(cpu, isa, tmp_path):
     import os
     import subprocess
     import sys
+
     from kwker.runtime.target import host_target
     if isa == "AVX2" and not host_target().has("avx2"):
         pytest.skip("host cannot run AVX2 code")
@@ -250,3 +251,27 @@ def test_bf16_eltwise_on_other_isa(cpu, isa, tmp_path):
         assert_bits_equal(y, make_eltwise(op, x.numel(), BF16)(x))
     assert_gelu_bf16_matches_aten(x, got["gelu"], "none")
     assert_gelu_bf16_matches_aten(x, got["gelu_tanh"], "tanh")
+
+
+@pytest.mark.parametrize("numel", [1, 15, 16, 17, 1000, 70001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_silu_mul_matches_eager(numel, dtype):
+    """SwiGLU's ``silu(g) * u``: float32 within an ulp or two of ATen's two ops, bf16 equal
+    (both round the SiLU to bf16 before the product); NaN and inf as ATen gives them."""
+    from kwker.kernels.eltwise import make_silu_mul
+    gen = torch.Generator().manual_seed(numel)
+    g = (torch.randn(numel, generator=gen) * 6).to(dtype)
+    u = torch.randn(numel, generator=gen).to(dtype)
+    if numel > 3:
+        g[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    ref = torch.nn.functional.silu(g) * u
+    for fn in (make_silu_mul(numel, dtype), make_silu_mul(None, dtype)):
+        y = fn(g, u)
+        assert torch.equal(y.isnan(), ref.isnan())
+        if dtype == torch.bfloat16:
+            assert (y[~ref.isnan()] != ref[~ref.isnan()]).float().mean() <= 0.001
+        torch.testing.assert_close(y, ref, rtol=1e-6 if dtype == torch.float32 else 2 ** -7,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-3,
+                                   equal_nan=True)
+    with pytest.raises(ValueError, match="is not x's shape"):
+        make_silu_mul(None)(torch.zeros(4), torch.zeros(5))

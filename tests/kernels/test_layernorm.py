@@ -256,3 +256,45 @@ def test_profiler_shows_kernel_name():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         f(torch.randn(2, 8))
     assert f.spec.symbol in {e.name for e in prof.events()}
+
+
+def rms_hf(x, w, eps):
+    """transformers' LlamaRMSNorm, op by op."""
+    h = x.float()
+    y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if w is None else w * y
+
+
+@pytest.mark.parametrize("d", (1, 7, 33, 384, 1000))
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [None, 5])
+def test_rms_norm_matches_aten_and_transformers(d, dtype, rows):
+    """RMSNorm in both roundings: ATen's ``F.rms_norm`` (one) and transformers' (before the
+    weight). float32 within an ulp or two of each; bf16 equal but for rare one-ulp roundings
+    (rstd computed as 1 / sqrt, not ATen's rsqrt)."""
+    gen = torch.Generator().manual_seed(d)
+    x = (torch.randn(5, d, generator=gen) * 3 + 0.5).to(dtype)
+    w = torch.randn(d, generator=gen).to(dtype)
+    for norm, weight, ref in (("rms", w, F.rms_norm(x, (d,), w, 1e-6)),
+                              ("rms_hf", w, rms_hf(x, w, 1e-6)),
+                              ("rms", None, F.rms_norm(x, (d,), None, 1e-6))):
+        y = make_layer_norm(d, weight, None, 1e-6, rows, dtype, norm)(x)
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+        else:
+            assert (y != ref).float().mean() <= 0.01
+            torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_rms_norm_special_values_and_bad_arguments():
+    x = torch.randn(4, 16)
+    x[1, 3], x[2, 0], x[3, 5] = float("nan"), float("inf"), 0.0
+    x[3] = 0.0   # an all-zero row: 0 * rsqrt(eps)
+    y = make_layer_norm(16, None, None, 1e-5, None, torch.float32, "rms")(x)
+    ref = F.rms_norm(x, (16,), None, 1e-5)
+    assert torch.equal(y.isnan(), ref.isnan())
+    torch.testing.assert_close(y[~ref.isnan()], ref[~ref.isnan()])
+    with pytest.raises(ValueError, match="no bias"):
+        make_layer_norm(16, None, torch.zeros(16), 1e-5, norm="rms")
+    with pytest.raises(ValueError, match="norm must be"):
+        make_layer_norm(16, None, None, 1e-5, norm="batch")

@@ -1,0 +1,92 @@
+"""Llama-style models (transformers' LlamaForCausalLM: RMSNorm, SwiGLU MLP, grouped-query
+attention): their RMSNorms and ``silu(gate) * up`` become Kwker kernels beside the linears and
+attention, in both inner modes, float32 and bf16; ``nn.RMSNorm`` too; with torchao int4 weights
+greedy decoding gives eager torchao's tokens."""
+import pytest
+import torch
+
+import kwker.dynamo as kd
+
+from .models import assert_bf16_contract, compile_run, kernels
+
+tf = pytest.importorskip("transformers")
+
+
+def llama(layers=2, dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256)
+    return tf.LlamaForCausalLM(cfg).eval().to(dtype)
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_llama_norms_and_gates_are_kernels(inner):
+    ids = torch.randint(0, 512, (2, 24))
+    expected, got, reports = compile_run(Logits(llama()), (ids,), inner)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    names = kernels(reports)
+    assert names.count("rms_norm") == 5 and names.count("silu_mul") == 2, names
+
+
+def test_llama_bf16_keeps_the_contract():
+    ids = torch.randint(0, 512, (1, 24))
+    reference = Logits(llama())
+    model = Logits(llama(dtype=torch.bfloat16))
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    with torch.no_grad():
+        eager, got, ref = model(ids), compiled(ids), reference(ids)
+    names = kernels(kd.all_reports())
+    assert names.count("rms_norm") == 5 and names.count("silu_mul") == 2, names
+    assert_bf16_contract(got, eager, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_nn_rmsnorm_module(dtype):
+    """``nn.RMSNorm`` (``F.rms_norm``: one rounding, ATen's default eps)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.RMSNorm(96)).to(dtype)
+    with torch.no_grad():
+        model[1].weight.copy_(torch.randn(96))
+    x = torch.randn(7, 64).to(dtype)
+    expected, got, reports = compile_run(model, (x,), "eager")
+    assert "rms_norm" in kernels(reports)
+    tol = {} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
+    torch.testing.assert_close(got, expected, **tol)
+
+
+def test_quantized_llama_greedy_tokens():
+    pytest.importorskip("torchao")
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+    model = llama()
+    quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    prompt = torch.randint(0, 512, (1, 12))
+
+    def generate(m, steps=64):
+        with torch.no_grad():
+            out = m(input_ids=prompt, use_cache=True)
+            tokens = [out.logits[:, -1:].argmax(-1)]
+            for _ in range(steps - 1):
+                out = m(input_ids=tokens[-1], past_key_values=out.past_key_values,
+                        use_cache=True)
+                tokens.append(out.logits[:, -1:].argmax(-1))
+        return torch.cat(tokens, 1)
+
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    assert torch.equal(generate(compiled), generate(model))
+    reports = kd.all_reports()
+    assert any("gemm_lowbit" in s for r in reports for s in r.kernel_paths)
+    assert "silu_mul" in kernels(reports) and "rms_norm" in kernels(reports)
