@@ -184,7 +184,7 @@ def ratios(rows: list[dict]) -> list[list]:
         q = r["weights"]
         ao, ind = _get(rows, f"torchao {q}, eager"), _get(rows, f"torchao {q}, Inductor")
 
-        def ratio(base):
+        def ratio(base, r=r):
             return f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
         prefill = f"{bf16['prefill_ms'] / r['prefill_ms']:.2f}x" if bf16 else "-"
         out.append([r["row"], ratio(bf16), ratio(ao), ratio(ind), f"{r['roofline']:.0%}",
@@ -203,22 +203,22 @@ def headline(rows: list[dict]) -> list[dict]:
 
 
 def render(rows: list[dict], model: dict, info: dict) -> str:
-    lines = [f"# Decoding GPT-2 with low-bit weights ({model['layers']} layers, {model['width']} "
+    lines = [(f"# Decoding GPT-2 with low-bit weights ({model['layers']} layers, {model['width']} "
              f"wide, vocabulary {model['vocab']}; prompt {model['prompt']}, "
-             f"{model['new_tokens']} greedy tokens, batch 1)", "", common.machine_line(info), "",
-             "tok/s: decode tokens per second (best run); prefill: the prompt's forward; GB/s: "
+             f"{model['new_tokens']} greedy tokens, batch 1)"), "", common.machine_line(info), "",
+             ("tok/s: decode tokens per second (best run); prefill: the prompt's forward; GB/s: "
              "linear-weight bytes per token x tok/s; roofline: that against a streaming read of "
              "as many bytes, measured in the same run (stream GB/s). Targets (issue 20): int8 "
              ">= 2x eager bf16, int4 >= 3x; both >= 2x eager torchao, >= 1.5x torchao + "
-             "Inductor, >= 75% of the roofline; prefill no slower than eager bf16.", ""]
+             "Inductor, >= 75% of the roofline; prefill no slower than eager bf16."), ""]
     lines.append(common.md_table(
         ["row", "tok/s", "prefill ms", "weights MB", "GB/s", "stream GB/s", "roofline",
          "first call s", "check"],
         [[r["row"], f"{r['tok_s']:.1f}", f"{r['prefill_ms']:.1f}", f"{r['weight_mb']:.0f}",
           f"{r['gbps']:.1f}", f"{r['stream_gbps']:.1f}", f"{r['roofline']:.0%}",
           f"{r['first_s']:.1f}", r["check"]] for r in rows]))
-    lines += ["", "Kwker's decode against the alternatives (tok/s ratios), and its prefill against "
-              "eager bf16's:", ""]
+    lines += ["", ("Kwker's decode against the alternatives (tok/s ratios), and its prefill against "
+              "eager bf16's:"), ""]
     lines.append(common.md_table(["Kwker row", "vs eager bf16", "vs eager torchao",
                                   "vs torchao + Inductor", "roofline", "prefill vs bf16",
                                   "check"], ratios(rows)))
