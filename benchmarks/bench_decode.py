@@ -1,8 +1,9 @@
-"""Decoding with low-bit weights: GPT-2 at batch 1, tokens/s against the memory roofline.
+"""Decoding with low-bit weights: GPT-2 and a Llama at batch 1, tokens/s against the roofline.
 
-The model is transformers' GPT-2 (its default config: 12 layers, 768 wide, 50257-token vocabulary,
-124M parameters), randomly initialised, its ``Conv1D`` layers as the ``nn.Linear`` torchao
-quantises (same arithmetic). Each row generates greedily with the KV cache from a 128-token
+The models are transformers' GPT-2 (its default config: 12 layers, 768 wide, 50257-token
+vocabulary, 124M parameters; its ``Conv1D`` layers as the ``nn.Linear`` torchao quantises, same
+arithmetic) and a Llama of about that size (``config``: grouped-query attention, SwiGLU MLP,
+RMSNorm), randomly initialised. Each row generates greedily with the KV cache from a 128-token
 prompt: the prompt's forward (prefill) is timed alone, then 64 new tokens (decode tokens/s), best
 of ``--reps`` runs. Rows, one model each, in one process:
 
@@ -19,8 +20,9 @@ the same quantised model. Targets (issue 20): int8 >= 2x eager bf16, int4 >= 3x,
 torchao and >= 1.5x torchao under Inductor, >= 75% of the roofline; prefill no slower than eager
 bf16.
 
-    python benchmarks/bench_decode.py --out benchmarks/results/<cpu>   # decode.{md,json,png}
-    python benchmarks/bench_decode.py --quick    # a 2-layer model, 8 tokens, prints only
+    python benchmarks/bench_decode.py --out benchmarks/results/<cpu>   # decode[_llama].{md,json,png}
+    python benchmarks/bench_decode.py --models llama    # one model
+    python benchmarks/bench_decode.py --quick    # 2-layer models, 8 tokens, prints only
 """
 from __future__ import annotations
 
@@ -51,11 +53,27 @@ ROWS = [  # (label, activation dtype, quantisation, how it runs)
 ]
 
 
-def config(quick: bool):
+MODELS = ("gpt2", "llama")
+
+
+def config(model: str, quick: bool):
+    """transformers' GPT-2 (its defaults), or a Llama of about its size: 12 layers, 768 wide,
+    grouped-query attention (12 heads, 4 for k/v), SwiGLU MLP 2048 wide, RMSNorm, 32000 tokens."""
     import transformers as tf
+    if model == "llama":
+        width, layers, vocab = (256, 2, 4096) if quick else (768, 12, 32000)
+        return tf.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 8 // 3
+                              // 32 * 32, num_hidden_layers=layers, num_attention_heads=width // 64,
+                              num_key_value_heads=max(1, width // 192),
+                              max_position_embeddings=1024)
     if quick:
         return tf.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=4096, n_positions=512)
     return tf.GPT2Config(n_positions=1024)
+
+
+def describe(cfg) -> dict:
+    return {"name": cfg.model_type, "layers": cfg.num_hidden_layers, "width": cfg.hidden_size,
+            "vocab": cfg.vocab_size}
 
 
 def linearize(model) -> None:
@@ -81,8 +99,11 @@ def quantize(model, quant: str) -> None:
 def build(cfg, dtype: str, quant: str | None, how: str):
     import transformers as tf
     torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(cfg).eval()
-    linearize(model)
+    if cfg.model_type == "llama":
+        model = tf.LlamaForCausalLM(cfg).eval()
+    else:
+        model = tf.GPT2LMHeadModel(cfg).eval()
+        linearize(model)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     if quant:
@@ -94,10 +115,9 @@ def build(cfg, dtype: str, quant: str | None, how: str):
     return model, model
 
 
-def weight_bytes(cfg, dtype: str, quant: str | None) -> int:
-    """Bytes of the linear weights a token reads, as the row stores them."""
-    d, v, layers = cfg.n_embd, cfg.vocab_size, cfg.n_layer
-    shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers + [(v, d)]
+def weight_bytes(shapes: list, dtype: str, quant: str | None) -> int:
+    """Bytes of the linear weights (``shapes``: their (N, K)) a token reads, as the row stores
+    them."""
     total = 0
     for n, k in shapes:
         if quant == "int8":
@@ -107,6 +127,11 @@ def weight_bytes(cfg, dtype: str, quant: str | None) -> int:
         else:
             total += n * k * (2 if dtype == "bf16" else 4)
     return total
+
+
+def linear_shapes(cfg) -> list:
+    model = build(cfg, "f32", None, "eager")[0]
+    return [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 def generate(model, prompt, steps: int):
@@ -123,10 +148,11 @@ def generate(model, prompt, steps: int):
     return torch.cat(tokens, 1), t1 - t0, (steps - 1) / (t2 - t1)
 
 
-def run(quick: bool, reps: int) -> tuple[list[dict], dict]:
+def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
     warnings.filterwarnings("ignore")
     torch._dynamo.config.cache_size_limit = 64
-    cfg = config(quick)
+    cfg = config(model_name, quick)
+    shapes = linear_shapes(cfg)
     steps = 8 if quick else NEW
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT))
     eager_tokens, rows, bandwidth = {}, [], {}
@@ -142,7 +168,7 @@ def run(quick: bool, reps: int) -> tuple[list[dict], dict]:
         for _ in range(reps):
             tokens, prefill, tps = generate(model, prompt, steps)
             best_prefill, best_tps = min(best_prefill, prefill), max(best_tps, tps)
-        nbytes = weight_bytes(cfg, dtype, quant)
+        nbytes = weight_bytes(shapes, dtype, quant)
         if nbytes not in bandwidth:
             bandwidth[nbytes] = probes.stream_gbps(nbytes, torch.get_num_threads())
         gbps = best_tps * nbytes / 1e9
@@ -166,7 +192,7 @@ def run(quick: bool, reps: int) -> tuple[list[dict], dict]:
               f"{gbps:5.1f} GB/s of {bandwidth[nbytes]:.1f} ({row['roofline']:.0%})  "
               f"first call {first:.1f} s  {check}", flush=True)
         rows.append(row)
-    return rows, {"layers": cfg.n_layer, "width": cfg.n_embd, "vocab": cfg.vocab_size,
+    return rows, {**describe(cfg),
                   "prompt": PROMPT, "new_tokens": steps}
 
 
@@ -203,7 +229,8 @@ def headline(rows: list[dict]) -> list[dict]:
 
 
 def render(rows: list[dict], model: dict, info: dict) -> str:
-    lines = [(f"# Decoding GPT-2 with low-bit weights ({model['layers']} layers, {model['width']} "
+    title = {"gpt2": "GPT-2", "llama": "a Llama-style model"}.get(model["name"], model["name"])
+    lines = [(f"# Decoding {title} with low-bit weights ({model['layers']} layers, {model['width']} "
              f"wide, vocabulary {model['vocab']}; prompt {model['prompt']}, "
              f"{model['new_tokens']} greedy tokens, batch 1)"), "", common.machine_line(info), "",
              ("tok/s: decode tokens per second (best run); prefill: the prompt's forward; GB/s: "
@@ -239,29 +266,32 @@ def plot(rows: list[dict], path: Path, info: dict) -> bool:
     ax.set_yticks(ys, [r["row"] for r in rows], fontsize=8)
     ax.set_xlabel("decode tokens/s (batch 1)", fontsize=8)
     ax.set_xlim(right=max(r["tok_s"] for r in rows) * 1.45)
-    return common.save_plot(fig, path, f"GPT-2 decode, {info['cpu']}, {info['threads']} threads")
+    return common.save_plot(fig, path, f"{path.stem}: {info['cpu']}, {info['threads']} threads")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--out", type=Path, default=None,
                     help=f"results directory (default {common.RESULTS}; other CPU types: "
                     "results/<cpu>/)")
     args = ap.parse_args(argv)
     common.set_threads()
     info = common.machine_info()
-    rows, model = run(args.quick, 1 if args.quick else args.reps)
-    text = render(rows, model, info)
-    print(text)
-    if args.quick:
-        return 0
-    out = args.out or common.RESULTS
-    common.write_json(out / "decode.json", {"machine": info, "model": model, "rows": rows,
-                                             "headline": headline(rows)})
-    (out / "decode.md").write_text(text)
-    plot(rows, out / "decode.png", info)
+    for name in args.models:
+        rows, model = run(name, args.quick, 1 if args.quick else args.reps)
+        text = render(rows, model, info)
+        print(text)
+        if args.quick:
+            continue
+        out = args.out or common.RESULTS
+        stem = "decode" if name == "gpt2" else f"decode_{name}"
+        common.write_json(out / f"{stem}.json", {"machine": info, "model": model, "rows": rows,
+                                                 "headline": headline(rows)})
+        (out / f"{stem}.md").write_text(text)
+        plot(rows, out / f"{stem}.png", info)
     return 0
 
 

@@ -63,16 +63,19 @@ def shape_for(fmt):
     return (37, 70) if fmt.endswith(("channel", "axis")) else (100, 256)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+CASES = [(fmt, torch.float32) for fmt in sorted(FORMATS)] + \
+    [(fmt, torch.bfloat16) for fmt in ("int8-channel", "int4-group64-asym", "int4-axis")]
+
+
+@pytest.mark.parametrize("fmt, dtype", CASES, ids=[f"{f}-{str(d)[6:]}" for f, d in CASES])
 def test_each_format_every_row_count(fmt, dtype):
-    """Decode tiles (1, 3 rows), their leftovers (5 = 4 + 1), the prefill path and the kernel
-    generic over rows at counts on both sides of the switch."""
+    """The decode tile of one row, a full tile of 4 and its leftover (5 = 4 + 1), the prefill
+    path and the kernel generic over rows (tiles of 3) at counts on both sides of the switch."""
     n, k = shape_for(fmt)
     lin = quantized(fmt, n, k, dtype)
     lw = lowbit_weight(lin.weight)
     assert lw.bits == (4 if fmt.startswith(("int4", "int2")) else 8)
-    for m in (1, 3, 5, PREFILL_ROWS + 3, None):
+    for m in (1, 5, PREFILL_ROWS + 3, None):
         fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, dtype=dtype)
         for rows in ([m] if m else [1, 2, 7, PREFILL_ROWS, 40]):
             x = torch.randn(rows, k).to(dtype)
@@ -80,11 +83,12 @@ def test_each_format_every_row_count(fmt, dtype):
 
 
 @pytest.mark.parametrize("epilogue", sorted(EPILOGUES))
-@pytest.mark.parametrize("rows", [1, PREFILL_ROWS + 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_epilogues_and_residual(epilogue, rows, dtype):
+def test_epilogues_and_residual(epilogue, dtype):
+    """Every epilogue with a residual, on the decode kernel (1 row) and the kernel generic over
+    rows at a decode and a prefill count."""
     lin = quantized("int4-group32", 72, 128, dtype)
-    for m in (rows, None):
+    for m, rows in ((1, 1), (None, 2), (None, PREFILL_ROWS + 1)):
         x, res = torch.randn(rows, 128).to(dtype), torch.randn(rows, 72).to(dtype)
         fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, epilogue, True, dtype)
         assert_close(fn(x, res), reference(lin, x, epilogue, res, dtype), dtype, epilogue)
