@@ -311,15 +311,19 @@ def _epilogue(f: Fn, spec, lanes: int, sums, rows, n0, n1, bias, res, out) -> No
                 simd.masked_store(b, v, out, at, mask)
 
 
-def emit(spec, target) -> ir.Module:
-    if spec.family == "lowbit_unpack":
-        return emit_unpack(spec, target)
+def _start(spec, target):
+    """(lanes, module, tile emitter, parallel body, its argument block) of either kernel."""
     L = simd.float_lanes(target)
     _check(spec, L)
     module = new_module(spec.symbol)
-    tiles = _Tile(module, spec, target)
     body = omp.body_fn(module, f"{spec.symbol}.body")
-    ctx = omp.Context(body, body.args[0])
+    return L, module, _Tile(module, spec, target), body, omp.Context(body, body.args[0])
+
+
+def emit(spec, target) -> ir.Module:
+    if spec.family == "lowbit_unpack":
+        return emit_unpack(spec, target)
+    L, module, tiles, body, ctx = _start(spec, target)
     b = body.b
     x, w, scale, zp, bias, res, out = (ctx.ptr(slot) for slot in range(7))
     rows = const(i64, spec.m) if spec.m else ctx.i64(7)
@@ -398,12 +402,7 @@ def emit_unpack(spec, target) -> ir.Module:
     """``sym(w, scale, zp, dst, nthreads)``: the dequantised weights, row-major (N, ``ld``)
     float32 or bf16 (rounded once): the B operand of the prefill GEMM (``A @ B.T``), built per
     call and dropped after it, so the process holds no float copy between calls."""
-    L = simd.float_lanes(target)
-    _check(spec, L)
-    module = new_module(spec.symbol)
-    tiles = _Tile(module, spec, target)
-    body = omp.body_fn(module, f"{spec.symbol}.body")
-    ctx = omp.Context(body, body.args[0])
+    L, module, tiles, body, ctx = _start(spec, target)
     b = body.b
     w, scale, zp, dst = (ctx.ptr(slot) for slot in range(4))
     begin, end = omp.split(body, spec.n, body.args[1], body.args[2])

@@ -32,15 +32,20 @@ _FORMS = {
 }
 
 
-def _arith(n) -> bool:
+def _is(n, fns=(), methods=()) -> bool:
+    """Whether ``n`` calls one of the functions ``fns`` or the methods ``methods``."""
     if not isinstance(n, Node):
         return False
     if n.op == "call_function":
         try:
-            return n.target in _FUNCS
+            return n.target in fns
         except TypeError:
             return False
-    return n.op == "call_method" and n.target in _METHODS
+    return n.op == "call_method" and n.target in methods
+
+
+def _arith(n) -> bool:
+    return _is(n, _FUNCS, _METHODS)
 
 
 def _cone(end: Node, stop: Node | None = None) -> tuple[Node, list] | None:
@@ -130,17 +135,6 @@ def find_gelus(nodes: list) -> dict:
 
 
 # ------------------------------------------------------------------------------- RMSNorm
-def _is(n, fns=(), methods=()) -> bool:
-    if not isinstance(n, Node):
-        return False
-    if n.op == "call_function":
-        try:
-            return n.target in fns
-        except TypeError:
-            return False
-    return n.op == "call_method" and n.target in methods
-
-
 def _other(n: Node, x):
     """The operand of the binary node ``n`` that is not ``x`` (None if ``x`` is not one)."""
     a = list(n.args[:2])

@@ -140,3 +140,15 @@ def assert_no_misses(reports):
     for r in reports:
         assert r.status == "lowered", str(r)
         assert not r.missed, str(r)
+
+
+def greedy_tokens(model, prompt, steps: int = 64):
+    """``steps`` greedy tokens of a transformers causal LM from ``prompt``, with its KV cache."""
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True)
+        tokens = [out.logits[:, -1:].argmax(-1)]
+        for _ in range(steps - 1):
+            out = model(input_ids=tokens[-1], past_key_values=out.past_key_values,
+                        use_cache=True)
+            tokens.append(out.logits[:, -1:].argmax(-1))
+    return torch.cat(tokens, 1)

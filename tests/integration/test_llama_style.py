@@ -7,7 +7,7 @@ import torch
 
 import kwker.dynamo as kd
 
-from .models import assert_bf16_contract, compile_run, kernels
+from .models import assert_bf16_contract, compile_run, greedy_tokens, kernels
 
 tf = pytest.importorskip("transformers")
 
@@ -73,20 +73,11 @@ def test_quantized_llama_greedy_tokens():
     quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
     prompt = torch.randint(0, 512, (1, 12))
 
-    def generate(m, steps=64):
-        with torch.no_grad():
-            out = m(input_ids=prompt, use_cache=True)
-            tokens = [out.logits[:, -1:].argmax(-1)]
-            for _ in range(steps - 1):
-                out = m(input_ids=tokens[-1], past_key_values=out.past_key_values,
-                        use_cache=True)
-                tokens.append(out.logits[:, -1:].argmax(-1))
-        return torch.cat(tokens, 1)
 
     torch._dynamo.reset()
     kd.clear_reports()
     compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
-    assert torch.equal(generate(compiled), generate(model))
+    assert torch.equal(greedy_tokens(compiled, prompt), greedy_tokens(model, prompt))
     reports = kd.all_reports()
     assert any("gemm_lowbit" in s for r in reports for s in r.kernel_paths)
     assert "silu_mul" in kernels(reports) and "rms_norm" in kernels(reports)

@@ -11,7 +11,14 @@ import torch.nn.functional as F
 
 import kwker.dynamo as kd
 
-from .models import assert_bf16_contract, assert_no_misses, compile_run, kernels, max_error
+from .models import (
+    assert_bf16_contract,
+    assert_no_misses,
+    compile_run,
+    greedy_tokens,
+    kernels,
+    max_error,
+)
 
 torchao = pytest.importorskip("torchao")
 from torchao.quantization import (
@@ -148,19 +155,10 @@ def test_greedy_tokens_equal_eager_torchao(inner):
     quantize_(model, CONFIGS["int4-group"]())
     prompt = torch.randint(0, 512, (1, 16))
 
-    def generate(m, steps=64):
-        with torch.no_grad():
-            out = m(input_ids=prompt, use_cache=True)
-            tokens = [out.logits[:, -1:].argmax(-1)]
-            for _ in range(steps - 1):
-                out = m(input_ids=tokens[-1], past_key_values=out.past_key_values,
-                        use_cache=True)
-                tokens.append(out.logits[:, -1:].argmax(-1))
-        return torch.cat(tokens, 1)
 
     torch._dynamo.reset()
     kd.clear_reports()
     compiled = torch.compile(model, backend="kwker", options={"inner": inner})
-    assert torch.equal(generate(compiled), generate(model))
+    assert torch.equal(greedy_tokens(compiled, prompt), greedy_tokens(model, prompt))
     lowbit = [s for r in kd.all_reports() for s in r.kernel_paths if "gemm_lowbit" in s]
     assert lowbit, "no low-bit kernel ran"
