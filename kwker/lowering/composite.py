@@ -1,4 +1,5 @@
-"""GELU written out in elementwise ops, recognised by what it computes.
+"""Ops written out in elementwise ops: GELU (recognised by what it computes), RMSNorm and
+SwiGLU's ``silu(gate) * up`` (recognised by their structure, at the end of this file).
 
 Model libraries spell GELU by hand: transformers' ``NewGELUActivation`` (GPT-2's "gelu_new") is
 ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * pow(x, 3))))``, ``FastGELUActivation``
