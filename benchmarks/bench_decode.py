@@ -14,13 +14,13 @@ of ``--reps`` runs. Rows, one model each, in one process:
   activations.
 
 Roofline: the bytes of every linear weight in its format (values, scales, zero points) read once
-per token, against the bandwidth of a streaming read of a buffer that size (``probes.stream_gbps``,
+per token, against the bandwidth of a streaming read of a buffer that size (``probes.read_gbps``,
 measured in the same run). ``check`` says whether a Kwker row's 64 tokens equal eager torchao's on
 the same quantised model. Targets (issue 20): int8 >= 2x eager bf16, int4 >= 3x, both >= 2x eager
 torchao and >= 1.5x torchao under Inductor, >= 75% of the roofline; prefill no slower than eager
 bf16.
 
-    python benchmarks/bench_decode.py --out benchmarks/results/<cpu>   # decode[_llama].{md,json,png}
+    python benchmarks/bench_decode.py --out benchmarks/results/<cpu>  # decode[_llama].{md,json,png}
     python benchmarks/bench_decode.py --models llama    # one model
     python benchmarks/bench_decode.py --quick    # 2-layer models, 8 tokens, prints only
 """
@@ -170,7 +170,7 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
             best_prefill, best_tps = min(best_prefill, prefill), max(best_tps, tps)
         nbytes = weight_bytes(shapes, dtype, quant)
         if nbytes not in bandwidth:
-            bandwidth[nbytes] = probes.stream_gbps(nbytes, torch.get_num_threads())
+            bandwidth[nbytes] = probes.read_gbps(torch.get_num_threads(), nbytes, 1, 5)
         gbps = best_tps * nbytes / 1e9
         key = (dtype, quant)
         if how == "eager":
@@ -230,9 +230,9 @@ def headline(rows: list[dict]) -> list[dict]:
 
 def render(rows: list[dict], model: dict, info: dict) -> str:
     title = {"gpt2": "GPT-2", "llama": "a Llama-style model"}.get(model["name"], model["name"])
-    lines = [(f"# Decoding {title} with low-bit weights ({model['layers']} layers, {model['width']} "
-             f"wide, vocabulary {model['vocab']}; prompt {model['prompt']}, "
-             f"{model['new_tokens']} greedy tokens, batch 1)"), "", common.machine_line(info), "",
+    lines = [(f"# Decoding {title} with low-bit weights ({model['layers']} layers, "
+              f"{model['width']} wide, vocabulary {model['vocab']}; prompt {model['prompt']}, "
+              f"{model['new_tokens']} greedy tokens, batch 1)"), "", common.machine_line(info), "",
              ("tok/s: decode tokens per second (best run); prefill: the prompt's forward; GB/s: "
              "linear-weight bytes per token x tok/s; roofline: that against a streaming read of "
              "as many bytes, measured in the same run (stream GB/s). Targets (issue 20): int8 "
@@ -244,8 +244,8 @@ def render(rows: list[dict], model: dict, info: dict) -> str:
         [[r["row"], f"{r['tok_s']:.1f}", f"{r['prefill_ms']:.1f}", f"{r['weight_mb']:.0f}",
           f"{r['gbps']:.1f}", f"{r['stream_gbps']:.1f}", f"{r['roofline']:.0%}",
           f"{r['first_s']:.1f}", r["check"]] for r in rows]))
-    lines += ["", ("Kwker's decode against the alternatives (tok/s ratios), and its prefill against "
-              "eager bf16's:"), ""]
+    lines += ["", ("Kwker's decode against the alternatives (tok/s ratios), and its prefill "
+                   "against eager bf16's:"), ""]
     lines.append(common.md_table(["Kwker row", "vs eager bf16", "vs eager torchao",
                                   "vs torchao + Inductor", "roofline", "prefill vs bf16",
                                   "check"], ratios(rows)))

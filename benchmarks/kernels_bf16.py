@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import time
 from pathlib import Path
 
 import common
@@ -21,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from llvmlite import ir
 
-from kwker.codegen import omp, simd, vmath
-from kwker.codegen.irutil import f32, i16, i32, i64, intrinsic, ptr
+from kwker.codegen import omp
+from kwker.codegen.irutil import f32, i16, i64, intrinsic, ptr
 from kwker.codegen.tiles import Tiles
 from kwker.kernels.linear import make_linear
 from kwker.kernels.sdpa import make_sdpa
@@ -74,7 +73,7 @@ def bf16_peak(threads: int, iters: int = 1 << 19, samples: int = 40) -> tuple[fl
         return None, f"skipped: the target CPU ({target.describe()}) has no AVX512_BF16"
     fn, flops = _dp_probe(iters)
     sink = torch.zeros(64)
-    return flops * threads / _best(lambda: fn(sink.data_ptr(), threads), samples) / 1e9, ""
+    return flops * threads / probes.best(lambda: fn(sink.data_ptr(), threads), samples) / 1e9, ""
 
 
 def _tile_probe(iters: int):
@@ -117,62 +116,15 @@ def tile_peak(threads: int, iters: int = 1 << 14, samples: int = 40) -> tuple[fl
         return None, f"skipped: {why}"
     fn, flops = _tile_probe(iters)
     sink = torch.zeros(max(threads, 1) * 256 + 256)
-    _best(lambda: fn(sink.data_ptr(), threads), samples, min_seconds=0.5)
-    return flops * threads / _best(lambda: fn(sink.data_ptr(), threads), samples) / 1e9, ""
-
-
-def _best(call, samples: int, min_seconds: float = 0.5) -> float:
-    """Least seconds of ``call`` over at least ``samples`` calls and ``min_seconds``."""
-    call()
-    best, start, n = float("inf"), time.perf_counter(), 0
-    while n < samples or time.perf_counter() - start < min_seconds:
-        t = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - t)
-        n += 1
-    return best
-
-
-def _read_probe(lanes: int):
-    """A JIT'd kernel ``read(buf, n, passes, out, nthreads)``: each thread sums its contiguous
-    share of ``n`` floats ``passes`` times with 8 independent vector accumulators."""
-    module = ir.Module("l3read")
-    body = omp.body_fn(module, "l3read.body")
-    b = body.b
-    ctx = omp.Context(body, body.args[0])
-    buf, n, passes, out = ctx.ptr(0), ctx.i64(1), ctx.i64(2), ctx.ptr(3)
-    begin, end = omp.split(body, b.udiv(n, ir.Constant(i64, 8 * lanes)), body.args[1],
-                           body.args[2])
-    vt = ir.VectorType(f32, lanes)
-    accs = [body.var(vt, vmath.splat(vt, 0.0)) for _ in range(8)]
-    with body.for_range(0, passes):
-        with body.for_range(begin, end, name="blk") as blk:
-            base = b.mul(blk, ir.Constant(i64, 8 * lanes))
-            for j, a in enumerate(accs):
-                v = simd.load_vec(b, buf, b.add(base, ir.Constant(i64, j * lanes)), lanes)
-                a.set(b.fadd(a.get(), v))
-    total = accs[0].get()
-    for a in accs[1:]:
-        total = b.fadd(total, a.get())
-    b.store(b.extract_element(total, ir.Constant(i32, 0)),
-            b.gep(out, [body.args[1]], source_etype=f32))
-    body.finish()
-    symbol = f"kw_l3_read_{lanes}"
-    omp.emit_parallel(module, symbol, [ptr, i64, i64, ptr], body.fn)
-    addr = load_symbols(compile_object(str(module), host_target()), [symbol])[symbol]
-    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                            ctypes.c_void_p, ctypes.c_int64)(addr)
+    probes.best(lambda: fn(sink.data_ptr(), threads), samples, min_seconds=0.5)
+    return flops * threads / probes.best(lambda: fn(sink.data_ptr(), threads), samples) / 1e9, ""
 
 
 def l3_bandwidth(threads: int, nbytes: int = L3_BYTES, passes: int = 4,
                  samples: int = 40) -> float:
     """GB/s of reading a ``nbytes`` float32 buffer (fits the L3; warmed by a first pass) on
     ``threads`` threads, best of ``samples`` short samples (as ``bf16_peak``)."""
-    fn = _read_probe(simd.float_lanes(host_target()))
-    buf = torch.ones(nbytes // 4)
-    sink = torch.zeros(64)
-    args = (buf.data_ptr(), buf.numel(), passes, sink.data_ptr(), threads)
-    return nbytes * passes / _best(lambda: fn(*args), samples) / 1e9
+    return probes.read_gbps(threads, nbytes, passes, samples)
 
 
 # ------------------------------------------------------------------------------------ rows

@@ -1,12 +1,15 @@
-"""JIT'd peak probes: independent accumulator chains, the most a core can do of one instruction."""
+"""JIT'd probes: peaks (independent accumulator chains, the most a core can do of one
+instruction) and the bandwidth of a streaming read."""
 from __future__ import annotations
 
 import ctypes
+import time
 
+import torch
 from llvmlite import ir
 
-from kwker.codegen import omp, vmath
-from kwker.codegen.irutil import f32, i32, ptr
+from kwker.codegen import omp, simd, vmath
+from kwker.codegen.irutil import f32, i32, i64, ptr
 from kwker.runtime.compiler import compile_object
 from kwker.runtime.loader import load_symbols
 from kwker.runtime.target import host_target
@@ -38,52 +41,55 @@ def chain_probe(name: str, acc_type: ir.VectorType, step, iters: int, chains: in
     return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)(addr)
 
 
-def stream_probe():
-    """``sym(buf, words, sink, nthreads)``: every thread XORs its contiguous share of ``words``
-    int32 (whole 64-byte lines, 4 independent chains): the bandwidth a streaming read of a
-    weight-sized buffer reaches, the roofline of weight-streaming (decode) kernels."""
-    from kwker.codegen.irutil import i64
-    target = host_target()
-    lanes = 16 if target.vector_bits >= 512 else 8
-    vt = ir.VectorType(i32, lanes)
-    module = ir.Module("stream")
-    body = omp.body_fn(module, "stream.body")
+def best(call, samples: int, min_seconds: float = 0.5) -> float:
+    """Least seconds of ``call`` over at least ``samples`` calls and ``min_seconds``."""
+    call()
+    best, start, n = float("inf"), time.perf_counter(), 0
+    while n < samples or time.perf_counter() - start < min_seconds:
+        t = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t)
+        n += 1
+    return best
+
+
+def read_probe(lanes: int):
+    """A JIT'd kernel ``read(buf, n, passes, out, nthreads)``: each thread sums its contiguous
+    share of ``n`` floats ``passes`` times with 8 independent vector accumulators."""
+    module = ir.Module("l3read")
+    body = omp.body_fn(module, "l3read.body")
     b = body.b
     ctx = omp.Context(body, body.args[0])
-    buf, words, sink = ctx.ptr(0), ctx.i64(1), ctx.ptr(2)
-    unroll = 4
-    step = lanes * unroll
-    begin, end = omp.split(body, b.udiv(words, ir.Constant(i64, step)), body.args[1],
+    buf, n, passes, out = ctx.ptr(0), ctx.i64(1), ctx.i64(2), ctx.ptr(3)
+    begin, end = omp.split(body, b.udiv(n, ir.Constant(i64, 8 * lanes)), body.args[1],
                            body.args[2])
-    accs = [body.var(vt, ir.Constant(vt, [0] * lanes)) for _ in range(unroll)]
-    with body.for_range(begin, end) as i:
-        base = b.mul(i, ir.Constant(i64, step))
-        for u, a in enumerate(accs):
-            p = b.gep(buf, [b.add(base, ir.Constant(i64, u * lanes))], source_etype=i32)
-            a.set(b.xor(a.get(), b.load(p, typ=vt, align=64)))
+    vt = ir.VectorType(f32, lanes)
+    accs = [body.var(vt, vmath.splat(vt, 0.0)) for _ in range(8)]
+    with body.for_range(0, passes):
+        with body.for_range(begin, end, name="blk") as blk:
+            base = b.mul(blk, ir.Constant(i64, 8 * lanes))
+            for j, a in enumerate(accs):
+                v = simd.load_vec(b, buf, b.add(base, ir.Constant(i64, j * lanes)), lanes)
+                a.set(b.fadd(a.get(), v))
     total = accs[0].get()
     for a in accs[1:]:
-        total = b.xor(total, a.get())
+        total = b.fadd(total, a.get())
     b.store(b.extract_element(total, ir.Constant(i32, 0)),
-            b.gep(sink, [body.args[1]], source_etype=i32))
+            b.gep(out, [body.args[1]], source_etype=f32))
     body.finish()
-    omp.emit_parallel(module, "kw_stream_probe", [ptr, i64, ptr], body.fn)
-    addr = load_symbols(compile_object(str(module), target), ["kw_stream_probe"])
-    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                            ctypes.c_int64)(addr["kw_stream_probe"])
+    symbol = f"kw_l3_read_{lanes}"
+    omp.emit_parallel(module, symbol, [ptr, i64, i64, ptr], body.fn)
+    addr = load_symbols(compile_object(str(module), host_target()), [symbol])[symbol]
+    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_void_p, ctypes.c_int64)(addr)
 
 
-def stream_gbps(nbytes: int, threads: int, reps: int = 20) -> float:
-    """Best GB/s of a streaming read of ``nbytes`` (a fresh buffer, read ``reps`` times)."""
-    import time
-
-    import torch
-    probe = stream_probe()
-    buf = torch.ones(max(64, nbytes) // 4, dtype=torch.int32)
-    sink = torch.zeros(64, dtype=torch.int32)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        probe(buf.data_ptr(), buf.numel(), sink.data_ptr(), threads)
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best / 1e9
+def read_gbps(threads: int, nbytes: int, passes: int = 4, samples: int = 40) -> float:
+    """GB/s of reading a ``nbytes`` float32 buffer ``passes`` times on ``threads`` threads (a
+    first, untimed call warms it), best of ``samples`` calls: the L3's bandwidth for a buffer
+    that fits it, the roofline of weight-streaming (decode) kernels for a weight-sized one."""
+    fn = read_probe(simd.float_lanes(host_target()))
+    buf = torch.ones(nbytes // 4)
+    sink = torch.zeros(64)
+    args = (buf.data_ptr(), buf.numel(), passes, sink.data_ptr(), threads)
+    return nbytes * passes / best(lambda: fn(*args), samples) / 1e9
