@@ -25,6 +25,7 @@ from torch.fx import Node
 from ..codegen.attention_tile import tile_path_fits
 from ..kernels.linear_lowbit import is_quantized
 from ..runtime import kernel
+from ..runtime.collect import Collector
 from ..runtime.target import host_target
 from . import sorting as S
 from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes, pinned
@@ -77,7 +78,7 @@ def _mark(fn, is_generic: bool):
     return fn
 
 
-_collecting = threading.local()
+_built = Collector()
 
 
 @contextlib.contextmanager
@@ -87,14 +88,8 @@ def collecting(dump_dir=None):
     The runtime dumps only what it compiles; kernels already in the object cache are emitted
     again here, so ``dump_dir`` always receives every kernel the graph uses.
     """
-    outer = getattr(_collecting, "specs", None)
-    _collecting.specs = specs = []
-    try:
+    with _built.collecting() as specs:
         yield specs
-    finally:
-        _collecting.specs = outer
-        if outer is not None:
-            outer.extend(specs)
     if dump_dir:
         from ..runtime import kernel
         target = host_target()
@@ -105,7 +100,7 @@ def collecting(dump_dir=None):
 def discard(fn) -> None:
     """Take back the specs of a kernel built but not used (ATen measured faster), so the
     report does not list them."""
-    specs = getattr(_collecting, "specs", None)
+    specs = _built.active()
     for s in getattr(fn, "kwker_specs", ()) if specs is not None else ():
         if s in specs:
             specs.remove(s)
@@ -119,11 +114,10 @@ def _make(name: str, *args, **kwargs):
         fn = f(*args, **kwargs)
     except NotImplementedError as e:
         return None, f"{name}: {e}"
-    specs = getattr(_collecting, "specs", None)
-    if specs is not None:
-        for attr in ("spec", "specs"):
-            v = getattr(fn, attr, None)
-            specs.extend(v if isinstance(v, (list, tuple)) else [v] if v is not None else [])
+    for attr in ("spec", "specs"):
+        v = getattr(fn, attr, None)
+        for spec in v if isinstance(v, (list, tuple)) else [v] if v is not None else []:
+            _built.add(spec)
     return fn, None
 
 

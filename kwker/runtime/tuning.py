@@ -21,13 +21,13 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 from . import cache
+from .collect import Collector
 from .target import Target, host_target
 
 MIN_ROUNDS = 5          # interleaved timings of each candidate at least
@@ -41,27 +41,17 @@ SUFFIX = ".json"
 MODES = ("on", "off", "force")
 
 
-_used = threading.local()
+_used = Collector()
 
 
-@contextlib.contextmanager
 def recording():
     """Yield the list of the records loaded or stored inside (a package carries those its
     lowering used, so loading it on this CPU type measures nothing)."""
-    outer = getattr(_used, "records", None)
-    _used.records = records = []
-    try:
-        yield records
-    finally:
-        _used.records = outer
-        if outer is not None:
-            outer.extend(records)
+    return _used.collecting()
 
 
 def _note(body: dict) -> dict:
-    used = getattr(_used, "records", None)
-    if used is not None:
-        used.append(body)
+    _used.add(body)
     return body
 
 
