@@ -87,7 +87,10 @@ def emit(spec, target) -> ir.Module:
     b = body.b
     src, dst = ctx.ptr(0), ctx.ptr(arity)
     if arity == 1:
-        op = OPS[spec.op]
+        unary = OPS[spec.op]
+
+        def op(b, x, at, mask=None):
+            return unary(b, x)
     else:
         first, other = OPS[BINARY[spec.op]], ctx.ptr(1)
 
@@ -96,11 +99,6 @@ def emit(spec, target) -> ir.Module:
             if spec.dtype == "bf16":
                 y = bf16.widen(b, bf16.narrow(b, y))
             return b.fmul(y, load(b, other, at, lanes, mask))
-    if arity == 1:
-        unary = op
-
-        def op(b, x, at, mask=None):
-            return unary(b, x)
     if spec.numel:
         numel = const(i64, spec.numel)
         vecs = (spec.numel + lanes - 1) // lanes

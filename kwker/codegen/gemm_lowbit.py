@@ -133,6 +133,7 @@ class _Tile:
         part = [[f.var(vt, zero, f"p{i}_{r}") for r in range(rr)] for i in range(mr)]
         k = s.k
         g = min(s.group, k)
+        zp_vec = [None] * rr      # the group's zero points, per W row
 
         def step(at, active):
             """One vector of k from ``at`` (i64) into the partial sums; ``active`` lanes."""
@@ -141,7 +142,7 @@ class _Tile:
                 q = self._load_i8(b, w, at_r, active)
                 qi = b.sext(q, it)
                 if s.zero_point:
-                    qi = b.sub(qi, self._zp_vec[r])
+                    qi = b.sub(qi, zp_vec[r])
                 wf = b.sitofp(qi, vt)
                 for i in range(mr):
                     xv = simd.load_vec(b, x, b.add(at, const(i64, i * self.xstride)), L)
@@ -156,9 +157,9 @@ class _Tile:
                     part[i][r].set(zero)
 
         def open_group(gi):
-            if s.zero_point:
-                self._zp_vec = [simd.broadcast(b, b.sext(simd.load_scalar(
-                    b, zp, b.add(gi, const(i64, r * self.ng)), i8), i32), L) for r in range(rr)]
+            for r in range(rr if s.zero_point else 0):
+                zp_vec[r] = simd.broadcast(b, b.sext(simd.load_scalar(
+                    b, zp, b.add(gi, const(i64, r * self.ng)), i8), i32), L)
 
         unroll = max(1, LINE // L)      # steps per cache line of a W row
 
