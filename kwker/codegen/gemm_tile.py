@@ -289,7 +289,9 @@ def emit_pack_a_tiles(module: ir.Module, kw: int) -> ir.Function:
     """``void pack_a_tiles(ptr src, i64 rows, i64 kcl, ptr dst)``: rows ``[0, rows)`` x ``kcl``
     k pairs of A (row stride ``kw`` words) into blocks of 32 rows: per step of 16 pairs, rows
     0-15 then 16-31, 16 words each (two A tiles, 1 KB apart); rows past ``rows`` and pairs
-    past ``kcl`` zero, up to whole blocks and steps."""
+    past ``kcl`` zero, up to whole blocks and steps. Step by step, each step's 2 KB written in
+    order (row by row, with steps inside, the stores went 2 KB apart: 128 x 384 x 1536 on 2
+    threads 1274 -> 1672 GFLOP/s on Emerald Rapids)."""
     name = f"pack_a_tiles.{kw}"
     existing = defined(module, name)
     if existing is not None:
@@ -302,20 +304,18 @@ def emit_pack_a_tiles(module: ir.Module, kw: int) -> ir.Function:
     load = intrinsic(module, "llvm.masked.load.v16i32.p0", I32x16,
                      [ptr, i32, ir.VectorType(i1, 16), I32x16])
     zero = ir.Constant(I32x16, [ir.Constant(i32, 0)] * 16)
-    blocks = b.sdiv(b.add(rows, const(i64, 31)), const(i64, 32))
-    with f.for_range(0, b.mul(blocks, const(i64, 32)), name="r") as r:
-        blk, rr = b.sdiv(r, const(i64, 32)), b.srem(r, const(i64, 32))
-        base = b.add(b.mul(blk, b.mul(kcp, const(i64, 32))),
-                     b.add(b.mul(b.sdiv(rr, const(i64, 16)), const(i64, 256)),
-                           b.mul(b.srem(rr, const(i64, 16)), const(i64, 16))))
-        real = b.icmp_signed("<", r, rows)
+    with f.for_range(0, b.sdiv(b.add(rows, const(i64, 31)), const(i64, 32)), name="blk") as blk:
+        row0 = b.mul(blk, const(i64, 32))
+        real = _min(b, b.sub(rows, row0), const(i64, 32))
+        base = b.mul(blk, b.mul(kcp, const(i64, 32)))
         with f.for_range(0, kcp, step=STEP, name="s") as k:
-            out = simd.gep(b, dst, b.add(base, b.mul(k, const(i64, 32))), i32)
-            with f.if_else(real) as (copy, pad):
-                with copy:
-                    mask = simd.lane_mask(b, 16, b.sub(kcl, k))
-                    word = simd.gep(b, src, b.add(b.mul(r, const(i64, kw)), k), i32)
-                    b.store(b.call(load, [word, const(i32, 4), mask, zero]), out, align=64)
-                with pad:
-                    b.store(zero, out, align=64)
+            step0 = b.add(base, b.mul(k, const(i64, 32)))
+            mask = simd.lane_mask(b, 16, b.sub(kcl, k))
+            with f.for_range(0, real, name="r") as r:
+                word = simd.gep(b, src, b.add(b.mul(b.add(row0, r), const(i64, kw)), k), i32)
+                out = simd.gep(b, dst, b.add(step0, b.mul(r, const(i64, 16))), i32)
+                b.store(b.call(load, [word, const(i32, 4), mask, zero]), out, align=64)
+            with f.for_range(real, 32, name="z") as r:
+                b.store(zero, simd.gep(b, dst, b.add(step0, b.mul(r, const(i64, 16))), i32),
+                        align=64)
     return f.finish()

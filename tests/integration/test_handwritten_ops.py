@@ -98,24 +98,32 @@ class Conv1DBlock(torch.nn.Module):  # GPT-2's MLP with its residual
         return x + self.proj(self.act(self.fc(x)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"],
+                         ids=["f32", "bf16", "autocast"])
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_rows_linear_fuses_its_epilogue_through_the_views(dtype, inner):
     """``addmm(b, x.view(-1, k), w).view(*x.shape[:-1], n)`` is the linear of the 3-D x: the
-    GELU and the residual after the view fuse into it, as after nn.Linear."""
+    GELU and the residual after the view fuse into it, as after nn.Linear. Under autocast the
+    float32 view is cast to bf16 before the product (GPT-2's blocks): still one linear each,
+    the GELU fused (the residual add is float32 there: it stays on the inner compiler)."""
     torch.manual_seed(14)
     model = Conv1DBlock().eval()
     x = torch.randn(3, 5, 64)
-    low = copy.deepcopy(model).to(dtype)
+    autocast = dtype == "autocast"
+    low = copy.deepcopy(model) if autocast else copy.deepcopy(model).to(dtype)
+    xin = x if autocast else x.to(dtype)
     torch._dynamo.reset()
     kd.clear_reports()
     compiled = torch.compile(low, backend="kwker", options={"inner": inner})
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got, eager = compiled(xin), low(xin)
     with torch.no_grad():
-        got, eager = compiled(x.to(dtype)), low(x.to(dtype))
         reference = model(x)
     report = kd.last_report()
-    assert sorted(report.kernel_names) == ["linear_gelu_tanh", "linear_residual"], str(report)
-    assert got.shape == eager.shape
+    expected = ["linear", "linear_gelu_tanh"] if autocast else ["linear_gelu_tanh",
+                                                                "linear_residual"]
+    assert sorted(report.kernel_names) == expected, str(report)
+    assert got.shape == eager.shape and got.dtype == eager.dtype
     if dtype == torch.float32:
         assert_close(got, eager)
     else:
