@@ -44,6 +44,7 @@ LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns an
     (33, 47, 62, "gelu", True, True), (64, 96, 64, "gelu_tanh", False, True),
     (100, 300, 1030, "none", True, True), (131, 521, 4097, "relu", False, True),
     (200, 64, 1600, "gelu", True, False),
+    (97, 200, 2500, "gelu_tanh", True, True),  # deferred epilogue across 2 K blocks
 ]
 MATMUL_CASES = [  # m, k, n, batch, b transposed
     (40, 17, 33, 1, False), (40, 17, 33, 1, True), (64, 64, 128, 4, False),
