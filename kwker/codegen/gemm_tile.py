@@ -41,7 +41,6 @@ from .tiles import Tiles
 TILE_BLOCK = (32, 32)   # rows x columns of C per block: 2 x 2 accumulator tiles
 STEP = 16               # k pairs per tile product (64 bytes of a tile row)
 BLOCK_WORDS = 32 * 32   # float32 words of one C block in the scratch
-SIDE_ROWS = 2           # rows of the pending epilogue run per tile step of the next block
 # rows up to which the vector path beats the tiles (Emerald Rapids, bf16, 2 threads, N x K of
 # 4096 x 1024, 1024 x 4096, 768 x 768: at 4 rows vector 332/285/32 us against tiles 387/387/27,
 # at 8 rows 437/444/61 against 223/255/30): factories pick the vector path up to here, and a
@@ -160,7 +159,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
 
 class _PendingEpilogue:
     """The epilogue of the last finished block, deferred for the costly activations (GELU's
-    erf or tanh): run in slices of ``SIDE_ROWS`` rows between the tile products of the next
+    erf or tanh): run in slices of a few rows between the tile products of the next
     block, its vector math then overlaps the tile unit's work instead of stalling it between
     blocks (Emerald Rapids, 2 threads, linear + GELU-tanh in bf16: 128 x 1536 x 384 1068 ->
     1350 GFLOP/s, 1024^3 1380 -> 1581). A plain epilogue (bias, ReLU, residual, the rounding)
@@ -169,6 +168,8 @@ class _PendingEpilogue:
     def __init__(self, f: Fn, p, bias):
         self.f, self.p, self.bias = f, p, bias
         self.deferred = p.s.epilogue in ("gelu", "gelu_tanh")
+        # rows per tile step: the 32 rows spread over a (full) K block's steps
+        self.per_step = -(-32 // (padded_k(min(p.kc, p.kw)) // STEP))
         self.side = self.rows_at_step if self.deferred else None
         self.side_rest = self.rows_after if self.deferred else None
         self.on = f.var(i1, const(i1, 0), "pend")
@@ -205,15 +206,16 @@ class _PendingEpilogue:
                       simd.gep(b, self.out.get(), b.mul(r0, const(i64, n)), out_t), res)
 
     def rows_at_step(self, step) -> None:
-        """The slice of tile step ``step`` (i64): rows [SIDE_ROWS step, SIDE_ROWS (step + 1))."""
+        """The slice of tile step ``step`` (i64): ``per_step`` rows from ``per_step * step``."""
         b = self.f.b
-        r0 = b.mul(step, const(i64, SIDE_ROWS))
-        self.run(r0, b.add(r0, const(i64, SIDE_ROWS)))
+        r0 = b.mul(step, const(i64, self.per_step))
+        self.run(r0, b.add(r0, const(i64, self.per_step)))
 
     def rows_after(self, steps) -> None:
         """After a product of ``steps`` tile steps: the rows no step took."""
         b = self.f.b
-        self.run(_min(b, b.mul(steps, const(i64, SIDE_ROWS)), const(i64, 32)), const(i64, 32))
+        self.run(_min(b, b.mul(steps, const(i64, self.per_step)), const(i64, 32)),
+                 const(i64, 32))
 
     def finish(self) -> None:
         """The pending epilogue, whole: at once when it is not deferred, else the thread's
