@@ -33,6 +33,10 @@ CASES = [  # (b, h, lq, lk, e), causal, mask, mask shape, kv heads, generic
     ((2, 8, 50, 50, 64), True, None, None, 2, False),
     ((2, 4, 77, 100, 32), False, None, None, None, True),
     ((1, 4, 65, 65, 64), True, None, None, 2, True),
+    # a generic kernel's keys come in blocks of TILE_KEYS_GENERIC: two blocks, the online
+    # softmax rescaling O between them
+    ((1, 2, 40, 2100, 32), False, None, None, None, True),
+    ((1, 1, 2100, 2100, 32), True, None, None, None, True),
 ]
 
 
