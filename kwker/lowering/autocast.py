@@ -77,6 +77,7 @@ def make_explicit(gm: GraphModule, metas: dict) -> int:
     if why is not None:
         raise ValueError(why)
     changed = 0
+    made = {}   # (node, dtype) -> its cast, made once for all the nodes that read it
     for n in inside:
         if n.op not in ("call_function", "call_method") or canon(n) not in LOWERABLE:
             continue
@@ -89,7 +90,7 @@ def make_explicit(gm: GraphModule, metas: dict) -> int:
             if dt is None or not dt.is_floating_point or dt == out or a in casts:
                 continue
             with gm.graph.inserting_before(n):
-                casts[a] = _cast(gm.graph, metas, a, out)
+                casts[a] = _cast(gm.graph, metas, a, out, made)
         if casts:
             n.args = torch.fx.node.map_arg(n.args, lambda x: casts.get(x, x))
             n.kwargs = torch.fx.node.map_arg(n.kwargs, lambda x: casts.get(x, x))
@@ -100,20 +101,22 @@ def make_explicit(gm: GraphModule, metas: dict) -> int:
     return changed
 
 
-def _cast(graph: Graph, metas: dict, a: Node, dtype: torch.dtype) -> Node:
-    """``a.to(dtype)``, marked; a method view of ``a``'s source (``x.view(-1, K)``) is cast at
-    the source and viewed again, the same values, so that the product still reads a view of
-    an N-D tensor: transformers' Conv1D (``addmm(b, x.view(-1, K), w).view(...)``) under
-    autocast then matches as the linear of ``x``, with its GELU or residual fused."""
+def _cast(graph: Graph, metas: dict, a: Node, dtype: torch.dtype, made: dict) -> Node:
+    """``a.to(dtype)``, marked, made once per node (BERT's q, k and v projections read one
+    LayerNorm output: one cast, not three); a method view of ``a``'s source
+    (``x.view(-1, K)``) is cast at the source and viewed again, the same values, so that the
+    product still reads a view of an N-D tensor: transformers' Conv1D (``addmm(b, x.view(-1,
+    K), w).view(...)``) under autocast then matches as the linear of ``x``, with its GELU or
+    residual fused."""
     src = a.args[0] if a.op == "call_method" and a.target in ("view", "reshape") and \
         a.args and isinstance(a.args[0], Node) else None
-    if src is None or _dtype(metas, src) != _dtype(metas, a):
-        c = graph.call_method("to", (a, dtype))
+    viewed = src is not None and _dtype(metas, src) == _dtype(metas, a)
+    what = src if viewed else a
+    c = made.get((what, dtype))
+    if c is None:
+        c = made[(what, dtype)] = graph.call_method("to", (what, dtype))
         c.meta[CAST_FLAG] = True
-        return c
-    c = graph.call_method("to", (src, dtype))
-    c.meta[CAST_FLAG] = True
-    return graph.call_method(a.target, (c, *a.args[1:]), dict(a.kwargs))
+    return graph.call_method(a.target, (c, *a.args[1:]), dict(a.kwargs)) if viewed else c
 
 
 def cast_source(n) -> Node | None:

@@ -134,3 +134,13 @@ def test_ranker_topk_follows_aten_on_the_bf16_scores():
         expected = torch.topk(scores(x), 10, dim=-1)
         assert kd.last_report().kernel_names == ["linear_gelu", "linear", "linear"]
     assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_autocast_casts_a_tensor_once_for_all_its_readers(inner):
+    """The q and the k/v projections of GroupedQuery read one float32 input: under autocast it
+    is cast to bf16 once, not once per product (BERT: q, k and v after each LayerNorm)."""
+    reference, eager, got, reports, _ = _run("gqa", "autocast", inner)
+    assert_bf16_contract(got, eager, reference)
+    casts = [n for r in reports for n in r.inner_nodes if n[1] == ".to()"]
+    assert len(casts) == 1, [str(r) for r in reports]
