@@ -82,6 +82,10 @@ class _Emitter:
         # generic (attention_args.py): sizes and strides (``self.d``) are read in body()
         self.gen = not s.batch
         self.bk = s.bk if self.gen else min(s.bk, _cdiv(s.lk, s.nr) * s.nr)
+        # row stride of the scores (and of P over their rows' first halves), in floats: a
+        # multiple of 256 (1 KB) is padded by a line, or the 16 rows a tile stores or loads
+        # would share a few L1 sets
+        self.ld_s = self.bk + 16 if self.bk % 256 == 0 else self.bk
         self.scale = s.scale if s.scale else 1.0 / math.sqrt(s.e)
         self.ev_pad = _cdiv(s.ev, lanes) * lanes
         # a few queries (decode): scores as dot products with K in place, no K packing
@@ -134,17 +138,17 @@ class _Emitter:
         s, L = self.s, self.L
         if self.qk_pairs:  # float32 S (FIRST only: never the bf16 store of the LAST block)
             return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, self.q_ld, 1, s.nr,
-                                            False, self.bk, dot="dpbf16", ldo=self.bk))
+                                            False, self.ld_s, dot="dpbf16", ldo=self.ld_s))
         return emit_micro(self.m, Micro(rows, _cdiv(cols, L), L, cols, self.q_ld, 1, s.nr,
-                                        False, self.bk))
+                                        False, self.ld_s))
 
     def o_kernel(self, rows: int) -> ir.Function:
         s, L = self.s, self.L
         if self.pv_pairs:  # A: the P pairs over each S row (bk words apart); B: V key pairs
-            return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1,
+            return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.ld_s, 1,
                                             self.ev_pad, False, self.ev_pad, dot="dpbf16",
                                             ldo=self.ev_pad))
-        return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.bk, 1, self.v_ld,
+        return emit_micro(self.m, Micro(rows, self.ev_pad // L, L, s.ev, self.ld_s, 1, self.v_ld,
                                         not self.bf and s.ev % L != 0, self.ev_pad))
 
     def body(self) -> ir.Function:
@@ -168,7 +172,7 @@ class _Emitter:
         blocked = not self.direct
         kp_floats = imul(b, blocked, round_up(b, d.lk, s.nr),
                          self.ep_pad if self.qk_pairs else s.e)
-        sizes = [kp_floats, s.bq * self.bk, s.bq * self.ev_pad, s.bq, s.bq]
+        sizes = [kp_floats, s.bq * self.ld_s, s.bq * self.ev_pad, s.bq, s.bq]
         if self.bf:  # V of one kv head: key pairs (words) or float32
             sizes.append(imul(b, icdiv(b, d.lk, 2), self.ev_pad) if self.pv_pairs else
                          imul(b, d.lk, self.ev_pad))
@@ -321,7 +325,7 @@ class _Emitter:
 
         def tile(r0, nrows):
             a = simd.gep(b, qh, b.mul(r0, const(i64, self.q_ld)))
-            c_row = b.mul(r0, const(i64, self.bk))
+            c_row = b.mul(r0, const(i64, self.ld_s))
             full_panels = b.sdiv(kv, const(i64, s.nr))
             with f.for_range(0, full_panels, name="sp") as p:
                 col = b.mul(p, const(i64, s.nr))
@@ -377,7 +381,7 @@ class _Emitter:
                         acc = vmath.fma(b, qv[e], kv_, acc)
                     sums.append(acc)
                 out = transpose_add(b, sums)
-                simd.store_vec(b, out, sbuf, b.add(b.mul(r, const(i64, self.bk)), jb))
+                simd.store_vec(b, out, sbuf, b.add(b.mul(r, const(i64, self.ld_s)), jb))
 
     def accumulate(self, vh, sbuf, obuf, j0, kv, rows):
         if self.tile is not None:
@@ -394,7 +398,7 @@ class _Emitter:
             kc = kv
 
         def tile(r0, nrows):
-            a = simd.gep(b, sbuf, b.mul(r0, const(i64, self.bk)))
+            a = simd.gep(b, sbuf, b.mul(r0, const(i64, self.ld_s)))
             c = simd.gep(b, obuf, b.mul(r0, const(i64, self.ev_pad)))
             mode = b.select(b.icmp_signed("==", j0, const(i64, 0)), const(i64, FIRST),
                             const(i64, 0))
@@ -415,7 +419,7 @@ class _Emitter:
         ninf = vmath.splat(vt, NEG_INF)
         with f.for_range(0, rows, name="sr") as r:
             i = b.add(i0, r)
-            row = simd.gep(b, sbuf, b.mul(r, const(i64, self.bk)))
+            row = simd.gep(b, sbuf, b.mul(r, const(i64, self.ld_s)))
             vis = kv
             if s.causal:  # keys j0 + col <= i are visible
                 v0 = b.add(b.sub(i, j0), const(i64, 1))

@@ -56,7 +56,7 @@ class TileProducts:
                 const(i64, ep * 4),
                 lambda k, j: simd.gep(b, panel, b.add(b.mul(k, const(i64, 32)),
                                                       const(i64, j * 16)), i32),
-                const(i64, 32 * 4), simd.gep(b, sbuf, col), em.bk, const(i64, ep), first)
+                const(i64, 32 * 4), simd.gep(b, sbuf, col), em.ld_s, const(i64, ep), first)
 
     def accumulate(self, vh, sbuf, obuf, j0, kv, rows) -> None:
         """O[0:32] += P V over the key block at ``j0`` (``kv`` keys, ``vh``: V in key pairs)."""
@@ -69,8 +69,8 @@ class TileProducts:
         for cb in range(ev_pad // 32):
             block_product(
                 f, self.tiles, self.regs,
-                lambda k, i: simd.gep(b, sbuf, b.add(k, const(i64, i * 16 * em.bk)), i32),
-                const(i64, em.bk * 4),
+                lambda k, i: simd.gep(b, sbuf, b.add(k, const(i64, i * 16 * em.ld_s)), i32),
+                const(i64, em.ld_s * 4),
                 lambda k, j, cb=cb: simd.gep(b, vb, b.add(b.mul(k, const(i64, ev_pad)),
                                                           const(i64, cb * 32 + j * 16)), i32),
                 const(i64, ev_pad * 4), simd.gep(b, obuf, const(i64, cb * 32)), ev_pad,
@@ -79,7 +79,7 @@ class TileProducts:
         nullp = ir.Constant(ptr, None)
 
         def tail(r0, nrows):
-            a = simd.gep(b, sbuf, b.add(b.mul(r0, const(i64, em.bk)), whole), i32)
+            a = simd.gep(b, sbuf, b.add(b.mul(r0, const(i64, em.ld_s)), whole), i32)
             c = simd.gep(b, obuf, b.mul(r0, const(i64, ev_pad)))
             b.call(em.o_kernel(nrows), [a, simd.gep(b, vb, b.mul(whole, const(i64, ev_pad)),
                                                     i32), c, rest, const(i64, 0), nullp, nullp,
