@@ -288,7 +288,8 @@ def main(argv=None) -> int:
             continue
         out = args.out or common.RESULTS
         stem = "decode" if name == "gpt2" else f"decode_{name}"
-        common.write_json(out / f"{stem}.json", {"machine": info, "model": model, "rows": rows,
+        common.write_json(out / f"{stem}.json", {"script": "bench_decode.py", "machine": info,
+                                                 "model": model, "rows": rows,
                                                  "headline": headline(rows)})
         (out / f"{stem}.md").write_text(text)
         plot(rows, out / f"{stem}.png", info)
