@@ -82,9 +82,11 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
     elif m.kind == "layer_norm":
         w, b = (consts[i[k]] if i[k] is not None else None for k in ("weight", "bias"))
         fn, why = C.layer_norm_kernel(shapes["x"], w, b, p["eps"], dtype, norm=p["norm"])
-    else:
+    else:  # the layouts q, k, v arrive in (heads side by side...), as the op's call looks up
+        strides = (None,) * 3 if generic else tuple(tuple(metas[i[k]].stride)
+                                                    for k in ("q", "k", "v"))
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
-                                p["mask"], p["causal"], p["scale"], dtype=dtype)
+                                p["mask"], p["causal"], p["scale"], strides, dtype=dtype)
     if fn is not None and not generic:
         slower, measured = tune.verdict(m, metas, consts, fn, B.runtime_inputs(m))
         if slower:

@@ -159,6 +159,46 @@ def test_inductor_custom_sdpa_reads_views_in_place():
     assert [(s.batch, s.lq, s.lk) for s in fn.kwker_specs] == [(0, 0, 0)]  # ...the generic
 
 
+class ViewedHeads(torch.nn.Module):
+    """BERT's self-attention: q, k and v projections, each viewed as heads (strided, the heads
+    side by side in each row)."""
+
+    def __init__(self, d=96, heads=4):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.heads = heads
+
+    def forward(self, x):
+        b, length, d = x.shape
+
+        def split(t):
+            return t.view(b, length, self.heads, d // self.heads).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(
+            split(self.q(x)), split(self.k(x)), split(self.v(x)))
+
+
+def test_inductor_prebuilds_attention_for_the_layout_it_is_called_with():
+    """Under inner="inductor" the attention kernel built at compile time is the one for the
+    strides q, k and v arrive in (heads side by side): the calls find it, and no generic kernel
+    (slower, sizes read per call) is built behind it."""
+    import kwker.lowering.custom_ops as C
+    from kwker.lowering.generic import generic_shapes
+
+    torch.manual_seed(7)
+    b, length, d, h = 2, 40, 96, 4
+    ref, out, reports = compile_run(ViewedHeads(d, h).eval(), (torch.randn(b, length, d),),
+                                    "inductor")
+    assert_close(out, ref)
+    assert kernels(reports) == ["linear", "linear", "linear", "sdpa"]
+    shape, strides = (b, h, length, d // h), (length * d, d // h, d, 1)
+    fn, _ = C.sdpa_kernel(shape, shape, shape, None, None, False, None, (strides,) * 3,
+                          build=False)
+    assert fn is not None and fn.kwker_specs[0].lq == length
+    g = generic_shapes("sdpa", {"q": shape, "k": shape, "v": shape, "m": None})
+    fn, _ = C.sdpa_kernel(g["q"], g["k"], g["v"], None, None, False, None, build=False)
+    assert fn is None
+
+
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 @pytest.mark.parametrize("repeat", ["flag", "expand", "interleave"])
 def test_grouped_query_attention(repeat, inner):
