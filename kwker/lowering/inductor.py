@@ -20,6 +20,7 @@ from . import build as B
 from . import custom_ops as C
 from . import sorting as S
 from . import tune
+from .fold import fold_constants
 from .autocast import make_explicit
 from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes
 from .ops import is_view
@@ -180,6 +181,8 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir,
     report = Report(graph_id, "inductor", decomposed=list(decomposed))
     nodes = list(gm.graph.nodes)
     try:
+        if fold_constants(gm):  # transformers' masks, computed once here
+            nodes = list(gm.graph.nodes)
         metas = propagate_symbolic(gm)
         if make_explicit(gm, metas):  # autocast's casts as nodes: kernels see its dtypes
             nodes = list(gm.graph.nodes)

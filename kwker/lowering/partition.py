@@ -18,6 +18,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import build as B
+from .fold import fold_constants
 from .autocast import make_explicit
 from . import sorting as S
 from . import tune
@@ -109,6 +110,8 @@ def _specialise(gm, args, graph_id, inner, note, decomposed, symbolic) -> Plan:
     def metadata():
         return propagate_symbolic(gm) if symbolic else propagate(gm, args)
     try:
+        if fold_constants(gm):  # transformers' masks, computed once here
+            nodes = list(gm.graph.nodes)
         metas = metadata()
         if make_explicit(gm, metas):  # autocast's casts as nodes: kernels see its dtypes
             nodes = list(gm.graph.nodes)

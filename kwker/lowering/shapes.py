@@ -158,13 +158,22 @@ def _describe(v):
     return None
 
 
-def _recorder(gm: GraphModule):
+def _recorder(gm: GraphModule, mode=None):
+    """An interpreter recording each node's metadata; ``mode``: a fake mode the graph's tensor
+    attributes (constants folded into it) are converted to, as its inputs are."""
     from torch.fx import Interpreter
 
     class Recorder(Interpreter):
         def __init__(self):
             super().__init__(gm, garbage_collect_values=True)
             self.metas: dict[Node, object] = {}
+
+        def get_attr(self, target, args, kwargs):
+            value = super().get_attr(target, args, kwargs)
+            if mode is not None and isinstance(value, torch.Tensor) and \
+                    not isinstance(value, torch._subclasses.FakeTensor):
+                value = mode.from_tensor(value, static_shapes=True)
+            return value
 
         def run_node(self, n: Node):
             result = super().run_node(n)
@@ -197,7 +206,7 @@ def propagate_symbolic(gm: GraphModule) -> dict[Node, object]:
     if not modes:
         raise RuntimeError("the graph carries no fake tensors")
     mode = modes[0]
-    rec = _recorder(gm)
+    rec = _recorder(gm, mode)
     with mode:
         rec.run(*fakes)
     return rec.metas

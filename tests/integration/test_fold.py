@@ -1,0 +1,72 @@
+"""Input-independent nodes folded at compile time (lowering/fold.py): transformers-style masks
+built from aranges become one constant, a causal one becomes ``is_causal=True``; anything random
+or reading an input still runs every call."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kwker.dynamo as kd
+
+from .models import assert_close, compile_run, kernels
+
+
+class MaskedAttention(torch.nn.Module):
+    """Attention whose boolean mask is built per call from aranges, as transformers builds it:
+    ``kind`` "causal" (key <= query), "band" (key within 3 of the query: not causal) or
+    "noisy" (causal, then a random draw that must not be folded)."""
+
+    def __init__(self, kind: str, d=96, heads=4):
+        super().__init__()
+        self.kind, self.heads = kind, heads
+        self.qkv = torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        b, length, d = x.shape
+        q, k, v = (t.view(b, length, self.heads, d // self.heads).transpose(1, 2)
+                   for t in self.qkv(x).split(d, dim=-1))
+        rows = torch.arange(length)[:, None]
+        cols = torch.arange(length)[None, :]
+        mask = cols <= rows if self.kind != "band" else (rows - cols).abs() <= 3
+        mask = mask[None, None].expand(b, 1, length, length)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if self.kind == "noisy":
+            out = out + 0 * torch.rand(length, d // self.heads)
+        return out
+
+
+def _specs(reports):
+    return [s for r in reports for s in r.specs if type(s).__name__ == "AttentionSpec"]
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_causal_mask_built_from_aranges_becomes_is_causal(inner):
+    torch.manual_seed(3)
+    ref, out, reports = compile_run(MaskedAttention("causal").eval(), (torch.randn(2, 36, 96),),
+                                    inner)
+    assert_close(out, ref)
+    assert kernels(reports) == ["linear", "sdpa"]
+    assert [(s.causal, s.mask) for s in _specs(reports)] == [(True, "none")]
+    left = [op for r in reports for _, op in r.inner_nodes]
+    assert not any(op in ("arange", "le", ".expand()") for op in left), left
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_mask_that_is_not_causal_stays_a_mask(inner):
+    torch.manual_seed(4)
+    ref, out, reports = compile_run(MaskedAttention("band").eval(), (torch.randn(2, 36, 96),),
+                                    inner)
+    assert_close(out, ref)
+    assert [(s.causal, s.mask) for s in _specs(reports)] == [(False, "bool")]
+
+
+def test_random_draws_are_not_folded():
+    torch.manual_seed(5)
+    model = MaskedAttention("noisy").eval()
+    x = torch.randn(2, 36, 96)
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    with torch.no_grad():
+        compiled(x)
+    report = kd.last_report()
+    assert any(op == "rand" for _, op in report.inner_nodes), str(report)
