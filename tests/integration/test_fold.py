@@ -39,24 +39,18 @@ def _specs(reports):
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
-def test_a_causal_mask_built_from_aranges_becomes_is_causal(inner):
+@pytest.mark.parametrize("kind, attention", [("causal", (True, "none")), ("band", (False, "bool"))])
+def test_a_mask_built_from_aranges_is_folded(kind, attention, inner):
+    """Both masks are computed at compile time (no arange, comparison or expand left to run);
+    the causal one becomes is_causal=True, the band stays a mask."""
     torch.manual_seed(3)
-    ref, out, reports = compile_run(MaskedAttention("causal").eval(), (torch.randn(2, 36, 96),),
+    ref, out, reports = compile_run(MaskedAttention(kind).eval(), (torch.randn(2, 36, 96),),
                                     inner)
     assert_close(out, ref)
     assert kernels(reports) == ["linear", "sdpa"]
-    assert [(s.causal, s.mask) for s in _specs(reports)] == [(True, "none")]
+    assert [(s.causal, s.mask) for s in _specs(reports)] == [attention]
     left = [op for r in reports for _, op in r.inner_nodes]
     assert not any(op in ("arange", "le", ".expand()") for op in left), left
-
-
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
-def test_a_mask_that_is_not_causal_stays_a_mask(inner):
-    torch.manual_seed(4)
-    ref, out, reports = compile_run(MaskedAttention("band").eval(), (torch.randn(2, 36, 96),),
-                                    inner)
-    assert_close(out, ref)
-    assert [(s.causal, s.mask) for s in _specs(reports)] == [(False, "bool")]
 
 
 def test_random_draws_are_not_folded():
