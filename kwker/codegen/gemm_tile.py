@@ -88,7 +88,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
         pack_b = emit_pack_cols(module, nr, s.n, p.lanes, pairs=True)
 
     out_t = f32 if p.int8 else i16   # bf16 out; u8s8: float32 out (a is u8, read as words)
-    pending = _PendingEpilogue(f, p, bias)
+    pending = _PendingEpilogue(f, p, bias, out_t)
     parity = f.var(i64, const(i64, 0), "parity")
 
     def at(base, index, ty=out_t):
@@ -165,8 +165,8 @@ class _PendingEpilogue:
     1350 GFLOP/s, 1024^3 1380 -> 1581). A plain epilogue (bias, ReLU, residual, the rounding)
     runs at once: deferring it measured no faster, at 128 rows up to 12% slower."""
 
-    def __init__(self, f: Fn, p, bias):
-        self.f, self.p, self.bias = f, p, bias
+    def __init__(self, f: Fn, p, bias, out_t):
+        self.f, self.p, self.bias, self.out_t = f, p, bias, out_t
         self.deferred = p.s.epilogue in ("gelu", "gelu_tanh")
         # rows per tile step: the 32 rows spread over a (full) K block's steps
         self.per_step = -(-32 // (padded_k(min(p.kc, p.kw)) // STEP))
@@ -200,10 +200,9 @@ class _PendingEpilogue:
             n = p.s.n
             res = simd.gep(b, self.res.get(), b.mul(r0, const(i64, n)), i16) \
                 if p.s.residual else None
-            out_t = f32 if p.int8 else i16
             _epilogue(f, p, simd.gep(b, self.block.get(), b.mul(r0, const(i64, 32))),
                       self.q.get(), count, self.bias,
-                      simd.gep(b, self.out.get(), b.mul(r0, const(i64, n)), out_t), res)
+                      simd.gep(b, self.out.get(), b.mul(r0, const(i64, n)), self.out_t), res)
 
     def rows_at_step(self, step) -> None:
         """The slice of tile step ``step`` (i64): ``per_step`` rows from ``per_step * step``."""

@@ -82,13 +82,14 @@ def fold_constants(gm: GraphModule) -> int:
     if not values:
         return 0
     _causal_masks(gm, values)
-    count = 0
+    count, attrs = 0, sum(1 for k in dir(gm) if k.startswith(ATTR.format("")))
     for n, v in values.items():
         users = [u for u in n.users if u not in values]
         if not users:
             continue
         if isinstance(v, torch.Tensor):
-            name = ATTR.format(len([k for k in dir(gm) if k.startswith(ATTR[:-2])]))
+            name = ATTR.format(attrs)
+            attrs += 1
             gm.register_buffer(name, v, persistent=False)
             with gm.graph.inserting_before(n):
                 n.replace_all_uses_with(gm.graph.get_attr(name), lambda u: u not in values)
@@ -113,10 +114,10 @@ def _causal_masks(gm: GraphModule, values: dict) -> None:
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in _SDPA:
             continue
-        mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+        mask = n.kwargs.get("attn_mask")   # (a mask passed by position is left as it is)
         m = values.get(mask) if isinstance(mask, Node) else None
         if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.dim() < 2 or \
-                n.kwargs.get("is_causal") or len(n.args) > 3:
+                n.kwargs.get("is_causal"):
             continue
         rows, cols = m.shape[-2:]
         if rows < 2 or not torch.equal(m, torch.ones(rows, cols, dtype=torch.bool)

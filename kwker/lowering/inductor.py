@@ -84,8 +84,7 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
         w, b = (consts[i[k]] if i[k] is not None else None for k in ("weight", "bias"))
         fn, why = C.layer_norm_kernel(shapes["x"], w, b, p["eps"], dtype, norm=p["norm"])
     else:  # the layouts q, k, v arrive in (heads side by side...), as the op's call looks up
-        strides = (None,) * 3 if generic else tuple(tuple(metas[i[k]].stride)
-                                                    for k in ("q", "k", "v"))
+        strides = tuple(tuple(metas[i[k]].stride) for k in ("q", "k", "v"))
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
                                 p["mask"], p["causal"], p["scale"], strides, dtype=dtype)
     if fn is not None and not generic:
