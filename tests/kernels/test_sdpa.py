@@ -61,6 +61,23 @@ def test_sdpa_fully_masked_rows_give_zero():
         torch.testing.assert_close(y, ref, **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq", [3, 130])  # the few-query path and the blocked one
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_nan_scores_give_nan_rows_as_aten(dtype, lq, causal):
+    """A NaN score makes its row NaN, as in ATen; a causal row that cannot see the NaN key
+    stays finite (the kernel flushes tiny probabilities to 0, never a NaN to anything)."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(2, 3, n, 32).to(dtype) for n in (lq, 140, 140))
+    q[0, 1, 1, 4] = float("nan")    # one query row
+    k[1, 2, 2, 7] = float("nan")    # one key: every row that sees it
+    y = make_sdpa(2, 3, lq, 140, 32, 32, causal, dtype=dtype)(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert torch.equal(y.isnan(), ref.isnan()) and ref.isnan().any()
+    tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, ref, equal_nan=True, **tol)
+
+
 def test_sdpa_large_values_are_stable():
     """Online softmax: scores far apart in magnitude across key blocks (max moves late)."""
     torch.manual_seed(6)
