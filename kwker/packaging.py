@@ -49,6 +49,7 @@ from .lowering.exported import (
     dtype_name,
     dtype_of,
     rebuild,
+    stored_names,
     tree_is_flat_tuple,
 )
 from .lowering.partition import const_nodes, lower_graph
@@ -131,11 +132,11 @@ def _parse_target(t) -> Target:
 
 def _pack_weights(doc: dict, tensors: dict) -> tuple[list, bytearray]:
     layout, blob = [], bytearray()
-    for c in doc["constants"]:
-        t = tensors[c["name"]]
+    for name in stored_names(doc):
+        t = tensors[name]
         data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         blob += b"\0" * (-len(blob) % ALIGN)
-        layout.append({"name": c["name"], "dtype": dtype_name(t.dtype),
+        layout.append({"name": name, "dtype": dtype_name(t.dtype),
                        "shape": list(t.shape), "offset": len(blob), "nbytes": len(data)})
         blob += data
     return layout, blob

@@ -8,6 +8,9 @@ kernels without Kwker depending on torchao. Recognised (weight-only, activations
 - ``IntxUnpackedToInt8Tensor`` (``IntxWeightOnlyConfig``): int1..int8 values held one per int8,
   per group or per axis, with zero points. Values of up to 4 bits are packed two per byte.
 
+``LowbitTensor`` holds the same fields without torchao: a package's quantised weights, loaded in
+a process that may not have torchao.
+
 int8 values are read in place from torchao's own ``qdata`` (no copy). int4 values are repacked
 once, at half the bytes of torchao's int8 copy, into the layout of codegen/gemm_lowbit.py.
 """
@@ -25,7 +28,7 @@ from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_funct
 from .linear import EPILOGUES
 from .specs import GemmSpec, LowbitGemmSpec, LowbitUnpackSpec
 
-FORMATS = {"Int8Tensor", "IntxUnpackedToInt8Tensor"}
+FORMATS = {"Int8Tensor", "IntxUnpackedToInt8Tensor", "LowbitTensor"}
 # W rows per block for a tile of this many x rows (mr * rr accumulators fit the registers)
 ROWS_PER_BLOCK = {1: 8, 2: 6, 3: 4, 4: 3}
 MAX_TILE_ROWS = 4
@@ -88,6 +91,49 @@ def lowbit_weight(t: torch.Tensor) -> LowbitWeight:
     if width.get(target, 8) <= 4:
         bits = 4
     return LowbitWeight(q, scale, zp, group, bits, t.dtype, name)
+
+
+class LowbitTensor(torch.Tensor):
+    """A weight-only quantised weight of Kwker's own: torchao's fields (``qdata``, ``scale``,
+    ``zero_point``, ``block_size``, ``target_dtype``), read back from a package without torchao.
+    It stands for the dequantised (N, K) weight of its ``dtype``: an op that is not lowered to
+    a low-bit kernel sees that dense weight, as torchao's tensors make it."""
+
+    @staticmethod
+    def __new__(cls, qdata, scale, zero_point, group: int, bits: int, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=dtype,
+                                                   device=qdata.device)
+
+    def __init__(self, qdata, scale, zero_point, group: int, bits: int, dtype: torch.dtype):
+        self.qdata, self.scale, self.zero_point = qdata, scale, zero_point
+        self.block_size, self.bits = (1, group), bits
+        self.target_dtype = torch.int8 if bits == 8 else getattr(torch, f"int{bits}")
+
+    def __repr__(self):
+        return (f"LowbitTensor(int{self.bits}, {tuple(self.shape)}, groups of "
+                f"{self.block_size[1]}, {self.dtype})")
+
+    def __tensor_flatten__(self):
+        names = ["qdata", "scale"] + (["zero_point"] if self.zero_point is not None else [])
+        return names, {"group": self.block_size[1], "bits": self.bits, "dtype": self.dtype}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return LowbitTensor(inner["qdata"], inner["scale"], inner.get("zero_point"),
+                            ctx["group"], ctx["bits"], ctx["dtype"])
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantized(self).to(self.dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def dense(t):
+            return t.dequantize() if isinstance(t, LowbitTensor) else t
+        return func(*tree_map(dense, args), **tree_map(dense, kwargs or {}))
 
 
 def pack_int4(q: torch.Tensor, lanes: int, kp: int, rr: int) -> torch.Tensor:
@@ -277,5 +323,5 @@ def dequantized(weight: torch.Tensor) -> torch.Tensor:
     return (q * lw.scale.float().unsqueeze(-1)).view(lw.qdata.shape)
 
 
-__all__ = ["LowbitWeight", "dequantized", "is_quantized", "lowbit_weight", "make_linear_lowbit",
-           "pack_int4"]
+__all__ = ["LowbitTensor", "LowbitWeight", "dequantized", "is_quantized", "lowbit_weight",
+           "make_linear_lowbit", "pack_int4"]

@@ -10,6 +10,10 @@ same data.
 
 Only data is read back: targets resolve to ATen overloads and ``operator``/``math`` functions by
 name, and nothing is unpickled, so a package cannot name arbitrary code to run.
+
+torchao's weight-only quantised weights are stored as their parts (values, scales, zero points)
+and read back as ``LowbitTensor``s, their uses rewritten into linears of them
+(``lowbit_export``): a package of a quantised model loads without torchao.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import torch
 from torch.fx import Graph, Node
 
 from ..kernels._call import contiguous_strides
+from ..kernels.linear_lowbit import LowbitTensor, is_quantized, lowbit_weight
+from .lowbit_export import LowbitExportError, desugar
 from .shapes import Sym, TensorMeta
 
 FORMAT = 1
@@ -265,7 +271,7 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
         if kwargs_spec.num_leaves:
             raise ExportError("export the program with positional inputs only (no kwargs)")
     ranges = _ranges(ep)
-    graph = ep.graph_module.graph
+    graph = _without_subclass_parts(ep)
     inputs, consts, tensors = [], [], {}
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -291,6 +297,11 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             source = ep.state_dict if spec.target in ep.state_dict else ep.constants
             t = source[spec.target]
+            if is_quantized(t):
+                lowbit, parts = _lowbit_parts(name, t)
+                tensors.update(parts)
+                consts.append({"name": name, "target": spec.target, "lowbit": lowbit})
+                continue
             tensors[name] = t.detach().contiguous()
             consts.append({"name": name, "target": spec.target})
         else:
@@ -318,6 +329,55 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
            "out_tree": _encode_tree(ep.call_spec.out_spec, "the output"),
            "ranges": ranges}
     return doc, tensors
+
+
+def _without_subclass_parts(ep) -> Graph:
+    """The program's graph; with torchao weights, a copy whose uses of them are linears."""
+    from torch.export.graph_signature import InputKind
+    quantized = set()
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            source = ep.state_dict if spec.target in ep.state_dict else ep.constants
+            if is_quantized(source.get(spec.target)):
+                quantized.add(spec.arg.name)
+    graph = ep.graph_module.graph
+    if not quantized:
+        return graph
+    copy = Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    try:
+        desugar(copy, quantized)
+    except LowbitExportError as e:
+        raise ExportError(str(e)) from None
+    return copy
+
+
+def _lowbit_parts(name: str, t) -> tuple[dict, dict]:
+    """(the constant's ``lowbit`` record, its part tensors by stored name)."""
+    try:
+        lw = lowbit_weight(t)
+    except NotImplementedError as e:
+        raise ExportError(f"constant {name!r}: {e}") from None
+    parts = {"qdata": lw.qdata, "scale": lw.scale, "zero_point": lw.zero_point}
+    stored = {k: f"{name}.{k}" for k, v in parts.items() if v is not None}
+    record = {"group": lw.group, "bits": lw.bits, "dtype": dtype_name(lw.dtype),
+              "format": lw.source, "parts": stored}
+    return record, {stored[k]: parts[k].detach().contiguous() for k in stored}
+
+
+def stored_names(doc: dict) -> list[str]:
+    """The names of the tensors a package stores for its constants, in order."""
+    return [n for c in doc["constants"]
+            for n in (c["lowbit"]["parts"].values() if "lowbit" in c else [c["name"]])]
+
+
+def _constant(c: dict, tensors: dict) -> torch.Tensor:
+    if "lowbit" not in c:
+        return tensors[c["name"]]
+    q = c["lowbit"]
+    parts = {k: tensors[v] for k, v in q["parts"].items()}
+    return LowbitTensor(parts["qdata"], parts["scale"], parts.get("zero_point"), q["group"],
+                        q["bits"], dtype_of(q["dtype"]))
 
 
 def _written_state(n: Node, state: dict) -> str | None:
@@ -362,7 +422,7 @@ def rebuild(doc: dict, tensors: dict[str, torch.Tensor]) -> tuple[Rebuilt, dict]
     attrs = {}
     for c in doc["constants"]:
         name = c["name"]
-        t = tensors[name]
+        t = _constant(c, tensors)
         n = graph.get_attr(name)
         by_name[name], attrs[name] = n, t
         metas[n] = TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, False)

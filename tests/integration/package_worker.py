@@ -3,7 +3,8 @@ MODE PACKAGE CASES OUT``.
 
 It imports no model code: the package alone must answer. ``CASES`` is a ``torch.save`` file of
 input tuples; the answers (or the errors) go to ``OUT``, with what the process did besides:
-whether dynamo was imported, and the kernel runtime's counters (compiles, packaged objects).
+whether dynamo or torchao was imported, and the kernel runtime's counters (compiles, packaged
+objects).
 """
 import json
 import sys
@@ -83,6 +84,9 @@ def main():
         answers, model = run(path, cases)
         result["kernels"] = model.report.kernel_sizes
         result["missed"] = [m[0] for m in model.report.missed]
+        result["families"] = sorted({s.family for s in model.report.specs})
+        result["names"] = model.report.kernel_names
+        result["aten"] = [n[0] for n in model.report.inner_nodes]
     elif mode == "threads":
         answers, result["threads"] = threads(path, cases)
     elif mode == "errors":
@@ -91,6 +95,7 @@ def main():
         answers, result["load_errors"] = None, load_errors(cases)
     result["seconds"] = time.perf_counter() - t0
     result["dynamo"] = "torch._dynamo" in sys.modules
+    result["torchao"] = "torchao" in sys.modules
     result["stats"] = dict(stats)
     torch.save(answers, out_file + ".pt")
     with open(out_file, "w") as f:

@@ -162,3 +162,52 @@ def test_greedy_tokens_equal_eager_torchao(inner):
     assert torch.equal(greedy_tokens(compiled, prompt), greedy_tokens(model, prompt))
     lowbit = [s for r in kd.all_reports() for s in r.kernel_paths if "gemm_lowbit" in s]
     assert lowbit, "no low-bit kernel ran"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packages_of_quantized_models(dtype, tmp_path):
+    """``kwker.package`` of torchao models, every format: each quantised linear is a low-bit
+    kernel in the loaded package (bias and GELU fused, nothing left on ATen), the package loads
+    and runs in a process that never imports torchao, over dynamic rows, within the contract
+    against the float model with torchao's dequantised weights."""
+    import kwker
+    from .test_package import serve
+    rows = torch.export.Dim("rows", min=1, max=64)
+    cases = [(torch.randn(b, 5, 256).to(dtype),) for b in (1, 3, 64)]
+    for config in CONFIGS:
+        model, reference = quantized_mlp(config, dtype)
+        ep = torch.export.export(model, (torch.randn(2, 5, 256).to(dtype),),
+                                 dynamic_shapes=({0: rows},))
+        path = kwker.package(ep, tmp_path / f"{config}.kwk")
+        answers, info = serve(tmp_path, "run", path, cases, name=config)
+        assert not info["torchao"] and not info["missed"], (config, info)
+        assert "gemm_lowbit" in info["families"], (config, info)
+        assert sorted(info["names"]) == ["linear", "linear_gelu", "linear_residual"], info
+        assert not info["aten"], (config, info)
+        with torch.no_grad():
+            for (x,), (y,) in zip(cases, answers):
+                if dtype == torch.float32:
+                    assert_contract(y, reference(x))
+                else:
+                    assert y.dtype == torch.bfloat16
+                    assert_bf16_contract(y, model(x), reference(x.float()))
+
+
+def test_a_quantized_weight_used_outside_a_linear_is_refused_at_package_time(tmp_path):
+    import kwker
+    from kwker.lowering.exported import ExportError
+
+    class Uses(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.lin(x) + self.lin.weight.dequantize().sum()
+    model = Uses().eval()
+    quantize_(model.lin, CONFIGS["int4-group"]())
+    ep = torch.export.export(model, (torch.randn(3, 64),))
+    with pytest.raises(ExportError, match="quantised weight p_lin_weight .* other than as a "
+                                          "linear's weight"):
+        kwker.package(ep, tmp_path / "uses.kwk")
+    assert not (tmp_path / "uses.kwk").exists()
