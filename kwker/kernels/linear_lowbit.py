@@ -16,6 +16,7 @@ once, at half the bytes of torchao's int8 copy, into the layout of codegen/gemm_
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,10 @@ MAX_TILE_ROWS = 4
 # from this many rows the weights are dequantised per call into the GEMM family's kernel (its
 # FLOPs then outweigh one pass over the weights): see make_linear_lowbit
 PREFILL_ROWS = 16
+# the prefill path dequantises the weights whole up to this many bytes, else in blocks of W rows
+# of PREFILL_BLOCK bytes (Emerald Rapids, 128 rows, GPT-2's 50257 x 768 head: float32 109 ->
+# 47 ms, bf16 32 -> 17; blocks of 3072 x 768 were up to 15% slower than one copy in bf16)
+PREFILL_WHOLE, PREFILL_BLOCK = 16 << 20, 2 << 20
 
 
 @dataclass(frozen=True)
@@ -231,13 +236,14 @@ class _Buffers:
 
 
 def _gemv(spec: LowbitGemmSpec, buf: _Buffers, dtype):
-    """``call(x, residual pointer) -> out`` on the decode kernel (weights streamed once)."""
+    """``call(x, residual) -> out`` on the decode kernel (weights streamed once)."""
     fn = entry(spec, 7, 2 if spec.m == 0 else 1)
     w_p, s_p, z_p, b_p = buf.ptrs()
     n, threads, empty = spec.n, torch.get_num_threads, torch.empty
 
-    def call(x, r_ptr):
+    def call(x, r):
         out = empty(x.shape[0], n, dtype=dtype)
+        r_ptr = None if r is None else r.data_ptr()
         if spec.m:
             fn(x.data_ptr(), w_p, s_p, z_p, b_p, r_ptr, out.data_ptr(), threads())
         elif x.shape[0]:
@@ -247,42 +253,69 @@ def _gemv(spec: LowbitGemmSpec, buf: _Buffers, dtype):
 
 
 def _prefill(spec: LowbitGemmSpec, buf: _Buffers, dtype, m: int | None):
-    """``call(x, residual pointer) -> out`` for many rows: the weights dequantised per call into
-    a float32/bf16 (N, K) buffer (freed after it), multiplied by the GEMM family's kernel for
-    ``x @ B.T`` with runtime B (bf16: on AMX tiles where the CPU has them)."""
+    """``call(x, residual) -> out`` for many rows: the weights dequantised per call into a
+    float32/bf16 buffer, multiplied by the GEMM family's kernel for ``x @ B.T`` with runtime B
+    (bf16: on AMX tiles where the CPU has them). Large weights go by blocks of W rows
+    (``PREFILL_BLOCK`` bytes dequantised): a block stays in cache between its dequantisation
+    and its product, and the buffer is bounded whatever N (GPT-2's head whole was a 154 MB
+    float32 copy per call)."""
     n, k, dt = spec.n, spec.k, spec.dtype
     kk = k + (k % 2) if dt == "bf16" else k      # bf16 steps over k pairs
-    unpack = LowbitUnpackSpec(n, k, spec.bits, spec.group, spec.zero_point, dt, spec.lanes, kk,
-                              spec.rr)
-    un = entry(unpack, 4)
-    blk = blocking.choose(m, n, kk // 2 if dt == "bf16" else k, b_layout="nk", dtype=dt)
-    gspec = GemmSpec(m or 0, n, kk, 1, "nk", spec.bias, spec.epilogue, spec.residual,
-                     **blk.as_kwargs(), dtype=dt)
-    gemm = entry(gspec, 5, 1 if m else 2)
+    esize = 2 if dt == "bf16" else 4
+    step = math.lcm(spec.rr, 32)                 # whole int4 row blocks, whole GEMM panels
+    nb = n if n * kk * esize <= PREFILL_WHOLE else \
+        max(step, PREFILL_BLOCK // (kk * esize) // step * step)
+    blocks = [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
+    kernels, specs = {}, []
+    for width in dict.fromkeys(w for _, w in blocks):
+        unpack = LowbitUnpackSpec(width, k, spec.bits, spec.group, spec.zero_point, dt,
+                                  spec.lanes, kk, spec.rr)
+        blk = blocking.choose(m, width, kk // 2 if dt == "bf16" else k, b_layout="nk",
+                              dtype=dt)
+        gspec = GemmSpec(m or 0, width, kk, 1, "nk", spec.bias, spec.epilogue, spec.residual,
+                         **blk.as_kwargs(), dtype=dt)
+        kernels[width] = (entry(unpack, 4), entry(gspec, 5, 1 if m else 2))
+        specs += [unpack, gspec]
     w_p, s_p, z_p, b_p = buf.ptrs()
+    # bytes from one W row to the next in each operand (int4: rows of packed nibbles)
+    w_row = buf.w[:1].numel() * buf.w.element_size() if spec.bits == 4 else k
+    s_row, z_row = buf.scale.shape[1] * 4, buf.scale.shape[1]
     threads, empty = torch.get_num_threads, torch.empty
     pad = kk != k
+    whole = len(blocks) == 1
 
-    def call(x, r_ptr):
+    def call(x, r):
         rows = x.shape[0]
         out = empty(rows, n, dtype=dtype)
         if rows == 0:
             return out
-        weights = (torch.zeros if pad else empty)(n, kk, dtype=dtype)
-        un(w_p, s_p, z_p, weights.data_ptr(), threads())
         if pad:
             x = F.pad(x, (0, 1))
-        if m:
-            gemm(x.data_ptr(), weights.data_ptr(), b_p, r_ptr, out.data_ptr(), threads())
-        else:
-            gemm(x.data_ptr(), weights.data_ptr(), b_p, r_ptr, out.data_ptr(), rows, threads())
+        weights = (torch.zeros if pad else empty)(blocks[0][1], kk, dtype=dtype)
+        for n0, width in blocks:
+            un, gemm = kernels[width]
+            un(w_p + n0 * w_row, s_p + n0 * s_row, z_p and z_p + n0 * z_row,
+               weights.data_ptr(), threads())
+            if whole:
+                dst, res = out, r
+            else:  # a block of columns: made contiguous for the kernel, copied into out
+                dst = empty(rows, width, dtype=dtype)
+                res = None if r is None else r[:, n0:n0 + width].contiguous()
+            ptrs = (x.data_ptr(), weights.data_ptr(), b_p and b_p + n0 * 4,
+                    None if res is None else res.data_ptr(), dst.data_ptr())
+            if m:
+                gemm(*ptrs, threads())
+            else:
+                gemm(*ptrs, rows, threads())
+            if not whole:
+                out[:, n0:n0 + width] = dst
         return out
-    return call, [unpack, gspec]
+    return call, specs
 
 
 def _wrap(call, specs: list, buf: _Buffers, n: int, k: int, m: int | None, residual: bool,
           dtype):
-    """The factory's callable around ``call(x, residual pointer)``: input checks, profiler."""
+    """The factory's callable around ``call(x, residual)``: input checks, profiler."""
     symbol = specs[0].symbol
 
     def prepare(x):
@@ -293,11 +326,11 @@ def _wrap(call, specs: list, buf: _Buffers, n: int, k: int, m: int | None, resid
             raise ValueError(f"low-bit linear: built for {m} rows, got {tuple(x.shape)}")
         return x
 
-    def profiled(x, r_ptr):
+    def profiled(x, r):
         if _profiler_enabled():
             with record_function(symbol):
-                return call(x, r_ptr)
-        return call(x, r_ptr)
+                return call(x, r)
+        return call(x, r)
 
     if residual:
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
@@ -305,7 +338,7 @@ def _wrap(call, specs: list, buf: _Buffers, n: int, k: int, m: int | None, resid
             shape = (x.shape[0], n)
             if not (res.shape == shape and res.dtype == dtype and res.is_contiguous()):
                 res = checked(res, shape, "low-bit linear residual", dtype)
-            return profiled(x, res.data_ptr())
+            return profiled(x, res)
     else:
         def run(x: torch.Tensor) -> torch.Tensor:
             return profiled(prepare(x), None)

@@ -94,6 +94,29 @@ def test_epilogues_and_residual(epilogue, dtype):
         assert_close(fn(x, res), reference(lin, x, epilogue, res, dtype), dtype, epilogue)
 
 
+@pytest.mark.parametrize("fmt, dtype, k", [("int8-channel", torch.float32, 192),
+                                            ("int4-group64-asym", torch.float32, 192),
+                                            ("int8-channel", torch.bfloat16, 193),
+                                            ("int4-group32", torch.bfloat16, 224)])
+def test_prefill_in_blocks_of_weight_rows(fmt, dtype, k, monkeypatch):
+    """Weights too large to dequantise whole go by blocks of W rows (shrunk here to blocks of
+    64 or 96 rows and a tail): each block's scales, zero points, bias, residual columns and
+    output columns are its own; with an epilogue, specialised and generic over rows, odd K in
+    bf16."""
+    import kwker.kernels.linear_lowbit as lowbit
+    kk = k + k % 2 if dtype == torch.bfloat16 else k
+    monkeypatch.setattr(lowbit, "PREFILL_WHOLE", 0)
+    monkeypatch.setattr(lowbit, "PREFILL_BLOCK", 64 * kk * (2 if dtype == torch.bfloat16 else 4))
+    lin = quantized(fmt, 230, k, dtype)
+    rows = PREFILL_ROWS + 3
+    for m in (rows, None):
+        x, res = torch.randn(rows, k).to(dtype), torch.randn(rows, 230).to(dtype)
+        fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, "gelu", True, dtype)
+        tail, block = sorted(s.n for s in fn.specs if s.family == "lowbit_unpack")
+        assert block in (64, 96) and tail == 230 % block, fn.specs
+        assert_close(fn(x, res), reference(lin, x, "gelu", res, dtype), dtype, f"{fmt} {m}")
+
+
 @pytest.mark.parametrize("fmt", ["int8-group32", "int4-group64-asym", "int8-channel"])
 @pytest.mark.parametrize("rows", [1, 3, PREFILL_ROWS + 2])
 def test_nan_and_inf_activations(fmt, rows):
