@@ -18,9 +18,15 @@ import operator
 import torch
 from torch.fx import Node
 
+_aten = torch.ops.aten
 _FUNCS = {operator.mul, operator.add, operator.sub, operator.truediv, operator.pow,
           operator.neg, torch.mul, torch.add, torch.sub, torch.div, torch.pow, torch.tanh,
-          torch.erf, torch.neg, torch.special.erf}
+          torch.erf, torch.neg, torch.special.erf,
+          # the same in ATen ops, as torch.export writes them (a package's graph)
+          _aten.mul.Tensor, _aten.mul.Scalar, _aten.add.Tensor, _aten.add.Scalar,
+          _aten.sub.Tensor, _aten.sub.Scalar, _aten.rsub.Scalar, _aten.div.Tensor,
+          _aten.div.Scalar, _aten.pow.Tensor_Scalar, _aten.tanh.default, _aten.erf.default,
+          _aten.neg.default}
 _METHODS = {"mul", "add", "sub", "div", "pow", "tanh", "erf", "neg", "__mul__", "__add__",
             "__sub__", "__truediv__", "__pow__", "__rmul__", "__radd__", "__rsub__",
             "__rtruediv__", "__neg__"}

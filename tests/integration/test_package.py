@@ -322,3 +322,29 @@ def test_extra_target_strings(tmp_path):
         t["objects"] for t in targets)
     x = torch.randn(2, 16)
     assert_close(kwker.load_package(path)(x), model(x))
+
+
+def test_written_out_gelu_is_fused_in_a_package(tmp_path):
+    """GPT-2's GELU spelled in arithmetic (transformers' NewGELUActivation) reaches a package as
+    ATen ops; it is recognised there as under torch.compile and fused into the linear."""
+    import math
+
+    class NewGELUMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+        def forward(self, x):
+            h = self.up(x)
+            h = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) *
+                                            (h + 0.044715 * torch.pow(h, 3.0))))
+            return self.down(h)
+    torch.manual_seed(0)
+    model = NewGELUMLP().eval()
+    ep = _export(model, (torch.randn(3, 64),), ({0: torch.export.Dim("b", max=64)},))
+    path = kwker.package(ep, tmp_path / "gelu.kwk")
+    cases = [(torch.randn(b, 64),) for b in (1, 17)]
+    answers, info = serve(tmp_path, "run", path, cases)
+    assert sorted(info["names"]) == ["linear", "linear_gelu_tanh"] and not info["aten"], info
+    for (x,), (y,) in zip(cases, answers):
+        assert_close(y, model(x))
