@@ -40,6 +40,7 @@ PREFILL_ROWS = 16
 # of PREFILL_BLOCK bytes (Emerald Rapids, 128 rows, GPT-2's 50257 x 768 head: float32 109 ->
 # 47 ms, bf16 32 -> 17; blocks of 3072 x 768 were up to 15% slower than one copy in bf16)
 PREFILL_WHOLE, PREFILL_BLOCK = 16 << 20, 2 << 20
+PACK_ROWS = 256  # rows of int4 weights repacked at a time (see pack_int4)
 
 
 @dataclass(frozen=True)
@@ -146,19 +147,27 @@ def pack_int4(q: torch.Tensor, lanes: int, kp: int, rr: int) -> torch.Tensor:
     codegen/gemm_lowbit.py: per chunk of ``8 * lanes`` weights, weight ``j * lanes + l`` in
     nibble ``j`` of word ``l``; blocks of ``rr`` rows with their chunks interleaved. Padding past
     K and past N holds 8 (weight 0 before the zero point; the kernel's x padding is 0 anyway,
-    and padded rows are never stored)."""
+    and padded rows are never stored). Packed ``PACK_ROWS`` rows at a time: the int32
+    temporaries are 4 bytes a weight, and for a whole GPT-2 head (154 MB) the allocator kept
+    them as resident memory after the packing."""
     n, k = q.shape
     if int(q.min()) < -8 or int(q.max()) > 7:
         raise NotImplementedError("int4 weights outside [-8, 7]")
     rows = -(-n // rr) * rr
     chunks = kp // (8 * lanes)
-    u = torch.full((rows, kp), 8, dtype=torch.int32)
-    u[:n, :k] = q.to(torch.int32) + 8
-    u = u.view(rows, chunks, 8, lanes)                  # (row, chunk, nibble j, lane l)
-    words = torch.zeros(rows, chunks, lanes, dtype=torch.int32)
-    for j in range(8):
-        words |= u[:, :, j, :] << (4 * j)
-    return words.view(rows // rr, rr, chunks, lanes).transpose(1, 2).contiguous().view(rows, -1)
+    out = torch.empty(rows // rr, chunks, rr, lanes, dtype=torch.int32)
+    step = max(rr, PACK_ROWS // rr * rr)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        u = torch.full((r1 - r0, kp), 8, dtype=torch.int32)
+        if r0 < n:
+            u[:min(r1, n) - r0, :k] = q[r0:r1].to(torch.int32) + 8
+        u = u.view(r1 - r0, chunks, 8, lanes)             # (row, chunk, nibble j, lane l)
+        words = torch.zeros(r1 - r0, chunks, lanes, dtype=torch.int32)
+        for j in range(8):
+            words |= u[:, :, j, :] << (4 * j)
+        out[r0 // rr:r1 // rr] = words.view(-1, rr, chunks, lanes).transpose(1, 2)
+    return out.view(rows, -1)
 
 
 def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None = None,

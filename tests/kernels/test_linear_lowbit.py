@@ -160,3 +160,16 @@ def test_unsupported_formats_say_why():
         fn(torch.randn(3, 64))
     with pytest.raises(ValueError, match="expected shape"):
         fn(torch.randn(2, 65))
+
+
+@pytest.mark.parametrize("rr", [3, 4, 8])
+def test_int4_packing_by_row_blocks_equals_packing_whole(rr, monkeypatch):
+    """pack_int4 packs a few rows at a time (bounded temporaries): the same words as at once,
+    N not a multiple of the block, of rr, or of both."""
+    import kwker.kernels.linear_lowbit as lowbit
+    torch.manual_seed(3)
+    q = torch.randint(-8, 8, (101, 200), dtype=torch.int8)
+    monkeypatch.setattr(lowbit, "PACK_ROWS", 1 << 30)
+    whole = lowbit.pack_int4(q, 16, 256, rr)
+    monkeypatch.setattr(lowbit, "PACK_ROWS", 10)
+    assert torch.equal(lowbit.pack_int4(q, 16, 256, rr), whole)
