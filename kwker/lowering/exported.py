@@ -260,6 +260,7 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
     """(document, constant tensors by name) of an exported program, or ExportError naming what
     cannot be packaged."""
     from torch.export.graph_signature import InputKind, OutputKind
+    state_kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
     sig = ep.graph_signature
     bad = [o for o in sig.output_specs if o.kind != OutputKind.USER_OUTPUT]
     if bad:
@@ -271,7 +272,7 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
         if kwargs_spec.num_leaves:
             raise ExportError("export the program with positional inputs only (no kwargs)")
     ranges = _ranges(ep)
-    graph = _without_subclass_parts(ep)
+    graph = _without_subclass_parts(ep, state_kinds)
     inputs, consts, tensors = [], [], {}
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -294,9 +295,8 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
                     dims.append(size)
             inputs.append({"name": name, "dtype": dtype_name(val.dtype),
                            "device": val.device.type, "shape": dims})
-        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            source = ep.state_dict if spec.target in ep.state_dict else ep.constants
-            t = source[spec.target]
+        elif spec.kind in state_kinds:
+            t = _state(ep, spec)
             if is_quantized(t):
                 lowbit, parts = _lowbit_parts(name, t)
                 tensors.update(parts)
@@ -331,15 +331,16 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
     return doc, tensors
 
 
-def _without_subclass_parts(ep) -> Graph:
-    """The program's graph; with torchao weights, a copy whose uses of them are linears."""
-    from torch.export.graph_signature import InputKind
-    quantized = set()
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            source = ep.state_dict if spec.target in ep.state_dict else ep.constants
-            if is_quantized(source.get(spec.target)):
-                quantized.add(spec.arg.name)
+def _state(ep, spec):
+    """The parameter, buffer or constant tensor an input spec names."""
+    return (ep.state_dict if spec.target in ep.state_dict else ep.constants)[spec.target]
+
+
+def _without_subclass_parts(ep, state_kinds: tuple) -> Graph:
+    """The program's graph; with torchao weights, a copy whose uses of them are linears
+    (``state_kinds``: the input kinds of parameters, buffers and constants)."""
+    quantized = {spec.arg.name for spec in ep.graph_signature.input_specs
+                 if spec.kind in state_kinds and is_quantized(_state(ep, spec))}
     graph = ep.graph_module.graph
     if not quantized:
         return graph

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
-ACCESS = torch.ops.export.access_subclass_inner_tensor.default
 aten = torch.ops.aten
 CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default}
 RESHAPES = {aten.flatten.using_ints, aten.reshape.default, aten.view.default}
@@ -49,7 +48,10 @@ def _source(n, through=CASTS) -> tuple[object, int]:
 
 def _part(n, params: set, name: str) -> Node | None:
     """The quantised parameter whose part ``name`` node ``n`` reads, else None."""
-    if _is_call(n, {ACCESS}) and n.args[0] in params and n.args[1] == name:
+    # looked up here, not at import: torch.export defines the op (loading a package never
+    # gets this far, and never needs torch.export)
+    access = torch.ops.export.access_subclass_inner_tensor.default
+    if _is_call(n, {access}) and n.args[0] in params and n.args[1] == name:
         return n.args[0]
     return None
 
