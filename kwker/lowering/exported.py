@@ -272,11 +272,11 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
         if kwargs_spec.num_leaves:
             raise ExportError("export the program with positional inputs only (no kwargs)")
     ranges = _ranges(ep)
-    graph = _without_subclass_parts(ep, state_kinds)
+    graph, placeholders = _without_subclass_parts(ep, state_kinds)
     inputs, consts, tensors = [], [], {}
     for spec in sig.input_specs:
-        name = spec.arg.name
-        node = next(n for n in graph.nodes if n.op == "placeholder" and n.name == name)
+        node = placeholders[spec.arg.name]
+        name = node.name
         if spec.kind == InputKind.USER_INPUT:
             val = node.meta.get("val")
             if not isinstance(val, torch.Tensor):
@@ -336,21 +336,25 @@ def _state(ep, spec):
     return (ep.state_dict if spec.target in ep.state_dict else ep.constants)[spec.target]
 
 
-def _without_subclass_parts(ep, state_kinds: tuple) -> Graph:
-    """The program's graph; with torchao weights, a copy whose uses of them are linears
-    (``state_kinds``: the input kinds of parameters, buffers and constants)."""
+def _without_subclass_parts(ep, state_kinds: tuple) -> tuple[Graph, dict]:
+    """(the program's graph, its placeholders by the signature's names); with torchao weights,
+    a copy whose uses of them are linears (``state_kinds``: the input kinds of parameters,
+    buffers and constants). The copy may rename a placeholder (``input``, a builtin's name,
+    becomes ``input_1``): the document takes the copy's names."""
+    graph = ep.graph_module.graph
+    original = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     quantized = {spec.arg.name for spec in ep.graph_signature.input_specs
                  if spec.kind in state_kinds and is_quantized(_state(ep, spec))}
-    graph = ep.graph_module.graph
     if not quantized:
-        return graph
-    copy = Graph()
-    copy.output(copy.graph_copy(graph, {}))
+        return graph, original
+    copy, copied = Graph(), {}
+    copy.output(copy.graph_copy(graph, copied))
+    placeholders = {name: copied[n] for name, n in original.items()}
     try:
-        desugar(copy, quantized)
+        desugar(copy, {placeholders[name].name for name in quantized})
     except LowbitExportError as e:
         raise ExportError(str(e)) from None
-    return copy
+    return copy, placeholders
 
 
 def _lowbit_parts(name: str, t) -> tuple[dict, dict]:

@@ -211,3 +211,30 @@ def test_a_quantized_weight_used_outside_a_linear_is_refused_at_package_time(tmp
                                           "linear's weight"):
         kwker.package(ep, tmp_path / "uses.kwk")
     assert not (tmp_path / "uses.kwk").exists()
+
+
+def test_quantized_sequential_packaged_for_another_cpu(tmp_path):
+    """An ``nn.Sequential`` (its input placeholder is named ``input``, which a graph copy renames)
+    quantised by torchao, packaged for another CPU too: served there (KWKER_CPU) from the
+    package's own object code, nothing compiled, without torchao."""
+    import kwker
+    from .test_package import OTHER_CPU, serve
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64)).eval()
+    reference = copy.deepcopy(model)
+    quantize_(model, CONFIGS["int8"]())
+    with torch.no_grad():
+        for q, r in zip(model.modules(), reference.modules()):
+            if isinstance(q, torch.nn.Linear):
+                r.weight.copy_(q.weight.dequantize().float())
+    ep = torch.export.export(model, (torch.randn(3, 128),),
+                             dynamic_shapes=({0: torch.export.Dim("b", max=64)},))
+    path = kwker.package(ep, tmp_path / "seq.kwk", targets=[OTHER_CPU])
+    cases = [(torch.randn(b, 128),) for b in (1, 20)]
+    answers, info = serve(tmp_path, "run", path, cases, env={"KWKER_CPU": OTHER_CPU})
+    assert not info["torchao"] and info["names"] == ["linear_gelu", "linear"], info
+    assert info["stats"]["misses"] == 0 and info["stats"]["packaged"] > 0, info
+    with torch.no_grad():
+        for (x,), (y,) in zip(cases, answers):
+            assert_contract(y, reference(x))
