@@ -110,25 +110,39 @@ def desugar(graph: Graph, quantized: set[str]) -> None:
         graph.erase_node(old)
         if product is not None:
             graph.erase_node(product)
-        if len(new.args) == 2:
-            _fold_bias(graph, new)
+        if len(new.args) == 2:   # torchao's Int8Tensor: a product of rows, reshaped back
+            _tidy_rows(graph, new)
     _drop_unused_parts(graph, params)
 
 
-def _fold_bias(graph: Graph, lin: Node) -> None:
-    """torchao's Int8Tensor adds the bias after reshaping the product back to the input's rank:
-    ``add_(reshape(linear(x, w)), bias)`` becomes ``reshape(linear(x, w, bias))``, so the bias
-    is the kernel's epilogue (and an activation after it fuses too)."""
+def _tidy_rows(graph: Graph, lin: Node) -> None:
+    """torchao's Int8Tensor multiplies rows and reshapes the product back to the input's rank,
+    then adds the bias (if any) and casts to the dtype it has: ``to(add_(reshape(linear(
+    reshape(x, (-1, K)), w)), bias))`` becomes ``linear(x, w, bias)``, so the bias is the
+    kernel's epilogue and an activation or residual after it fuses too."""
     users = list(lin.users)
     if len(users) != 1 or not _is_call(users[0], RESHAPES) or users[0].args[0] is not lin:
         return
-    shaped = users[0]
+    shaped, out = users[0], lin.meta.get("val")
+    _fold_bias(graph, lin, shaped, out)
+    for user in list(shaped.users):   # the cast to the dtype it has, and the assert on that
+        if _is_call(user, ASSERTS):
+            graph.erase_node(user)
+        elif _is_call(user, {aten.to.dtype}) and isinstance(out, torch.Tensor) and \
+                user.args[1:] == (out.dtype,) and not user.kwargs:
+            user.replace_all_uses_with(shaped)
+            graph.erase_node(user)
+    _unflatten(graph, lin, shaped)
+
+
+def _fold_bias(graph: Graph, lin: Node, shaped: Node, out) -> None:
+    """``add_(shaped, bias)`` of a 1-D parameter of the output's width into ``lin``."""
     adds = list(shaped.users)
     if len(adds) != 1 or not _is_call(adds[0], {aten.add_.Tensor, aten.add.Tensor}) or \
             adds[0].args[0] is not shaped or adds[0].kwargs:
         return
     bias = adds[0].args[1]
-    val, out = getattr(bias, "meta", {}).get("val"), lin.meta.get("val")
+    val = getattr(bias, "meta", {}).get("val")
     if not (isinstance(bias, Node) and bias.op == "placeholder" and
             isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and
             val.dim() == 1 and val.shape[0] == out.shape[-1] and val.dtype == out.dtype):
@@ -136,15 +150,6 @@ def _fold_bias(graph: Graph, lin: Node) -> None:
     lin.args = (*lin.args, bias)
     adds[0].replace_all_uses_with(shaped)
     graph.erase_node(adds[0])
-    # then its cast to the dtype it has (and the assert on that): gone, so a GELU after fuses
-    for user in list(shaped.users):
-        if _is_call(user, ASSERTS):
-            graph.erase_node(user)
-        elif _is_call(user, {aten.to.dtype}) and user.args[1:] == (out.dtype,) and \
-                not user.kwargs:
-            user.replace_all_uses_with(shaped)
-            graph.erase_node(user)
-    _unflatten(graph, lin, shaped)
 
 
 def _unflatten(graph: Graph, lin: Node, shaped: Node) -> None:
