@@ -154,8 +154,10 @@ def _only_user(n: Node):
     return next(iter(n.users)) if len(n.users) == 1 else None
 
 
-_MUL = ((operator.mul, torch.mul), ("mul", "__mul__", "__rmul__"))
-_ADD = ((operator.add, torch.add), ("add", "__add__", "__radd__"))
+# each with its ATen op, as torch.export writes them (a package's graph)
+_MUL = ((operator.mul, torch.mul, _aten.mul.Tensor), ("mul", "__mul__", "__rmul__"))
+_ADD = ((operator.add, torch.add, _aten.add.Tensor), ("add", "__add__", "__radd__"))
+_CASTS = ((_aten.to.dtype, _aten._to_copy.default), ("to",))
 
 
 def rms_norm_at(r: Node) -> tuple | None:
@@ -163,34 +165,40 @@ def rms_norm_at(r: Node) -> tuple | None:
     form: ``h = x.to(float32); h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)``, then
     ``.to(x.dtype)`` and ``weight * ...``): (x, the weight node or None, eps, covered nodes in
     graph order, the output node), or None."""
-    if not _is(r, (torch.rsqrt,), ("rsqrt",)) or len(r.args) != 1:
+    if not _is(r, (torch.rsqrt, _aten.rsqrt.default), ("rsqrt",)) or len(r.args) != 1:
         return None
     a = r.args[0]
     if not _is(a, *_ADD) or len(a.users) != 1:
         return None
-    v = next((x for x in a.args[:2] if _is(x, (torch.mean,), ("mean",))), None)
+    v = next((x for x in a.args[:2] if _is(x, (torch.mean, _aten.mean.dim), ("mean",))),
+             None)
     eps = _other(a, v) if v is not None else None
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or len(v.users) != 1:
         return None
-    dims = v.args[1:] or (v.kwargs.get("dim"),)
-    if tuple(dims) not in ((-1,), ([-1],), ((-1,),)) or v.kwargs.get("keepdim") is not True:
+    dim = v.args[1] if len(v.args) > 1 else v.kwargs.get("dim")
+    keepdim = v.args[2] if len(v.args) > 2 else v.kwargs.get("keepdim")
+    if dim not in (-1, [-1], (-1,)) or keepdim is not True:
         return None
     p = v.args[0]
-    if _is(p, (torch.pow,), ("pow", "__pow__")) and len(p.args) == 2 and p.args[1] == 2 or _is(p, *_MUL) and len(p.args) == 2 and p.args[0] is p.args[1]:
+    if _is(p, (torch.pow, _aten.pow.Tensor_Scalar), ("pow", "__pow__")) and \
+            len(p.args) == 2 and p.args[1] == 2 or \
+            _is(p, *_MUL) and len(p.args) == 2 and p.args[0] is p.args[1]:
         h = p.args[0]
     else:
         return None
     y = _only_user(r)
-    if y is None or len(p.users) != 1 or not _is(y, *_MUL) or _other(y, r) is not h or \
-            set(h.users) != {p, y}:
+    if y is None or len(p.users) != 1 or not _is(y, *_MUL) or _other(y, r) is not h:
         return None
     covers, x = [p, v, a, r, y], h
-    if _is(h, (), ("to", "float")) and len(h.args) in (1, 2) and not h.kwargs:
+    if _is(h, _CASTS[0], ("to", "float")) and len(h.args) in (1, 2) and not h.kwargs and \
+            set(h.users) == {p, y}:
         covers.insert(0, h)
         x = h.args[0]
+    # else the norm reads h as it is (torch.export drops a cast to the dtype x has, and x is
+    # the residual stream, read again after the norm)
     out, weight = y, None
     cast = _only_user(out)
-    if cast is not None and _is(cast, (), ("to",)) and len(cast.args) == 2 and not cast.kwargs:
+    if cast is not None and _is(cast, *_CASTS) and len(cast.args) == 2 and not cast.kwargs:
         covers.append(cast)
         out = cast
     m = _only_user(out)

@@ -348,3 +348,31 @@ def test_written_out_gelu_is_fused_in_a_package(tmp_path):
     assert sorted(info["names"]) == ["linear", "linear_gelu_tanh"] and not info["aten"], info
     for (x,), (y,) in zip(cases, answers):
         assert_close(y, model(x))
+
+
+def test_llama_style_norm_and_swiglu_are_kernels_in_a_package(tmp_path):
+    """transformers' written-out RMSNorm (its input cast elided by torch.export when it has the
+    dtype already, the input read again for the residual) and SwiGLU's silu(gate) * up reach a
+    package as ATen ops and are Kwker kernels there, as under torch.compile."""
+    class Block(torch.nn.Module):
+        def __init__(self, d=64, hidden=160):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(d) + 0.5)
+            self.gate = torch.nn.Linear(d, hidden, bias=False)
+            self.up = torch.nn.Linear(d, hidden, bias=False)
+            self.down = torch.nn.Linear(hidden, d, bias=False)
+
+        def forward(self, x):
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            h = self.weight * h.to(x.dtype)
+            return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+    torch.manual_seed(0)
+    model = Block().eval()
+    ep = _export(model, (torch.randn(2, 7, 64),), ({1: torch.export.Dim("s", max=128)},))
+    path = kwker.package(ep, tmp_path / "block.kwk")
+    cases = [(torch.randn(2, n, 64),) for n in (1, 33)]
+    answers, info = serve(tmp_path, "run", path, cases)
+    assert {"rms_norm", "silu_mul"} <= set(info["names"]), info
+    for (x,), (y,) in zip(cases, answers):
+        assert_close(y, model(x))
