@@ -52,11 +52,16 @@ def quantized_mlp(config: str, dtype=torch.float32):
     model = MLP().eval().to(dtype)
     reference = copy.deepcopy(model)
     quantize_(model, CONFIGS[config]())
-    with torch.no_grad():  # the float model with torchao's dequantised weights
-        for q, r in zip(model.modules(), reference.modules()):
+    return model, dequantized_copy(model, reference).float()
+
+
+def dequantized_copy(quantized, reference):
+    """``reference`` (the model before quantisation) with torchao's dequantised weights."""
+    with torch.no_grad():
+        for q, r in zip(quantized.modules(), reference.modules()):
             if isinstance(q, torch.nn.Linear):
                 r.weight.copy_(q.weight.dequantize().float())
-    return model, reference.float()
+    return reference
 
 
 def assert_contract(got, reference):
@@ -225,10 +230,7 @@ def test_quantized_sequential_packaged_for_another_cpu(tmp_path):
                                 torch.nn.Linear(256, 64)).eval()
     reference = copy.deepcopy(model)
     quantize_(model, CONFIGS["int8"]())
-    with torch.no_grad():
-        for q, r in zip(model.modules(), reference.modules()):
-            if isinstance(q, torch.nn.Linear):
-                r.weight.copy_(q.weight.dequantize().float())
+    dequantized_copy(model, reference)
     ep = torch.export.export(model, (torch.randn(3, 128),),
                              dynamic_shapes=({0: torch.export.Dim("b", max=64)},))
     path = kwker.package(ep, tmp_path / "seq.kwk", targets=[OTHER_CPU])
