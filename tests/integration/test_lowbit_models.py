@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kwker
 import kwker.dynamo as kd
+from kwker.lowering.exported import ExportError
 
 from .models import (
     assert_bf16_contract,
@@ -19,6 +21,7 @@ from .models import (
     kernels,
     max_error,
 )
+from .test_package import OTHER_CPU, serve
 
 torchao = pytest.importorskip("torchao")
 from torchao.quantization import (
@@ -175,8 +178,6 @@ def test_packages_of_quantized_models(dtype, tmp_path):
     kernel in the loaded package (bias and GELU fused, nothing left on ATen), the package loads
     and runs in a process that never imports torchao, over dynamic rows, within the contract
     against the float model with torchao's dequantised weights."""
-    import kwker
-    from .test_package import serve
     rows = torch.export.Dim("rows", min=1, max=64)
     cases = [(torch.randn(b, 5, 256).to(dtype),) for b in (1, 3, 64)]
     for config in CONFIGS:
@@ -199,8 +200,6 @@ def test_packages_of_quantized_models(dtype, tmp_path):
 
 
 def test_a_quantized_weight_used_outside_a_linear_is_refused_at_package_time(tmp_path):
-    import kwker
-    from kwker.lowering.exported import ExportError
 
     class Uses(torch.nn.Module):
         def __init__(self):
@@ -223,8 +222,6 @@ def test_quantized_sequential_packaged_for_another_cpu(tmp_path):
     quantised by torchao, packaged for another CPU too: served there (KWKER_CPU) from the
     package's own object code, nothing compiled, without torchao. Its first linear has no bias
     (torchao's Int8Tensor then reshapes the product with no add between: GELU still fuses)."""
-    import kwker
-    from .test_package import OTHER_CPU, serve
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.GELU(),
                                 torch.nn.Linear(256, 64)).eval()
