@@ -420,10 +420,10 @@ class _Emitter:
         with f.for_range(0, rows, name="sr") as r:
             i = b.add(i0, r)
             row = simd.gep(b, sbuf, b.mul(r, const(i64, self.ld_s)))
-            full = b.mul(b.sdiv(kv, const(i64, L)), const(i64, L))
-            tail = b.sub(kv, full)
-            live_of = None
-            if s.causal:  # keys j0 + col <= i are visible
+            if not s.causal:
+                full = b.mul(b.sdiv(kv, const(i64, L)), const(i64, L))
+                tail, live_of = b.sub(kv, full), None
+            else:  # keys j0 + col <= i are visible
                 # Every row runs over the block's keys (one loop count for all its rows; a count
                 # per row mispredicted the loop exits on most rows: (8,8,128,32) bf16 ran 1.5x
                 # slower causal than not); keys past the row's diagonal load as -inf, so p = 0.

@@ -283,26 +283,6 @@ def activation(b: ir.IRBuilder, name: str, x, bf16: bool = False):
     raise ValueError(f"unknown activation {name!r}")
 
 
-EXP_P4 = (0.0013933662557974458, 0.008363175205886364, 0.041666463017463684,
-          0.16666576266288757, 0.5)
-
-
-def exp_softmax(b: ir.IRBuilder, x, avx512: bool):
-    """e**x for softmax inputs (x <= 0 or -inf; NaN propagates), <= 2 ulp, results below
-    FLT_MIN may flush to 0. About 13 vector ops: degree-6 polynomial, and on AVX-512 the scale by
-    2**n is one ``vscalefps`` (exact, handles the denormal range)."""
-    ty = x.type
-    xc = b.select(b.fcmp_ordered("<", x, splat(ty, -104.0)), splat(ty, -104.0), x)
-    n = unary(b, "rint", b.fmul(xc, splat(ty, 1.4426950408889634)))
-    r = fma(b, n, splat(ty, -LN2_HI), xc)
-    r = fma(b, n, splat(ty, -LN2_LO), r)
-    p = b.fadd(splat(ty, 1.0), fma(b, horner(b, EXP_P4, r), b.fmul(r, r), r))
-    if _has_scalef(ty, avx512):
-        return _scale_pow2(b, p, n, avx512)
-    return b.select(b.fcmp_ordered("<", x, splat(ty, -87.33654022216797)), splat(ty, 0.0),
-                    _scale_pow2(b, p, n, avx512))
-
-
 def _has_scalef(ty, avx512: bool) -> bool:
     return avx512 and isinstance(ty, ir.VectorType) and ty.count == 16
 

@@ -287,8 +287,8 @@ def _prefill(spec: LowbitGemmSpec, buf: _Buffers, dtype, m: int | None):
         specs += [unpack, gspec]
     w_p, s_p, z_p, b_p = buf.ptrs()
     # bytes from one W row to the next in each operand (int4: rows of packed nibbles)
-    w_row = buf.w[:1].numel() * buf.w.element_size() if spec.bits == 4 else k
-    s_row, z_row = buf.scale.shape[1] * 4, buf.scale.shape[1]
+    w_row, s_row = (t.stride(0) * t.element_size() for t in (buf.w, buf.scale))
+    z_row = buf.zp.stride(0) if buf.zp is not None else 0
     threads, empty = torch.get_num_threads, torch.empty
     pad = kk != k
     whole = len(blocks) == 1

@@ -65,7 +65,7 @@ def _dequantised(n, params: set) -> Node | None:
     return None
 
 
-def _weight_of(n: Node, params: set) -> tuple[Node, Node, Node | None] | None:
+def _weight_of(n: Node, params: set) -> tuple[Node, Node, Node] | None:
     """(node replaced, x, parameter) when ``n`` computes ``x @ deq(parameter).T``."""
     if n.target == aten.linear.default:
         src, flips = _source(n.args[1])
@@ -95,8 +95,8 @@ def desugar(graph: Graph, quantized: set[str]) -> None:
     if not params:
         return
     for n in list(graph.nodes):
-        if n.op != "call_function" or n.graph is None:
-            continue
+        if n.op != "call_function" or n._erased:  # erased by an earlier rewrite: a product
+            continue                                 # it scaled, reshapes around rows
         found = _weight_of(n, params)
         if found is None:
             continue
