@@ -14,7 +14,7 @@ Weights, by ``bits``:
   ``8 * lanes`` weights in ``lanes`` 32-bit words, weight ``k = chunk * 8L + j * L + l`` in
   nibble ``j`` of word ``l`` as ``u = q + 8``; K padded to whole chunks and groups with ``u = 8``;
   the chunks of a block of ``rr`` rows interleaved (chunk 0 of each row, then chunk 1...), so a
-  thread reads its rows as one sequential stream, which the hardware prefetchers follow. A
+  thread reads its rows as one sequential stream, prefetched ``AHEAD`` bytes ahead. A
   nibble becomes its weight through a 16-entry table per row and group,
   ``table[u] = (u - 8 - zp) * scale``, looked up with one ``vpermps`` (AVX-512: the index is
   the word's low 4 bits, so a shift exposes each nibble); on AVX2 the nibble is masked,
@@ -59,6 +59,7 @@ from .irutil import (
 
 GRAIN = 1 << 16     # weights per thread before a second thread pays for its fork (~2 us)
 LINE = 64           # bytes
+AHEAD = 4096        # bytes of int4 weights a thread's reads are prefetched ahead
 
 
 def chunk(bits: int, lanes: int) -> int:
@@ -247,6 +248,7 @@ class _Tile:
             at = b.mul(ci, const(i64, stride))
             vals = [b.load(simd.gep(b, w, b.add(at, const(i64, r * L)), i32), typ=it, align=4)
                     for r in range(rr)]
+            self._prefetch_int4(f, w, scale, ci, stride * 4)
             k0 = b.mul(ci, const(i64, c))
             for j in range(8):
                 if (j * L) % s.group == 0:
@@ -261,6 +263,20 @@ class _Tile:
                                            L)
                         total[i][r].set(vmath.fma(b, xv, wv, total[i][r].get()))
         self._store_sums(f, total, sums, mr, rr)
+
+    def _prefetch_int4(self, f: Fn, w, scale, ci, chunk_bytes: int) -> None:
+        """Ask for the weights and scales ``AHEAD`` bytes of weights past chunk ``ci`` of the
+        block. The thread's blocks are one sequential stream, but the hardware prefetchers alone
+        left its reads waiting on memory: GPT-2's 49 int4 linears (groups of 32, Emerald
+        Rapids, 2 threads) 6.1-6.6 -> 3.7-3.8 ms, in the same process."""
+        b, s = f.b, self.s
+        wat = b.add(b.mul(ci, const(i64, chunk_bytes)), const(i64, AHEAD))
+        for line in range(0, chunk_bytes, LINE):
+            _prefetch(f, simd.gep(b, w, b.add(wat, const(i64, line)), i8))
+        scale_bytes = chunk_bytes * 2 // s.group * 4     # the chunk's scales (4 B per group)
+        sat = b.add(b.mul(ci, const(i64, scale_bytes)), const(i64, AHEAD * 8 // s.group))
+        for line in range(0, scale_bytes, LINE):
+            _prefetch(f, simd.gep(b, scale, b.add(sat, const(i64, line)), i8))
 
     def _store_sums(self, f: Fn, total, sums, mr: int, rr: int) -> None:
         b = f.b
