@@ -21,8 +21,10 @@ Weights, by ``bits``:
   converted and scaled. The weight is then exactly torchao's float32 dequantised value.
 
 Both forms cost three vector instructions per 16 weights (widen or shift, convert or look up,
-FMA): about 40 G weights/s on 2 Emerald Rapids cores, so int8 runs near the memory's streaming
-rate and int4 is bound by those instructions, not by its halved bytes.
+FMA), and are bound by them where the weights come from cache (Emerald Rapids, 2 threads, 1024 x
+1024 warm: int8 29 G weights/s). With ``spec.vnni`` (int8 per output channel on a CPU with
+AVX512_VNNI) the int8 form runs instead on ``vpdpbusd`` over x split into byte planes,
+3 instructions per 64 weights and exact to float32 (gemm_lowbit_vnni.py): 40 G weights/s there.
 
 ``scale`` is float32 (N, groups) and ``zp`` int8 (N, groups) (read only with
 ``zero_point=True``; int4 groups padded as the weights are).
@@ -35,13 +37,14 @@ across lanes into a float32 scratch row, then the epilogue runs as vectors over 
 columns: ``act(sum + bias) + residual``, rounded once to bf16 for a bf16 model.
 
 ABI: ``sym(x, w, scale, zp, bias, res, out[, rows], nthreads)``; ``bias``, ``res``, ``zp`` may be
-null when the spec says they are absent.
+null when the spec says they are absent; with ``spec.vnni``, ``zp`` holds the W rows' sums of q
+(int32).
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from . import bf16, omp, simd, vmath
+from . import bf16, gemm_lowbit_vnni, omp, simd, vmath
 from .irutil import (
     Fn,
     aligned_malloc,
@@ -90,6 +93,9 @@ def _check(spec, lanes: int) -> None:
         raise ValueError(f"kwker gemm_lowbit: int8 group {g} is not whole vectors of {lanes}")
     if spec.bits == 4 and not (g % lanes == 0 and (c % g == 0 or g % c == 0)):
         raise ValueError(f"kwker gemm_lowbit: int4 group {g} does not tile chunks of {c}")
+    if getattr(spec, "vnni", False) and not gemm_lowbit_vnni.usable(spec, lanes):
+        raise ValueError(f"kwker gemm_lowbit: the vpdpbusd path takes int8 per output channel, "
+                         f"no zero points, K <= {gemm_lowbit_vnni.MAX_K} ({spec})")
 
 
 def _prefetch(f: Fn, addr) -> None:
@@ -116,6 +122,8 @@ class _Tile:
         """``tile(xbuf, w_rows, scale_rows, zp_rows, sums)``: ``sums[i * rr + r]`` = the dot of
         x row ``i`` with dequantised W row ``r`` (float32 scalars)."""
         key = (mr, rr)
+        if key not in self._made and mr == "vnni":
+            self._made[key] = gemm_lowbit_vnni.emit_tile(self.module, self.s, rr, _prefetch)
         if key not in self._made:
             f = Fn(self.module, f"{self.s.symbol}.tile{mr}x{rr}", void, [ptr] * 5,
                    ["x", "w", "scale", "zp", "sums"])
@@ -355,14 +363,24 @@ def emit(spec, target) -> ir.Module:
         sraw, sums = aligned_malloc(body, b.mul(b.mul(rows, b.sub(n1, n0)), const(i64, 4)))
         tsums = body.array(f32, mr * rr, "tile_sums")
         _widen_x(body, spec, L, x, xbuf, rows, tiles.kp, tiles.xstride)
+        planes = heads = None
+        if spec.vnni:
+            praw, planes = aligned_malloc(body, b.mul(rows, const(
+                i64, gemm_lowbit_vnni.row_bytes(spec.k) + gemm_lowbit_vnni.HEAD)))
+            heads = simd.gep(b, planes, b.mul(rows, const(i64, gemm_lowbit_vnni.row_bytes(
+                spec.k))), i8)
+            gemm_lowbit_vnni.emit_planes(body, spec.k, spec.dtype, x, planes, heads, rows)
         wrow = tiles.kp if spec.bits == 8 else tiles.kp // 2     # bytes a W row
         with body.for_range(begin, end, name="blk") as blk:
             r0 = b.mul(blk, const(i64, rr))
-            _block(body, spec, tiles, xbuf, w, scale, zp, sums, tsums, rows, r0, n0, n1, wrow)
+            _block(body, spec, tiles, xbuf, (planes, heads), w, scale, zp, sums, tsums, rows,
+                   r0, n0, n1, wrow)
         _epilogue(body, spec, L, sums, rows, n0, n1, bias, res, out)
         free = intrinsic(module, "free", void, [ptr])
         b.call(free, [xraw])
         b.call(free, [sraw])
+        if spec.vnni:
+            b.call(free, [praw])
     body.finish()
     args = [ptr] * 7 + ([] if spec.m else [i64])
     cap = max(1, n * spec.k // GRAIN)
@@ -370,9 +388,10 @@ def emit(spec, target) -> ir.Module:
     return module
 
 
-def _block(f: Fn, spec, tiles: _Tile, xbuf, w, scale, zp, sums, tsums, rows, r0, n0, n1,
-           wrow: int) -> None:
-    """W rows ``r0 .. r0 + rr`` (fewer in the last block) against every x row tile."""
+def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, rows, r0, n0,
+           n1, wrow: int) -> None:
+    """W rows ``r0 .. r0 + rr`` (fewer in the last block) against every x row tile (with
+    ``spec.vnni``: every x row, on its planes unless it must take the float path)."""
     b, rr, mr, n = f.b, spec.rr, spec.mr, spec.n
     wp = simd.gep(b, w, b.mul(r0, const(i64, wrow)), i8)
     sp = simd.gep(b, scale, b.mul(r0, const(i64, tiles.ng)))
@@ -380,10 +399,19 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, w, scale, zp, sums, tsums, rows, r0,
     width = b.sub(n1, n0)
     col = b.sub(r0, n0)
 
-    def run(rows_here: int, w_rows: int, i0):
-        fn = tiles.get(rows_here, w_rows)
-        xp = simd.gep(b, xbuf, b.mul(i0, const(i64, tiles.xstride)))
-        f.call(fn, xp, wp, sp, zpp, tsums)
+    def _planes_of(i):
+        """(planes, head) of x row ``i``."""
+        return (simd.gep(b, planes[0], b.mul(i, const(i64, gemm_lowbit_vnni.row_bytes(spec.k))),
+                         i8),
+                simd.gep(b, planes[1], b.mul(i, const(i64, gemm_lowbit_vnni.HEAD)), i8))
+
+    def run(rows_here: int, w_rows: int, i0, kind=None):
+        fn = tiles.get(kind or rows_here, w_rows)
+        if kind:
+            f.call(fn, *_planes_of(i0), wp, sp, simd.gep(b, zp, r0, i32), tsums)
+        else:
+            xp = simd.gep(b, xbuf, b.mul(i0, const(i64, tiles.xstride)))
+            f.call(fn, xp, wp, sp, zpp, tsums)
         for i in range(rows_here):
             dst = b.add(b.mul(b.add(i0, const(i64, i)), width), col)
             for r in range(w_rows):
@@ -391,6 +419,15 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, w, scale, zp, sums, tsums, rows, r0,
                 simd.store_scalar(b, v, sums, b.add(dst, const(i64, r)))
 
     def by_rows(w_rows: int):
+        if spec.vnni:
+            with f.for_range(0, rows, name="xi") as i:
+                ready = gemm_lowbit_vnni.is_ready(b, _planes_of(i)[1])
+                with f.if_else(ready, likely=True) as (ints, floats):
+                    with ints:
+                        run(1, w_rows, i, "vnni")
+                    with floats:
+                        run(1, w_rows, i)
+            return
         full = b.udiv(rows, const(i64, mr))
         with f.for_range(0, full, name="xt") as t:
             run(mr, w_rows, b.mul(t, const(i64, mr)))

@@ -17,12 +17,12 @@ once, at half the bytes of torchao's int8 copy, into the layout of codegen/gemm_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from ..codegen import gemm_lowbit, simd
+from ..codegen import gemm_lowbit, gemm_lowbit_vnni, simd
 from ..runtime.target import host_target
 from . import blocking
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function
@@ -193,6 +193,8 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     spec = LowbitGemmSpec(m or 0, n, k, lw.bits, group, lw.zero_point is not None,
                           bias is not None, epilogue, residual, dt, lanes, rows,
                           ROWS_PER_BLOCK[rows])
+    if _vnni(spec, lanes):  # one x row at a time, 3 accumulators a W row
+        spec = replace(spec, vnni=True, mr=1, rr=ROWS_PER_BLOCK[1])
     try:
         gemm_lowbit._check(spec, lanes)
     except ValueError as e:
@@ -211,6 +213,8 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     bias_c = None
     if bias is not None:  # bf16: rounded as the model holds it, added in float32
         bias_c = bias.detach().to(dtype).float().contiguous()
+    if spec.vnni:  # the row sums of q, in the zero points' place (gemm_lowbit_vnni)
+        zp = lw.qdata.sum(1, dtype=torch.int32)
     buffers = _Buffers(w, scale, zp, bias_c)
     if m is not None and m < PREFILL_ROWS:
         return _wrap(_gemv(spec, buffers, dtype), [spec], buffers, n, k, m, residual, dtype)
@@ -224,13 +228,19 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     return _wrap(either, [spec] + specs, buffers, n, k, m, residual, dtype)
 
 
+def _vnni(spec: LowbitGemmSpec, lanes: int) -> bool:
+    """Whether the decode kernel takes int8 weights on ``vpdpbusd`` (where the CPU has
+    AVX512_VNNI: 3/64 of an instruction a weight instead of 3/16)."""
+    return host_target().has("avx512vnni") and gemm_lowbit_vnni.usable(spec, lanes)
+
+
 @dataclass
 class _Buffers:
     """What the kernels read besides x: the weights (int8: torchao's qdata), scales, zero
     points and bias; held by the callable for as long as it lives."""
     w: torch.Tensor
     scale: torch.Tensor
-    zp: torch.Tensor | None
+    zp: torch.Tensor | None          # zero points; with ``spec.vnni``, the row sums of q
     bias: torch.Tensor | None
 
     def ptrs(self) -> tuple:
@@ -288,7 +298,9 @@ def _prefill(spec: LowbitGemmSpec, buf: _Buffers, dtype, m: int | None):
     w_p, s_p, z_p, b_p = buf.ptrs()
     # bytes from one W row to the next in each operand (int4: rows of packed nibbles)
     w_row, s_row = (t.stride(0) * t.element_size() for t in (buf.w, buf.scale))
-    z_row = buf.zp.stride(0) if buf.zp is not None else 0
+    if not spec.zero_point:  # (a vnni decode kernel's row sums sit in zp's place)
+        z_p = None
+    z_row = buf.zp.stride(0) if z_p else 0
     threads, empty = torch.get_num_threads, torch.empty
     pad = kk != k
     whole = len(blocks) == 1

@@ -173,3 +173,54 @@ def test_int4_packing_by_row_blocks_equals_packing_whole(rr, monkeypatch):
     whole = lowbit.pack_int4(q, 16, 256, rr)
     monkeypatch.setattr(lowbit, "PACK_ROWS", 10)
     assert torch.equal(lowbit.pack_int4(q, 16, 256, rr), whole)
+
+
+def _vnni_host() -> bool:
+    from kwker.runtime.target import host_target
+    return host_target().has("avx512vnni")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("k", [64, 70, 200, 777])
+def test_int8_channel_on_vpdpbusd_and_float_paths(dtype, k, monkeypatch):
+    """int8 per output channel takes vpdpbusd over x's byte planes where the CPU has
+    AVX512_VNNI, else the float path (forced here too): both agree with the reference on rows
+    the planes take (ordinary, huge, a single nonzero) and on rows they hand to the float path
+    (all zeros, below 2**-100, non-finite), in one call; K whole steps of 64, a tail under one
+    vector, odd."""
+    import kwker.kernels.linear_lowbit as lowbit
+    lin = quantized("int8-channel", 45, k, dtype)
+    lin.bias.data.zero_()    # each row's error is then against that row's own scale
+    rows = [torch.randn(k), torch.randn(k) * 1e30, torch.zeros(k), torch.randn(k) * 1e-36,
+            torch.randn(k).index_fill(0, torch.tensor([k - 1]), float("nan")),
+            torch.zeros(k).index_fill(0, torch.tensor([k - 1]), 3.0), torch.randn(k) - 40]
+    x = torch.stack(rows).to(dtype)
+    ref = reference(lin, x, dtype=dtype)
+    paths = {"float": False} if not _vnni_host() else {"vnni": True, "float": False}
+    for name, vnni in paths.items():
+        monkeypatch.setattr(lowbit, "_vnni", lambda spec, lanes, v=vnni: v and
+                            lowbit.gemm_lowbit_vnni.usable(spec, lanes))
+        for m in (1, len(rows), None):
+            fn = make_linear_lowbit(lin.weight, None, m, dtype=dtype)
+            assert fn.specs[0].vnni == vnni
+            y = torch.cat([fn(x[i:i + 1]) for i in range(len(rows))]) if m == 1 else fn(x)
+            assert torch.equal(y.isnan(), ref.isnan()), name
+            for i in range(len(rows)):
+                if i != 4:
+                    assert_close(y[i], ref[i], dtype, f"{name} m={m} row {i}")
+    if not _vnni_host():
+        pytest.skip("this CPU has no AVX512_VNNI: the float path alone ran")
+
+
+def test_int8_channel_vnni_kernel_holds_vpdpbusd():
+    """The vpdpbusd kernel compiles for a VNNI target whatever this host (its assembly)."""
+    import re
+
+    from kwker.kernels.specs import LowbitGemmSpec
+    from kwker.runtime.compiler import compile_assembly
+    from kwker.runtime.kernel import emit
+    from kwker.runtime.target import make_target
+    target = make_target("cascadelake", "")
+    spec = LowbitGemmSpec(1, 100, 300, 8, 300, bias=True, vnni=True)
+    _, asm = compile_assembly(str(emit(spec, target)), target)
+    assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm)

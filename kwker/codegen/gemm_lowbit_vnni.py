@@ -1,0 +1,182 @@
+"""int8 weights times float activations on ``vpdpbusd`` (AVX512_VNNI), exact to float32.
+
+The float schedule of gemm_lowbit.py spends three instructions on every 16 weights (widen,
+convert, FMA) and was bound by them, not by memory. Here an x row is instead written once per
+call as integers: ``x_int = rint(x * 2**(22 - E))`` with ``max|x| < 2**E``, so
+``|x_int| <= 2**22``, offset to ``u = x_int + 2**23`` in [0, 2**24) and split into three
+unsigned byte planes ``u = u0 + 2**8 u1 + 2**16 u2``. One ``vpdpbusd`` multiplies 64 bytes of
+a plane by 64 int8 weights (the weights as torchao holds them, signed), accumulating int32, so
+a weight costs 3/64 of an instruction. At the end of a W row the plane sums are combined in
+float64, exactly (|sum| < 2**49):
+
+    sum_k x_int[k] q[k] = S0 + 2**8 S1 + 2**16 S2 - 2**23 * sum_k q[k]
+
+(``sum_k q[k]``, the row sums, are computed once by the factory), then scaled by
+``2**(E - 22) * scale[n]`` and rounded once to float32. The only other rounding is x's to
+``2**(E - 23)``, 2**-23 of the row's largest |x|: below float32 accumulation error (the float
+path's). Rows whose x is not finite or is below ``2**-100`` (where the scale
+would leave float range) go through the float path, which gives ATen's inf and NaN.
+
+int32 lanes hold at most K * 255 * 128 summed over a plane, so K <= 2**16.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import bf16, simd
+from .irutil import Fn, const, f32, i8, i16, i32, i64, intrinsic, ptr
+
+MAX_K = 1 << 16
+HEAD = 16                # bytes a row's head: the float64 factor, then the i32 flag
+STEP = 64                # k per vpdpbusd (bytes of a 512-bit register)
+TINY = -100              # rows with max|x| below 2**TINY take the float path
+F64 = ir.DoubleType()
+I32x16 = ir.VectorType(i32, 16)
+
+
+def usable(spec, lanes: int) -> bool:
+    """Whether the spec is in this path's reach (the factory also asks the target for VNNI)."""
+    return (spec.bits == 8 and lanes == 16 and spec.group >= spec.k and not spec.zero_point
+            and spec.k <= MAX_K)
+
+
+def plane_stride(k: int) -> int:
+    """Bytes of one plane: K rounded up to whole steps."""
+    return -(-k // STEP) * STEP
+
+
+def row_bytes(k: int) -> int:
+    """Bytes of one x row's three planes (a (3 rows, ``plane_stride``) uint8 matrix)."""
+    return 3 * plane_stride(k)
+
+
+def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows) -> None:
+    """x rows (float32 or bf16, K a row) -> per row its head (the factor ``2**(E - 22)`` as
+    float64, then an i32 flag: 1 planes valid, 0 take the float path) and its planes ``u0, u1,
+    u2`` (``row_bytes`` apart; bytes, zero past K)."""
+    b = f.b
+    vt, it = simd.vty(16), simd.vty(16, i32)
+    stride, full = plane_stride(k), k // 16
+    elem = i16 if dtype == "bf16" else f32
+    with f.for_range(0, rows, name="pr") as r:
+        src = simd.gep(b, x, b.mul(r, const(i64, k)), elem)
+        row = simd.gep(b, planes, b.mul(r, const(i64, row_bytes(k))), i8)
+        head = simd.gep(b, heads, b.mul(r, const(i64, HEAD)), i8)
+        amax = f.var(vt, ir.Constant(vt, [0.0] * 16), "amax")
+        bad = f.var(ir.VectorType(ir.IntType(1), 16), ir.Constant(ir.VectorType(ir.IntType(1), 16),
+                                                                   [0] * 16), "bad")
+
+        def scan(v):
+            a = f.call_intrinsic("llvm.fabs.v16f32", vt, [v])
+            amax.set(f.call_intrinsic("llvm.maxnum.v16f32", vt, [amax.get(), a]))
+            # NaN and inf fail this ordered compare
+            bad.set(b.or_(bad.get(), b.fcmp_unordered(">=", a, simd.broadcast(
+                b, ir.Constant(f32, float("inf")), 16))))
+
+        def each_vector(body):
+            if full:
+                with f.for_range(0, full, name="pv") as v:
+                    at = b.mul(v, const(i64, 16))
+                    body(bf16.load_as(b, dtype, src, at, 16), at, 16)
+            if k % 16:
+                at = const(i64, full * 16)
+                body(bf16.load_as(b, dtype, src, at, 16, k % 16), at, k % 16)
+
+        each_vector(lambda v, at, n: scan(v))
+        top = simd.hmax(b, amax.get())
+        any_bad = f.call_intrinsic("llvm.vector.reduce.or.v16i1", ir.IntType(1), [bad.get()])
+        exp = b.sub(b.and_(b.lshr(b.bitcast(top, i32), const(i32, 23)), const(i32, 255)),
+                    const(i32, 126))                       # max|x| < 2**exp
+        ok = b.and_(b.not_(any_bad), b.icmp_signed(">=", exp, const(i32, TINY)))
+        b.store(b.zext(ok, i32), simd.gep(b, head, const(i64, 8), i8))
+        with f.if_(ok):
+            mult = b.bitcast(b.shl(b.sub(const(i32, 22 + 127), exp), const(i32, 23)), f32)
+            factor = b.bitcast(b.shl(b.zext(b.add(exp, const(i32, 1023 - 22)), i64),
+                                     const(i64, 52)), F64)
+            b.store(factor, head)
+            mv = simd.broadcast(b, mult, 16)
+            for p in range(3):   # zeros past K (the weights there are masked to 0 anyway)
+                with f.for_range(k // 16 * 16, stride, step=16, name="pz") as z:
+                    b.store(ir.Constant(ir.VectorType(i8, 16), [0] * 16),
+                            simd.gep(b, row, b.add(z, const(i64, p * stride)), i8),
+                            align=1)
+
+            def split(v, at, n):
+                xi = b.fptosi(f.call_intrinsic("llvm.rint.v16f32", vt, [b.fmul(v, mv)]), it)
+                u = b.add(xi, ir.Constant(it, [1 << 23] * 16))
+                for p in range(3):
+                    byte = b.trunc(b.lshr(u, ir.Constant(it, [8 * p] * 16)) if p else u,
+                                   ir.VectorType(i8, 16))
+                    dst = simd.gep(b, row, b.add(at, const(i64, p * stride)), i8)
+                    if n < 16:
+                        _masked_bytes(b, "store", dst, n, byte)
+                    else:
+                        b.store(byte, dst, align=1)
+            each_vector(split)
+
+
+def _masked_bytes(b, op: str, addr, active: int, value=None, lanes: int = 16):
+    """Load (zeros past ``active``) or store the first ``active`` bytes of a vector."""
+    vt = ir.VectorType(i8, lanes) if value is None else value.type
+    mask = simd.const_mask(vt.count, active)
+    if op == "load":
+        fn = intrinsic(b.module, f"llvm.masked.load.v{vt.count}i8.p0", vt,
+                       [ptr, i32, mask.type, vt])
+        return b.call(fn, [addr, const(i32, 1), mask, ir.Constant(vt, [0] * vt.count)])
+    fn = intrinsic(b.module, f"llvm.masked.store.v{vt.count}i8.p0", ir.VoidType(),
+                   [vt, ptr, i32, mask.type])
+    return b.call(fn, [value, addr, const(i32, 1), mask])
+
+
+def is_ready(b, head) -> ir.Value:
+    """The flag ``emit_planes`` left in an x row's head (i1)."""
+    return b.icmp_signed("!=", simd.load_scalar(b, head, const(i64, 8 // 4), i32), const(i32, 0))
+
+
+def emit_tile(module, spec, rr: int, prefetch) -> ir.Function:
+    """``tile(row, head, w, scale, wsum, sums)``: ``sums[r]`` = x row . dequantised W row
+    ``r`` for ``r < rr``, from the x row's planes and head and the W rows' sums of q."""
+    f = Fn(module, f"{spec.symbol}.vnni{rr}", ir.VoidType(), [ptr] * 6,
+           ["row", "head", "w", "scale", "wsum", "sums"])
+    b, k = f.b, spec.k
+    row, head, w, scale, wsum, sums = f.args
+    stride = plane_stride(k)
+    dp = "llvm.x86.avx512.vpdpbusd.512"
+    zero = ir.Constant(I32x16, [0] * 16)
+    acc = [[f.var(I32x16, zero, f"s{r}_{p}") for p in range(3)] for r in range(rr)]
+    bt = ir.VectorType(i8, STEP)
+
+    def step(at, active: int):
+        xs = [b.load(simd.gep(b, row, b.add(at, const(i64, p * stride)), i8),
+                     typ=I32x16, align=1) for p in range(3)]
+        for r in range(rr):
+            addr = simd.gep(b, w, b.add(at, const(i64, r * k)), i8)
+            if active >= STEP:
+                q = b.load(addr, typ=bt, align=1)
+            else:
+                q = _masked_bytes(b, "load", addr, active, lanes=STEP)
+            qw = b.bitcast(q, I32x16)
+            for p in range(3):
+                acc[r][p].set(f.call_intrinsic(dp, I32x16, [acc[r][p].get(), xs[p], qw]))
+
+    if k // STEP:
+        with f.for_range(0, k // STEP, name="kv") as c:
+            at = b.mul(c, const(i64, STEP))
+            for r in range(rr):
+                prefetch(f, simd.gep(b, w, b.add(at, const(i64, r * k + rr * k)), i8))
+            step(at, STEP)
+    if k % STEP:
+        step(const(i64, k // STEP * STEP), k % STEP)
+    factor = b.load(head, typ=F64)
+    for r in range(rr):
+        s = [b.sitofp(f.call_intrinsic("llvm.vector.reduce.add.v16i32", i32, [acc[r][p].get()]),
+                      F64) for p in range(3)]
+        total = b.fadd(b.fadd(s[0], b.fmul(s[1], ir.Constant(F64, 256.0))),
+                       b.fmul(s[2], ir.Constant(F64, 65536.0)))
+        qsum = b.sitofp(simd.load_scalar(b, wsum, const(i64, r), i32), F64)
+        total = b.fsub(total, b.fmul(qsum, ir.Constant(F64, float(1 << 23))))
+        sc = b.fpext(simd.load_scalar(b, scale, const(i64, r)), F64)
+        simd.store_scalar(b, b.fptrunc(b.fmul(b.fmul(total, factor), sc), f32), sums,
+                          const(i64, r))
+    f.finish()
+    return f.fn
