@@ -231,3 +231,36 @@ class LowbitUnpackSpec(Spec):
     ld: int = 0
     rr: int = 8            # int4: rows per block of the packed layout
     family = "lowbit_unpack"
+
+
+@register_spec
+@dataclass(frozen=True)
+class LowbitPlanesSpec(Spec):
+    """x rows (float32 or bf16, ``k`` each) -> their byte planes and heads
+    (codegen/gemm_lowbit_vnni.py), the A operand of the int8 prefill on tiles."""
+    k: int
+    dtype: str = "f32"
+    family = "lowbit_planes"
+
+
+@register_spec
+@dataclass(frozen=True)
+class LowbitPanelsSpec(Spec):
+    """``n`` int8 W rows of ``k`` -> the u8s8 tile GEMM's B panels, made per call."""
+    n: int
+    k: int
+    family = "lowbit_panels"
+
+
+@register_spec
+@dataclass(frozen=True)
+class LowbitCombineSpec(Spec):
+    """The int8 prefill's plane sums -> ``act(y + bias) + residual`` for ``n`` columns, the
+    output and residual ``ld`` apart (codegen/gemm_lowbit_planes.py)."""
+    n: int
+    ld: int
+    bias: bool = False
+    epilogue: str = "none"
+    residual: bool = False
+    dtype: str = "f32"
+    family = "lowbit_combine"

@@ -33,6 +33,9 @@ EMITTERS = {
     "layernorm": "kwker.codegen.layernorm",
     "gemm_lowbit": "kwker.codegen.gemm_lowbit",
     "lowbit_unpack": "kwker.codegen.gemm_lowbit",
+    "lowbit_planes": "kwker.codegen.gemm_lowbit_planes",
+    "lowbit_panels": "kwker.codegen.gemm_lowbit_planes",
+    "lowbit_combine": "kwker.codegen.gemm_lowbit_planes",
 }
 
 stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0, "packaged": 0}

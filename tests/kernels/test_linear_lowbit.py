@@ -104,15 +104,20 @@ def test_prefill_in_blocks_of_weight_rows(fmt, dtype, k, monkeypatch):
     output columns are its own; with an epilogue, specialised and generic over rows, odd K in
     bf16."""
     import kwker.kernels.linear_lowbit as lowbit
-    kk = k + k % 2 if dtype == torch.bfloat16 else k
-    monkeypatch.setattr(lowbit, "PREFILL_WHOLE", 0)
-    monkeypatch.setattr(lowbit, "PREFILL_BLOCK", 64 * kk * (2 if dtype == torch.bfloat16 else 4))
     lin = quantized(fmt, 230, k, dtype)
     rows = PREFILL_ROWS + 3
+    # bytes a W row takes in the block: dequantised, or int8 on x's byte planes (padded K)
+    planes = "lowbit_panels" in {s.family for s in make_linear_lowbit(
+        lin.weight, None, rows, dtype=dtype).specs}
+    kk = k + k % 2 if dtype == torch.bfloat16 else k
+    row_bytes = -(-k // 64) * 64 if planes else kk * (2 if dtype == torch.bfloat16 else 4)
+    monkeypatch.setattr(lowbit, "PREFILL_WHOLE", 0)
+    monkeypatch.setattr(lowbit, "PREFILL_BLOCK", 64 * row_bytes)
     for m in (rows, None):
         x, res = torch.randn(rows, k).to(dtype), torch.randn(rows, 230).to(dtype)
         fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, "gelu", True, dtype)
-        tail, block = sorted(s.n for s in fn.specs if s.family == "lowbit_unpack")
+        tail, block = sorted(s.n for s in fn.specs if s.family in ("lowbit_unpack",
+                                                                    "lowbit_panels"))
         assert block in (64, 96) and tail == 230 % block, fn.specs
         assert_close(fn(x, res), reference(lin, x, "gelu", res, dtype), dtype, f"{fmt} {m}")
 
@@ -224,3 +229,52 @@ def test_int8_channel_vnni_kernel_holds_vpdpbusd():
     spec = LowbitGemmSpec(1, 100, 300, 8, 300, bias=True, vnni=True)
     _, asm = compile_assembly(str(emit(spec, target)), target)
     assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm)
+
+
+PLANES_CHECK = """
+import torch
+import torch.nn.functional as F
+from kwker.kernels.linear_lowbit import LowbitTensor, dequantized, make_linear_lowbit
+torch.manual_seed(1)
+for n, k in ((70, 77), (100, 256), (33, 1000)):
+    w = LowbitTensor(torch.randint(-128, 128, (n, k), dtype=torch.int8),
+                     torch.rand(n, 1) * 0.01 + 1e-3, None, k, 8, torch.float32)
+    bias = torch.randn(n)
+    for m in (20, None):
+        fn = make_linear_lowbit(w, bias, m, "gelu_tanh", True)
+        fams = [s.family for s in fn.specs]
+        assert "lowbit_planes" in fams and "lowbit_combine" in fams, fams
+        x, res = torch.randn(20, k) * 2, torch.randn(20, n)
+        x[3] = 0.0
+        x[4] *= 1e-37
+        x[5, k - 1] = float("nan")
+        x[6, 0] = float("inf")
+        x[7] *= 1e30
+        ref = F.gelu(F.linear(x.double(), dequantized(w).double(), bias.double()),
+                     approximate="tanh") + res.double()
+        y = fn(x, res)
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+        for i in range(20):
+            if ref[i].isfinite().all():
+                err = (y[i].double() - ref[i]).abs().max() / ref[i].abs().max()
+                assert err < 1e-5, (n, k, m, i, float(err))
+print("planes ok")
+"""
+
+
+def test_int8_prefill_on_byte_planes_emulated(tmp_path):
+    """float32 prefill with int8 weights per channel on x's byte planes and the u8s8 tile GEMM,
+    run through the emulated tiles (any AVX-512 CPU with VNNI): every row agrees with the
+    float64 reference to float32 error, the rows the planes hand back (zero, tiny, NaN, inf)
+    included, with GELU and a residual; K odd, under a tile step, over a K block."""
+    import os
+    import subprocess
+    import sys
+
+    from kwker.runtime.target import host_target
+    if not (host_target().vector_bits == 512 and host_target().has("avx512vnni")):
+        pytest.skip(f"emulated tiles need AVX-512 with VNNI; this CPU: {host_target().describe()}")
+    env = dict(os.environ, KWKER_TILES="emulate", KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", PLANES_CHECK], env=env, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0 and "planes ok" in r.stdout, r.stdout + r.stderr

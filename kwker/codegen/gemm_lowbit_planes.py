@@ -1,0 +1,158 @@
+"""int8 prefill on int8 matrix tiles, exact to float32: x's byte planes times the weights.
+
+The decode kernel's byte planes (gemm_lowbit_vnni.py) make many x rows an unsigned int8 matrix
+of three rows per x row; times the int8 weights on the u8s8 tile GEMM (``tdpbusd``, gemm_tile.py)
+they give each plane's int32 sums, which this module's combine kernel turns into the linear:
+
+    y = (S0 + 2**8 S1 + 2**16 S2 - 2**23 sum_k q) * 2**(E - 22) * scale[n] + bias[n]
+
+then the activation, the residual and one rounding to the model's dtype. The three planes cost
+1.5x a bf16 product on the tiles (``tdpbusd`` does twice ``tdpbf16ps``'s products), against
+the float32 FMAs of dequantised weights the prefill ran before.
+
+Three kernels, per call:
+
+- ``lowbit_planes``: x rows -> their planes (rows of ``plane_stride(K)`` bytes) and heads;
+- ``lowbit_panels``: a block of W rows (int8, row-major, read in place) -> AMX's B layout, the
+  u8s8 GEMM's pre-packed panels (32 columns, a 32-bit word of 4 k per column, K zero-padded to
+  whole tile steps), so no packed copy of the weights outlives the call;
+- ``lowbit_combine``: the GEMM's float32 plane sums (exact integers below 2**24, rounded to
+  float32 above) -> the output columns of the block. Rows whose head says "float path"
+  (non-finite or tiny x) are left alone: the factory runs them through the decode kernel.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import bf16, omp, simd, vmath
+from .gemm_lowbit_vnni import HEAD, emit_planes, is_ready, plane_stride
+from .gemm_tile import STEP as TILE_STEP
+from .gemm_tile import TILE_BLOCK
+from .irutil import const, f32, i8, i32, i64, intrinsic, new_module, ptr
+
+NR = TILE_BLOCK[1]
+
+
+def panel_words(k: int) -> int:
+    """k-quad words of a panel (a word of 4 k per column): K padded to whole tile steps."""
+    quads = -(-k // 4)
+    return -(-quads // TILE_STEP) * TILE_STEP
+
+
+def emit(spec, target) -> ir.Module:
+    return {"lowbit_planes": _emit_planes, "lowbit_panels": _emit_panels,
+            "lowbit_combine": _emit_combine}[spec.family](spec, target)
+
+
+def _parallel(spec, slots: int, total_of):
+    """(module, body, the ``slots`` pointer arguments, the thread's [begin, end)) of a kernel
+    whose threads split ``total_of(context)`` items."""
+    module = new_module(spec.symbol)
+    body = omp.body_fn(module, f"{spec.symbol}.body")
+    ctx = omp.Context(body, body.args[0])
+    args = [ctx.ptr(i) for i in range(slots)]
+    begin, end = omp.split(body, total_of(ctx), body.args[1], body.args[2])
+    return module, body, args, (begin, end)
+
+
+def _emit_planes(spec, target) -> ir.Module:
+    """``sym(x, planes, heads, rows, nthreads)``."""
+    module, body, (x, planes, heads), (begin, end) = _parallel(
+        spec, 3, lambda ctx: ctx.i64(3))
+    b = body.b
+    elem_bytes = bf16.itemsize(spec.dtype)
+    xs = simd.gep(b, x, b.mul(begin, const(i64, spec.k * elem_bytes)), i8)
+    ps = simd.gep(b, planes, b.mul(begin, const(i64, 3 * plane_stride(spec.k))), i8)
+    hs = simd.gep(b, heads, b.mul(begin, const(i64, HEAD)), i8)
+    emit_planes(body, spec.k, spec.dtype, xs, ps, hs, b.sub(end, begin))
+    body.finish()
+    omp.emit_parallel(module, spec.symbol, [ptr] * 3 + [i64], body.fn)
+    return module
+
+
+def _emit_panels(spec, target) -> ir.Module:
+    """``sym(w, panels, nthreads)``: W rows ``0 .. n`` (K int8 each) -> ``ceil(n / 32)`` panels
+    of ``panel_words(K)`` rows of 32 words, zero past N and K. Threads split the panels."""
+    np_ = -(-spec.n // NR)
+    module, body, (w, panels), (begin, end) = _parallel(
+        spec, 2, lambda ctx: const(i64, np_))
+    b, k = body.b, spec.k
+    kw, kq = panel_words(k), k // 4
+    with body.for_range(begin, end, name="p") as p:
+        dst = simd.gep(b, panels, b.mul(p, const(i64, kw * NR)), i32)
+        with body.for_range(0, NR, name="j") as j:
+            n = b.add(b.mul(p, const(i64, NR)), j)
+            live = b.icmp_signed("<", n, const(i64, spec.n))
+            src = simd.gep(b, w, b.mul(n, const(i64, k)), i8)
+            with body.if_else(live) as (real, pad):
+                with real:
+                    with body.for_range(0, kq, name="q") as q:
+                        word = b.load(simd.gep(b, src, b.mul(q, const(i64, 4)), i8), typ=i32,
+                                      align=1)
+                        b.store(word, simd.gep(b, dst, b.add(b.mul(q, const(i64, NR)), j), i32))
+                    if k % 4:  # the last word's bytes past K are 0
+                        word = const(i32, 0)
+                        for byte in range(k % 4):
+                            v = b.zext(b.load(simd.gep(b, src, const(i64, kq * 4 + byte), i8),
+                                              typ=i8), i32)
+                            word = b.or_(word, b.shl(v, const(i32, 8 * byte)))
+                        b.store(word, simd.gep(b, dst, b.add(const(i64, kq * NR), j), i32))
+                    first_pad = -(-k // 4)
+                    with body.for_range(first_pad, kw, name="z") as z:
+                        b.store(const(i32, 0), simd.gep(b, dst, b.add(b.mul(z, const(i64, NR)),
+                                                                      j), i32))
+                with pad:
+                    with body.for_range(0, kw, name="z") as z:
+                        b.store(const(i32, 0), simd.gep(b, dst, b.add(b.mul(z, const(i64, NR)),
+                                                                      j), i32))
+    body.finish()
+    omp.emit_parallel(module, spec.symbol, [ptr] * 2, body.fn)
+    return module
+
+
+def _emit_combine(spec, target) -> ir.Module:
+    """``sym(sums, heads, wsum, scale, bias, res, out, rows, nthreads)``: ``sums`` (3 rows per x
+    row, ``spec.n`` floats each) -> ``out`` (row stride ``spec.ld``, as ``res``) for the rows
+    whose head says planes; ``wsum`` int32, ``scale`` and ``bias`` float32, ``spec.n`` each."""
+    module, body, (sums, heads, wsum, scale, bias, res, out), (begin, end) = _parallel(
+        spec, 7, lambda ctx: ctx.i64(7))
+    b, n, L = body.b, spec.n, simd.float_lanes(target)
+    vt, it = simd.vty(L), simd.vty(L, i32)
+    with body.for_range(begin, end, name="r") as r:
+        head = simd.gep(b, heads, b.mul(r, const(i64, HEAD)), i8)
+        with body.if_(is_ready(b, head)):
+            factor = simd.broadcast(b, b.fptrunc(b.load(head, typ=ir.DoubleType()), f32), L)
+            srow = b.mul(r, const(i64, 3 * n))
+            orow = b.mul(r, const(i64, spec.ld))
+            with body.for_range(0, n, step=L, name="c") as c:
+                mask = simd.lane_mask(b, L, b.sub(const(i64, n), c))
+                s0, s1, s2 = (simd.masked_load(b, sums, b.add(srow, b.add(c, const(i64, p * n))),
+                                               mask, L) for p in range(3))
+                qs = b.sitofp(_masked_i32(b, wsum, c, mask, L), vt)
+                # the two large terms first, each product exact: one rounding, then the rest
+                t = vmath.fma(b, s2, vmath.splat(vt, 65536.0),
+                              b.fmul(qs, vmath.splat(vt, -float(1 << 23))))
+                t = b.fadd(vmath.fma(b, s1, vmath.splat(vt, 256.0), s0), t)
+                v = b.fmul(b.fmul(t, factor), simd.masked_load(b, scale, c, mask, L))
+                if spec.bias:
+                    v = b.fadd(v, simd.masked_load(b, bias, c, mask, L))
+                v = vmath.activation(b, spec.epilogue, v, spec.dtype == "bf16")
+                at = b.add(orow, c)
+                if spec.dtype == "bf16":
+                    if spec.residual:
+                        v = b.fadd(v, bf16.load(b, res, at, L, mask=mask))
+                    bf16.store(b, v, out, at, mask=mask)
+                else:
+                    if spec.residual:
+                        v = b.fadd(v, simd.masked_load(b, res, at, mask, L))
+                    simd.masked_store(b, v, out, at, mask)
+    body.finish()
+    omp.emit_parallel(module, spec.symbol, [ptr] * 7 + [i64], body.fn)
+    return module
+
+
+def _masked_i32(b, base, index, mask, lanes: int):
+    vt = simd.vty(lanes, i32)
+    fn = intrinsic(b.module, f"llvm.masked.load.v{lanes}i32.p0", vt, [ptr, i32, mask.type, vt])
+    return b.call(fn, [simd.gep(b, base, index, i32), const(i32, 4), mask,
+                       ir.Constant(vt, [0] * lanes)])
