@@ -101,10 +101,9 @@ def _emit_panels(spec, target) -> ir.Module:
                     with body.for_range(first_pad, kw, name="z") as z:
                         b.store(const(i32, 0), simd.gep(b, dst, b.add(b.mul(z, const(i64, NR)),
                                                                       j), i32))
-                with pad:
-                    with body.for_range(0, kw, name="z") as z:
-                        b.store(const(i32, 0), simd.gep(b, dst, b.add(b.mul(z, const(i64, NR)),
-                                                                      j), i32))
+                with pad, body.for_range(0, kw, name="z") as z:
+                    b.store(const(i32, 0), simd.gep(b, dst, b.add(b.mul(z, const(i64, NR)),
+                                                                  j), i32))
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 2, body.fn)
     return module
@@ -117,7 +116,7 @@ def _emit_combine(spec, target) -> ir.Module:
     module, body, (sums, heads, wsum, scale, bias, res, out), (begin, end) = _parallel(
         spec, 7, lambda ctx: ctx.i64(7))
     b, n, L = body.b, spec.n, simd.float_lanes(target)
-    vt, it = simd.vty(L), simd.vty(L, i32)
+    vt = simd.vty(L)
     with body.for_range(begin, end, name="r") as r:
         head = simd.gep(b, heads, b.mul(r, const(i64, HEAD)), i8)
         with body.if_(is_ready(b, head)):

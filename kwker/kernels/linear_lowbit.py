@@ -27,8 +27,14 @@ from ..runtime.target import host_target
 from . import blocking
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function
 from .linear import EPILOGUES
-from .specs import (GemmSpec, LowbitCombineSpec, LowbitGemmSpec, LowbitPanelsSpec,
-                    LowbitPlanesSpec, LowbitUnpackSpec)
+from .specs import (
+    GemmSpec,
+    LowbitCombineSpec,
+    LowbitGemmSpec,
+    LowbitPanelsSpec,
+    LowbitPlanesSpec,
+    LowbitUnpackSpec,
+)
 
 FORMATS = {"Int8Tensor", "IntxUnpackedToInt8Tensor", "LowbitTensor"}
 # W rows per block for a tile of this many x rows (mr * rr accumulators fit the registers)
