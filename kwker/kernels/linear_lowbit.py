@@ -336,8 +336,9 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: _Buffers, dtype, m: int | None):
             combine(sums.data_ptr(), heads.data_ptr(), z_p + n0 * 4, s_p + n0 * 4,
                     b_p and b_p + n0 * 4, None if r is None else r.data_ptr() + n0 * esize,
                     out.data_ptr() + n0 * esize, rows, threads())
-        left = (heads[:, 2] == 0).nonzero().flatten()
-        if len(left):  # non-finite or tiny rows: the decode kernel's float path
+        ready = heads[:, 2]
+        if not bool(ready.all()):  # non-finite or tiny rows: the decode kernel's float path
+            left = (ready == 0).nonzero().flatten()
             out[left] = gemv(x[left], None if r is None else r[left].contiguous())
         return out
     return call, specs
