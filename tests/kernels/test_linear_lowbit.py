@@ -278,3 +278,18 @@ def test_int8_prefill_on_byte_planes_emulated(tmp_path):
     r = subprocess.run([sys.executable, "-c", PLANES_CHECK], env=env, capture_output=True,
                        text=True, check=False)
     assert r.returncode == 0 and "planes ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("n, k", [(70, 77), (33, 1000), (64, 256), (1, 3)])
+def test_int8_panels_packed_per_call_equal_the_tile_packer(n, k):
+    """The prefill's per-call packing kernel lays int8 weights out as the u8s8 tile GEMM's own
+    packer does (quad words, 32-column panels, zero past N and K), word for word."""
+    from kwker.codegen.gemm_lowbit_planes import NR, panel_words
+    from kwker.kernels._call import entry
+    from kwker.kernels.linear_int8 import pack_int8_panels
+    from kwker.kernels.specs import LowbitPanelsSpec
+    torch.manual_seed(5)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    out = torch.full((-(-n // NR) * NR * panel_words(k),), -1, dtype=torch.int32)
+    entry(LowbitPanelsSpec(n, k), 2)(w.data_ptr(), out.data_ptr(), 2)
+    assert torch.equal(out, pack_int8_panels(w, NR).flatten())
