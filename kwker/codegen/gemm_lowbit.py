@@ -45,6 +45,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import bf16, gemm_lowbit_vnni, omp, simd, vmath
+from .gemm_micro import epilogue_masked
 from .irutil import (
     Fn,
     aligned_malloc,
@@ -322,18 +323,10 @@ def _epilogue(f: Fn, spec, lanes: int, sums, rows, n0, n1, bias, res, out) -> No
         with f.for_range(0, width, step=L, name="ec") as col:
             mask = simd.lane_mask(b, L, b.sub(width, col))
             v = simd.masked_load(b, sums, b.add(srow, col), mask, L)
-            at = b.add(orow, col)
-            if spec.bias:
-                v = b.fadd(v, simd.masked_load(b, bias, b.add(n0, col), mask, L))
-            v = vmath.activation(b, spec.epilogue, v, spec.dtype == "bf16")
-            if spec.dtype == "bf16":
-                if spec.residual:
-                    v = b.fadd(v, bf16.load(b, res, at, L, mask=mask))
-                bf16.store(b, v, out, at, mask=mask)
-            else:
-                if spec.residual:
-                    v = b.fadd(v, simd.masked_load(b, res, at, mask, L))
-                simd.masked_store(b, v, out, at, mask)
+            epilogue_masked(b, v, simd.masked_load(b, bias, b.add(n0, col), mask, L)
+                            if spec.bias else None, spec.epilogue,
+                            res if spec.residual else None, out, b.add(orow, col), mask, L,
+                            spec.dtype)
 
 
 def _start(spec, target):

@@ -25,6 +25,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
+from .gemm_micro import epilogue_masked
 from .gemm_lowbit_vnni import HEAD, emit_planes, is_ready, plane_stride
 from .gemm_tile import STEP as TILE_STEP
 from .gemm_tile import TILE_BLOCK
@@ -168,18 +169,9 @@ def _emit_combine(spec, target) -> ir.Module:
                               b.fmul(qs, vmath.splat(vt, -float(1 << 23))))
                 t = b.fadd(vmath.fma(b, s1, vmath.splat(vt, 256.0), s0), t)
                 v = b.fmul(b.fmul(t, factor), simd.masked_load(b, scale, c, mask, L))
-                if spec.bias:
-                    v = b.fadd(v, simd.masked_load(b, bias, c, mask, L))
-                v = vmath.activation(b, spec.epilogue, v, spec.dtype == "bf16")
-                at = b.add(orow, c)
-                if spec.dtype == "bf16":
-                    if spec.residual:
-                        v = b.fadd(v, bf16.load(b, res, at, L, mask=mask))
-                    bf16.store(b, v, out, at, mask=mask)
-                else:
-                    if spec.residual:
-                        v = b.fadd(v, simd.masked_load(b, res, at, mask, L))
-                    simd.masked_store(b, v, out, at, mask)
+                epilogue_masked(b, v, simd.masked_load(b, bias, c, mask, L) if spec.bias
+                                else None, spec.epilogue, res if spec.residual else None, out,
+                                b.add(orow, c), mask, L, spec.dtype)
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 7 + [i64], body.fn)
     return module

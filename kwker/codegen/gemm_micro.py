@@ -239,6 +239,24 @@ def epilogue_rows(f: Fn, rows: ir.Value, nv: int, lanes: int, last_active: int, 
             bf16.store_as(b, dtype, x, out, oidx, active, native=native)
 
 
+def epilogue_masked(b: ir.IRBuilder, x, bias, epilogue: str, res, out, at, mask, lanes: int,
+                    dtype: str) -> None:
+    """``out[at:] = act(x (+ bias)) (+ res[at:])`` for the lanes of a runtime ``mask``, rounded
+    once to ``dtype``: the epilogue of one vector of a row whose length is known at call time.
+    ``bias`` is a float32 vector or None, ``res`` (``dtype``) a pointer or None."""
+    if bias is not None:
+        x = b.fadd(x, bias)
+    x = vmath.activation(b, epilogue, x, dtype == "bf16")
+    if dtype == "bf16":
+        if res is not None:
+            x = b.fadd(x, bf16.load(b, res, at, lanes, mask=mask))
+        bf16.store(b, x, out, at, mask=mask)
+    else:
+        if res is not None:
+            x = b.fadd(x, simd.masked_load(b, res, at, mask, lanes))
+        simd.masked_store(b, x, out, at, mask)
+
+
 def _bf16_step(f: Fn, mk: Micro, a, bp, acc):
     """The k-pair step of the bf16 micro-kernel (``dot`` = dpbf16 or widen), see module doc."""
     b, L, nv, mr = f.b, mk.lanes, mk.nv, mk.mr
