@@ -17,6 +17,7 @@ once, at half the bytes of torchao's int8 copy, into the layout of codegen/gemm_
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -202,26 +203,19 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
                           ROWS_PER_BLOCK[rows])
     if _vnni(spec, lanes):  # one x row at a time, 3 accumulators a W row
         spec = replace(spec, vnni=True, mr=1, rr=ROWS_PER_BLOCK[1])
+    elif m is not None and m >= PREFILL_ROWS:  # no decode tile: int4 packed as decode packs it
+        spec = replace(spec, mr=1, rr=ROWS_PER_BLOCK[1])
     try:
         gemm_lowbit._check(spec, lanes)
     except ValueError as e:
         raise NotImplementedError(str(e)) from None
     kp, groups = gemm_lowbit.padded_k(spec, lanes), gemm_lowbit.groups(spec, lanes)
-    scale = torch.zeros(n, groups)
-    scale[:, :lw.scale.shape[1]] = lw.scale.float()
-    zp = None
-    if lw.zero_point is not None:
-        zp = torch.zeros(n, groups, dtype=torch.int8)
-        zp[:, :lw.zero_point.shape[1]] = lw.zero_point
-    if lw.bits == 8:
-        w = lw.qdata if lw.qdata.is_contiguous() else lw.qdata.contiguous()
-    else:
-        w = pack_int4(lw.qdata, lanes, kp, spec.rr)
+    w, scale, zp = _operands(lw, lanes, kp, spec.rr, groups)
     bias_c = None
     if bias is not None:  # bf16: rounded as the model holds it, added in float32
         bias_c = bias.detach().to(dtype).float().contiguous()
     if spec.vnni:  # the row sums of q, in the zero points' place (gemm_lowbit_vnni)
-        zp = lw.qdata.sum(1, dtype=torch.int32)
+        zp = _row_sums(lw.qdata)
     buffers = _Buffers(w, scale, zp, bias_c)
     if m is not None and m < PREFILL_ROWS:
         return _wrap(_gemv(spec, buffers, dtype), [spec], buffers, n, k, m, residual, dtype)
@@ -234,6 +228,44 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     def either(x, r):
         return (gemv if x.shape[0] < PREFILL_ROWS else prefill)(x, r)
     return _wrap(either, [spec] + specs, buffers, n, k, m, residual, dtype)
+
+
+# (id(qdata), lanes, padded K, rr, groups) -> (weakref to qdata, (w, scale, zp)): the kernels of
+# one weight (a model's prefill, decode and recompiled graphs) share its repacked operands
+_OPERANDS: dict = {}
+
+
+def _operands(lw: LowbitWeight, lanes: int, kp: int, rr: int, groups: int) -> tuple:
+    """(values, scales, zero points) as the kernels read them: int8 values in place, int4 ones
+    repacked, scales and zero points padded to whole groups. Made once per weight and layout
+    while the weight lives (GPT-2 int4: three compiled graphs held three packed copies, 160
+    MB)."""
+    q = lw.qdata
+    key = (id(q), lanes, kp, rr, groups)
+    hit = _OPERANDS.get(key)
+    if hit is not None and hit[0]() is q:
+        return hit[1]
+    n = q.shape[0]
+    # int8 values are q itself: cached, they would keep q alive, so only int4 is kept here
+    scale = torch.zeros(n, groups)
+    scale[:, :lw.scale.shape[1]] = lw.scale.float()
+    zp = None
+    if lw.zero_point is not None:
+        zp = torch.zeros(n, groups, dtype=torch.int8)
+        zp[:, :lw.zero_point.shape[1]] = lw.zero_point
+    if lw.bits == 8:
+        return (q if q.is_contiguous() else q.contiguous()), scale, zp
+    w = pack_int4(q, lanes, kp, rr)
+    _OPERANDS[key] = (weakref.ref(q), (w, scale, zp))
+    weakref.finalize(q, _OPERANDS.pop, key, None)
+    return w, scale, zp
+
+
+def _row_sums(q: torch.Tensor) -> torch.Tensor:
+    """``q.sum(1)`` as int32, a few rows at a time: the whole sum widens q to an int32 copy
+    first (4 bytes a weight), which the allocator kept resident (GPT-2 int8: 9 MB a linear)."""
+    rows = max(1, (64 << 10) // (4 * q.shape[1]))
+    return torch.cat([q[i:i + rows].sum(1, dtype=torch.int32) for i in range(0, q.shape[0], rows)])
 
 
 def _vnni(spec: LowbitGemmSpec, lanes: int) -> bool:

@@ -293,3 +293,22 @@ def test_int8_panels_packed_per_call_equal_the_tile_packer(n, k):
     out = torch.full((-(-n // NR) * NR * panel_words(k),), -1, dtype=torch.int32)
     entry(LowbitPanelsSpec(n, k), 2)(w.data_ptr(), out.data_ptr(), 2)
     assert torch.equal(out, pack_int8_panels(w, NR).flatten())
+
+
+def test_int4_kernels_of_one_weight_share_its_packing_and_free_it():
+    """The decode kernels and the prefill of one int4 weight read one packed copy (three
+    compiled graphs held three); it goes when the weight goes."""
+    import gc
+
+    import kwker.kernels.linear_lowbit as lowbit
+    lin = quantized("int4-group32", 64, 256)
+    a = make_linear_lowbit(lin.weight, None, 1)
+    b = make_linear_lowbit(lin.weight, None, 1, "relu")
+    c = make_linear_lowbit(lin.weight, lin.bias.detach(), PREFILL_ROWS + 5)
+    assert a.buffers.w.data_ptr() == b.buffers.w.data_ptr() == c.buffers.w.data_ptr()
+    x = torch.randn(PREFILL_ROWS + 5, 256)
+    assert_close(c(x), reference(lin, x), torch.float32)
+    entries = len(lowbit._OPERANDS)
+    del lin, a, b, c
+    gc.collect()
+    assert len(lowbit._OPERANDS) < entries
