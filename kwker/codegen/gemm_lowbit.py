@@ -94,9 +94,6 @@ def _check(spec, lanes: int) -> None:
         raise ValueError(f"kwker gemm_lowbit: int8 group {g} is not whole vectors of {lanes}")
     if spec.bits == 4 and not (g % lanes == 0 and (c % g == 0 or g % c == 0)):
         raise ValueError(f"kwker gemm_lowbit: int4 group {g} does not tile chunks of {c}")
-    if getattr(spec, "vnni", False) and not gemm_lowbit_vnni.usable(spec, lanes):
-        raise ValueError(f"kwker gemm_lowbit: the vpdpbusd path takes int8 per output channel, "
-                         f"no zero points, K <= {gemm_lowbit_vnni.MAX_K} ({spec})")
 
 
 def _prefetch(f: Fn, addr) -> None:
@@ -342,6 +339,9 @@ def emit(spec, target) -> ir.Module:
     if spec.family == "lowbit_unpack":
         return emit_unpack(spec, target)
     L, module, tiles, body, ctx = _start(spec, target)
+    if spec.vnni and not gemm_lowbit_vnni.usable(spec, L):
+        raise ValueError(f"kwker gemm_lowbit: the vpdpbusd path takes int8 per output channel, "
+                         f"no zero points, K <= {gemm_lowbit_vnni.MAX_K} ({spec})")
     b = body.b
     x, w, scale, zp, bias, res, out = (ctx.ptr(slot) for slot in range(7))
     rows = const(i64, spec.m) if spec.m else ctx.i64(7)

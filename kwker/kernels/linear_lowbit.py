@@ -333,8 +333,9 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: _Buffers, dtype, m: int | None):
     nr = gemm_lowbit_planes.NR
     nb = n if n * stride <= PREFILL_WHOLE else max(nr, PREFILL_BLOCK // stride // nr * nr)
     blocks = [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
-    planes = entry(LowbitPlanesSpec(k, spec.dtype), 3, 2)
-    specs, kernels = [LowbitPlanesSpec(k, spec.dtype)], {}
+    planes_spec = LowbitPlanesSpec(k, spec.dtype)
+    planes = entry(planes_spec, 3, 2)
+    specs, kernels = [planes_spec], {}
     for width in dict.fromkeys(w for _, w in blocks):
         ps = LowbitPanelsSpec(width, k)
         gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False,
