@@ -203,14 +203,7 @@ class _Tile:
 
     def _load_i8(self, b, w, at, active: int):
         """``active`` int8 of a W row at byte ``at`` (the rest 0): only real bytes are read."""
-        L = self.L
-        vt = ir.VectorType(i8, L)
-        addr = simd.gep(b, w, at, i8)
-        if active >= L:
-            return b.load(addr, typ=vt, align=1)
-        mask = simd.const_mask(L, active)
-        fn = intrinsic(b.module, f"llvm.masked.load.v{L}i8.p0", vt, [ptr, i32, mask.type, vt])
-        return b.call(fn, [addr, ir.Constant(i32, 1), mask, ir.Constant(vt, [0] * L)])
+        return simd.load_any(b, w, at, self.L, active, elem=i8)
 
     # ------------------------------------------------------------------------------ int4
     def _int4(self, f: Fn, mr: int, rr: int) -> None:

@@ -29,7 +29,7 @@ from .gemm_micro import epilogue_masked
 from .gemm_lowbit_vnni import HEAD, emit_planes, is_ready, plane_stride
 from .gemm_tile import STEP as TILE_STEP
 from .gemm_tile import TILE_BLOCK
-from .irutil import const, f32, i8, i32, i64, intrinsic, new_module, ptr
+from .irutil import const, f32, i8, i32, i64, new_module, ptr
 
 NR = TILE_BLOCK[1]
 
@@ -98,9 +98,8 @@ def _emit_panels(spec, target) -> ir.Module:
                 at = b.mul(c, const(i64, 64))
                 vs = []
                 for row, ok in zip(src, live):
-                    addr = simd.gep(b, row, at, i8)
-                    raw = b.load(addr, typ=bt, align=1) if valid >= 64 else \
-                        _masked_bytes(b, addr, valid)
+                    raw = simd.load_any(b, row, at, 64, valid, elem=i8) if valid > 0 else \
+                        ir.Constant(bt, [0] * 64)
                     vs.append(b.select(ok, b.bitcast(raw, vt), zero))
                 for t, v in enumerate(_transpose16(b, vs)):
                     q = b.add(b.mul(c, const(i64, 16)), const(i64, t))
@@ -115,16 +114,6 @@ def _emit_panels(spec, target) -> ir.Module:
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 2, body.fn)
     return module
-
-
-def _masked_bytes(b, addr, valid: int):
-    """64 bytes from ``addr``, those from ``valid`` on zero (none read)."""
-    bt = ir.VectorType(i8, 64)
-    if valid <= 0:
-        return ir.Constant(bt, [0] * 64)
-    mask = simd.const_mask(64, valid)
-    fn = intrinsic(b.module, "llvm.masked.load.v64i8.p0", bt, [ptr, i32, mask.type, bt])
-    return b.call(fn, [addr, const(i32, 1), mask, ir.Constant(bt, [0] * 64)])
 
 
 def _transpose16(b, vs: list) -> list:
@@ -163,7 +152,7 @@ def _emit_combine(spec, target) -> ir.Module:
                 mask = simd.lane_mask(b, L, b.sub(const(i64, n), c))
                 s0, s1, s2 = (simd.masked_load(b, sums, b.add(srow, b.add(c, const(i64, p * n))),
                                                mask, L) for p in range(3))
-                qs = b.sitofp(_masked_i32(b, wsum, c, mask, L), vt)
+                qs = b.sitofp(simd.masked_load(b, wsum, c, mask, L, elem=i32), vt)
                 # the two large terms first, each product exact: one rounding, then the rest
                 t = vmath.fma(b, s2, vmath.splat(vt, 65536.0),
                               b.fmul(qs, vmath.splat(vt, -float(1 << 23))))
@@ -175,10 +164,3 @@ def _emit_combine(spec, target) -> ir.Module:
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 7 + [i64], body.fn)
     return module
-
-
-def _masked_i32(b, base, index, mask, lanes: int):
-    vt = simd.vty(lanes, i32)
-    fn = intrinsic(b.module, f"llvm.masked.load.v{lanes}i32.p0", vt, [ptr, i32, mask.type, vt])
-    return b.call(fn, [simd.gep(b, base, index, i32), const(i32, 4), mask,
-                       ir.Constant(vt, [0] * lanes)])

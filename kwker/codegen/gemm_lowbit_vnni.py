@@ -24,7 +24,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import bf16, simd
-from .irutil import Fn, const, f32, i8, i16, i32, i64, intrinsic, ptr
+from .irutil import Fn, const, f32, i8, i16, i32, i64, ptr
 
 MAX_K = 1 << 16
 HEAD = 16                # bytes a row's head: the float64 factor, then the i32 flag
@@ -107,25 +107,8 @@ def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows) -> None:
                 for p in range(3):
                     byte = b.trunc(b.lshr(u, ir.Constant(it, [8 * p] * 16)) if p else u,
                                    ir.VectorType(i8, 16))
-                    dst = simd.gep(b, row, b.add(at, const(i64, p * stride)), i8)
-                    if n < 16:
-                        _masked_bytes(b, "store", dst, n, byte)
-                    else:
-                        b.store(byte, dst, align=1)
+                    simd.store_any(b, byte, row, b.add(at, const(i64, p * stride)), n, elem=i8)
             each_vector(split)
-
-
-def _masked_bytes(b, op: str, addr, active: int, value=None, lanes: int = 16):
-    """Load (zeros past ``active``) or store the first ``active`` bytes of a vector."""
-    vt = ir.VectorType(i8, lanes) if value is None else value.type
-    mask = simd.const_mask(vt.count, active)
-    if op == "load":
-        fn = intrinsic(b.module, f"llvm.masked.load.v{vt.count}i8.p0", vt,
-                       [ptr, i32, mask.type, vt])
-        return b.call(fn, [addr, const(i32, 1), mask, ir.Constant(vt, [0] * vt.count)])
-    fn = intrinsic(b.module, f"llvm.masked.store.v{vt.count}i8.p0", ir.VoidType(),
-                   [vt, ptr, i32, mask.type])
-    return b.call(fn, [value, addr, const(i32, 1), mask])
 
 
 def is_ready(b, head) -> ir.Value:
@@ -144,17 +127,12 @@ def emit_tile(module, spec, rr: int, prefetch) -> ir.Function:
     dp = "llvm.x86.avx512.vpdpbusd.512"
     zero = ir.Constant(I32x16, [0] * 16)
     acc = [[f.var(I32x16, zero, f"s{r}_{p}") for p in range(3)] for r in range(rr)]
-    bt = ir.VectorType(i8, STEP)
 
     def step(at, active: int):
         xs = [b.load(simd.gep(b, row, b.add(at, const(i64, p * stride)), i8),
                      typ=I32x16, align=1) for p in range(3)]
         for r in range(rr):
-            addr = simd.gep(b, w, b.add(at, const(i64, r * k)), i8)
-            if active >= STEP:
-                q = b.load(addr, typ=bt, align=1)
-            else:
-                q = _masked_bytes(b, "load", addr, active, lanes=STEP)
+            q = simd.load_any(b, w, b.add(at, const(i64, r * k)), STEP, active, elem=i8)
             qw = b.bitcast(q, I32x16)
             for p in range(3):
                 acc[r][p].set(f.call_intrinsic(dp, I32x16, [acc[r][p].get(), xs[p], qw]))

@@ -34,12 +34,24 @@ def gep(b: ir.IRBuilder, base: ir.Value, index, ty: ir.Type = f32) -> ir.Value:
     return b.gep(base, [index], inbounds=True, source_etype=ty)
 
 
-def load_vec(b: ir.IRBuilder, base: ir.Value, index, lanes: int, align: int = 4) -> ir.Value:
-    return b.load(gep(b, base, index), typ=vty(lanes), align=align)
+def _name(elem: ir.Type) -> str:
+    """The element's suffix in intrinsic names (v16f32, v64i8...)."""
+    return "f32" if elem == f32 else str(elem)
 
 
-def store_vec(b: ir.IRBuilder, value: ir.Value, base: ir.Value, index, align: int = 4) -> None:
-    b.store(value, gep(b, base, index), align=align)
+def _size(elem: ir.Type) -> int:
+    return 4 if elem == f32 else elem.width // 8
+
+
+def load_vec(b: ir.IRBuilder, base: ir.Value, index, lanes: int, align: int | None = None,
+             elem: ir.Type = f32) -> ir.Value:
+    """``lanes`` elements of type ``elem`` from ``base[index]`` (index in elements)."""
+    return b.load(gep(b, base, index, elem), typ=vty(lanes, elem), align=align or _size(elem))
+
+
+def store_vec(b: ir.IRBuilder, value: ir.Value, base: ir.Value, index, align: int | None = None,
+              elem: ir.Type = f32) -> None:
+    b.store(value, gep(b, base, index, elem), align=align or _size(elem))
 
 
 def load_scalar(b: ir.IRBuilder, base: ir.Value, index, ty: ir.Type = f32) -> ir.Value:
@@ -58,34 +70,38 @@ def lane_mask(b: ir.IRBuilder, lanes: int, active: ir.Value) -> ir.Value:
 
 
 def masked_load(b: ir.IRBuilder, base: ir.Value, index, mask: ir.Value, lanes: int,
-                passthru: float = 0.0) -> ir.Value:
-    vt = vty(lanes)
-    fn = intrinsic(b.module, f"llvm.masked.load.v{lanes}f32.p0", vt,
+                passthru: float = 0.0, elem: ir.Type = f32) -> ir.Value:
+    """The lanes of ``mask`` from ``base[index]`` (``elem`` elements), ``passthru`` elsewhere;
+    masked-off lanes are not read."""
+    vt = vty(lanes, elem)
+    fn = intrinsic(b.module, f"llvm.masked.load.v{lanes}{_name(elem)}.p0", vt,
                    [ptr, i32, mask.type, vt])
-    fill = ir.Constant(vt, [ir.Constant(f32, passthru)] * lanes)
-    return b.call(fn, [gep(b, base, index), ir.Constant(i32, 4), mask, fill])
+    fill = ir.Constant(vt, [ir.Constant(elem, passthru if elem == f32 else int(passthru))]
+                       * lanes)
+    return b.call(fn, [gep(b, base, index, elem), ir.Constant(i32, _size(elem)), mask, fill])
 
 
-def masked_store(b: ir.IRBuilder, value: ir.Value, base: ir.Value, index, mask: ir.Value) -> None:
+def masked_store(b: ir.IRBuilder, value: ir.Value, base: ir.Value, index, mask: ir.Value,
+                 elem: ir.Type = f32) -> None:
     lanes = value.type.count
-    fn = intrinsic(b.module, f"llvm.masked.store.v{lanes}f32.p0", ir.VoidType(),
+    fn = intrinsic(b.module, f"llvm.masked.store.v{lanes}{_name(elem)}.p0", ir.VoidType(),
                    [value.type, ptr, i32, mask.type])
-    b.call(fn, [value, gep(b, base, index), ir.Constant(i32, 4), mask])
+    b.call(fn, [value, gep(b, base, index, elem), ir.Constant(i32, _size(elem)), mask])
 
 
-def load_any(b, base, index, lanes: int, active: int) -> ir.Value:
-    """Load ``active`` (compile-time) of ``lanes`` floats, zero-filling the rest."""
+def load_any(b, base, index, lanes: int, active: int, elem: ir.Type = f32) -> ir.Value:
+    """Load ``active`` (compile-time) of ``lanes`` elements, zero-filling the rest."""
     if active >= lanes:
-        return load_vec(b, base, index, lanes)
-    return masked_load(b, base, index, const_mask(lanes, active), lanes)
+        return load_vec(b, base, index, lanes, elem=elem)
+    return masked_load(b, base, index, const_mask(lanes, active), lanes, elem=elem)
 
 
-def store_any(b, value, base, index, active: int) -> None:
+def store_any(b, value, base, index, active: int, elem: ir.Type = f32) -> None:
     """Store the first ``active`` (compile-time) lanes of ``value``."""
     if active >= value.type.count:
-        store_vec(b, value, base, index)
+        store_vec(b, value, base, index, elem=elem)
     else:
-        masked_store(b, value, base, index, const_mask(value.type.count, active))
+        masked_store(b, value, base, index, const_mask(value.type.count, active), elem)
 
 
 def _tree(b: ir.IRBuilder, v: ir.Value, combine) -> ir.Value:
