@@ -48,7 +48,7 @@ from llvmlite import ir
 from . import gemm_tile, omp, simd
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, aligned_malloc, const, i16, i64, intrinsic, new_module, ptr
+from .irutil import Fn, aligned_malloc, const, f32, i16, i64, intrinsic, new_module, ptr
 
 MIN_FLOPS_PER_THREAD = 1 << 18  # ~2.5 us of FMAs: a fork (~1 us) pays off above it
 SMALL_ROWS = 8  # generic over M with packed weights: up to this many rows, the small-M schedule
@@ -87,6 +87,12 @@ class _Plan:
         if self.int8 and not (self.tiles and spec.b_layout == "packed" and not spec.residual):
             raise ValueError("kwker gemm: u8s8 runs on the tile path, with packed weights and "
                              "no residual")
+        if spec.out not in ("", spec.dtype) and not (
+                spec.out == "f32" and self.bf16 and spec.b_layout == "packed"):
+            raise ValueError(f"kwker gemm: a {spec.out} output is for bf16 packed weights, "
+                             f"not {spec.dtype} with a {spec.b_layout} B")
+        self.out = spec.out or ("f32" if self.int8 else spec.dtype)  # out and residual type
+        self.out_t = i16 if self.out == "bf16" else f32
         # k words of one pre-packed panel: the tile path pads K to whole tiles with zeros
         self.kw_panel = gemm_tile.padded_k(self.kw) if self.tiles else self.kw
         self.dyn_m, self.dyn_batch = spec.m == 0, spec.batch == 0
@@ -136,7 +142,8 @@ class _Plan:
         if self.dyn_m and rows < s.mr:  # few rows: more accumulator sets for FMA chains
             ksplit = max(ksplit, 1 << max(0, min(2, (8 // (rows * nv)).bit_length() - 1)))
         return Micro(rows, nv, L, cols, a_rs, a_ks, ldb, masked, ldc, s.epilogue, s.bias,
-                     s.residual, ksplit, s.unroll, self.dot, s.n if self.bf16 else 0)
+                     s.residual, ksplit, s.unroll, self.dot, s.n if self.bf16 else 0,
+                     out="" if self.out == s.dtype else self.out)
 
     def sizes(self, f: Fn, ctx) -> tuple:
         """(M, batch, row tiles) as IR values: constants, or read from the call's arguments."""
@@ -311,7 +318,8 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs) -
     else:
         pack_b = None
 
-    ct = i16 if p.bf16 else None  # element type of C, the residual and a runtime B
+    ct = i16 if p.bf16 else None  # element type of a runtime B
+    ot = p.out_t  # of C and the residual
 
     def at(base, index, ty=None):
         return simd.gep(b, base, index, ty) if ty is not None else simd.gep(b, base, index)
@@ -320,8 +328,8 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs) -
     with f.for_range(bt0.get(), bt1.get(), name="batch") as bi:
         a_mat = simd.gep(b, a_all, b.mul(b.mul(bi, m_rows), const(i64, kw)))
         mn = b.mul(b.mul(bi, m_rows), const(i64, s.n))
-        c_mat = at(c_all, mn, ct)
-        r_mat = at(res_all, mn, ct) if s.residual else res_all
+        c_mat = at(c_all, mn, ot)
+        r_mat = at(res_all, mn, ot) if s.residual else res_all
         b_mat = b_all if s.b_layout == "packed" else \
             at(b_all, b.mul(bi, const(i64, s.k * s.n)), ct)
         with f.for_range(t0.get(), t1.get(), step=tiles_per_chunk, name="jc") as tc0:
@@ -375,8 +383,8 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs) -
                                 b_tile = simd.gep(b, b_mat, b.add(
                                     b.mul(k0, const(i64, s.n)), b.mul(q, const(i64, s.nr))))
                             off = b.add(row_off, b.mul(q, const(i64, s.nr)))
-                            c_tile = at(c_mat, off, ct)
-                            r_tile = at(r_mat, off, ct) if s.residual else r_mat
+                            c_tile = at(c_mat, off, ot)
+                            r_tile = at(r_mat, off, ot) if s.residual else r_mat
                             bias_t = simd.gep(b, bias, b.mul(q, const(i64, s.nr))) if s.bias \
                                 else bias
                             args = [a_tile, b_tile, c_tile, kcl, mode, bias_t, r_tile]
@@ -397,16 +405,14 @@ def _emit_small_rows(f: Fn, p: _Plan, m_rows, ptrs, acc, tid, nt) -> None:
     place, K in one block, the panels split between the threads."""
     b, s = f.b, p.s
     a_mat, w, bias, res, c = ptrs
-    ct = i16 if p.bf16 else None
     variants = {(r, cols): emit_micro(f.module, p.micro(r, cols, in_place=True))
                 for r in range(1, p.small_rows + 1) for cols in {s.nr, p.nr_edge}}
     lo, hi = omp.split(f, p.np, tid, nt)
     first_last = const(i64, FIRST | LAST)
     with f.for_range(lo, hi, name="q") as q:
         col = b.mul(q, const(i64, s.nr))
-        c_tile = simd.gep(b, c, col, ct) if ct is not None else simd.gep(b, c, col)
-        r_tile = (simd.gep(b, res, col, ct) if ct is not None else simd.gep(b, res, col)) \
-            if s.residual else res
+        c_tile = simd.gep(b, c, col, p.out_t)
+        r_tile = simd.gep(b, res, col, p.out_t) if s.residual else res
         bias_t = simd.gep(b, bias, col) if s.bias else bias
         w_tile = simd.gep(b, w, b.mul(q, const(i64, p.kw_panel * s.nr)))
         args = [a_mat, w_tile, acc if p.bf16 else c_tile, const(i64, p.kw), first_last, bias_t,

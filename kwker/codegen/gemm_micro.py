@@ -66,17 +66,23 @@ class Micro:
     dot: str = "fma"   # fma (float32) | dpbf16 | widen (bf16 pairs, see the module doc)
     ldo: int = 0       # bf16: row stride of ``out`` and the residual
     screen: int = 0    # 1 / -1: screened tile against per-row roots (see module doc)
+    out: str = ""      # type of out and the residual when not the inputs' ("f32" with bf16)
 
     @property
     def bf16(self) -> bool:
         return self.dot != "fma"
 
     @property
+    def out_dtype(self) -> str:
+        return self.out or ("bf16" if self.bf16 else "f32")
+
+    @property
     def name(self) -> str:
         return (f"uk.{self.mr}x{self.nv}x{self.lanes}.c{self.cols}.a{self.a_rs}_{self.a_ks}"
                 f".b{self.ldb}{'m' if self.b_masked else ''}.s{self.ksplit}.u{self.unroll}"
                 + ("" if self.dot == "fma" else f".{self.dot}.o{self.ldo}")
-                + (f".screen{self.screen}" if self.screen else ""))
+                + (f".screen{self.screen}" if self.screen else "")
+                + (f".o{self.out}" if self.out else ""))
 
 
 def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
@@ -166,7 +172,7 @@ def _epilogue(f: Fn, mk: Micro, total, bias, res, out, last_active: int) -> None
     bias_v = [simd.load_any(b, bias, v * L, L, min(L, mk.cols - v * L)) if mk.bias else None
               for v in range(nv)]
     act = mk.epilogue != "none"
-    dtype = "bf16" if mk.bf16 else "f32"
+    dtype = mk.out_dtype
     for r in range(mk.mr):
         for v in range(nv):
             x = total[r][v]
@@ -210,10 +216,11 @@ def _screen(f: Fn, mk: Micro, total, c, thr, last_active: int) -> ir.Value:
 def _epilogue_pass(f: Fn, mk: Micro, c, res, out, last_active: int) -> None:
     """out = act(C) + residual over the stored tile, one row per iteration: the activation is
     emitted ``nv`` times instead of ``mr * nv`` times (compile time), at the cost of an L1
-    round trip per vector. bf16: C is float32, the residual and out bf16 (rounded once)."""
+    round trip per vector. bf16: C is float32, the residual and out bf16 (rounded once) or
+    float32 (``mk.out``)."""
     epilogue_rows(f, const(i64, mk.mr), mk.nv, mk.lanes, last_active, c, mk.ldc, out,
                   mk.ldo if mk.bf16 else mk.ldc, mk.epilogue, None, res if mk.residual else None,
-                  "bf16" if mk.bf16 else "f32", native=mk.dot == "dpbf16")
+                  mk.out_dtype, native=mk.dot == "dpbf16")
 
 
 def epilogue_rows(f: Fn, rows: ir.Value, nv: int, lanes: int, last_active: int, c, ldc: int,

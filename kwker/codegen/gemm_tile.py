@@ -35,7 +35,7 @@ from llvmlite import ir
 from . import simd
 from .gemm_micro import epilogue_rows
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, aligned_malloc, const, defined, f32, i1, i16, i32, i64, intrinsic, ptr, void
+from .irutil import Fn, aligned_malloc, const, defined, i1, i16, i32, i64, intrinsic, ptr, void
 from .tiles import Tiles
 
 TILE_BLOCK = (32, 32)   # rows x columns of C per block: 2 x 2 accumulator tiles
@@ -87,7 +87,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
     elif p.pack_b:
         pack_b = emit_pack_cols(module, nr, s.n, p.lanes, pairs=True)
 
-    out_t = f32 if p.int8 else i16   # bf16 out; u8s8: float32 out (a is u8, read as words)
+    out_t = p.out_t   # bf16, or float32 (u8s8, or a bf16 product with a float32 residual)
     pending = _PendingEpilogue(f, p, bias, out_t)
     parity = f.var(i64, const(i64, 0), "parity")
 
@@ -198,7 +198,7 @@ class _PendingEpilogue:
         count = b.sub(_min(b, self.rows.get(), r1), r0)
         with f.if_(b.and_(self.on.get(), b.icmp_signed(">", count, const(i64, 0)))):
             n = p.s.n
-            res = simd.gep(b, self.res.get(), b.mul(r0, const(i64, n)), i16) \
+            res = simd.gep(b, self.res.get(), b.mul(r0, const(i64, n)), self.out_t) \
                 if p.s.residual else None
             _epilogue(f, p, simd.gep(b, self.block.get(), b.mul(r0, const(i64, 32))),
                       self.q.get(), count, self.bias,
@@ -297,7 +297,7 @@ def _epilogue(f: Fn, p, block, q, rows, bias, out, res) -> None:
     def run(cols: int) -> None:
         nv = -(-cols // 16)
         epilogue_rows(f, rows, nv, 16, cols - 16 * (nv - 1), block, 32, out, s.n, s.epilogue,
-                      bias_q, res, "f32" if p.int8 else "bf16", native)
+                      bias_q, res, p.out, native)
 
     if p.nr_edge == s.nr:
         run(s.nr)

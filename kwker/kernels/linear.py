@@ -90,7 +90,8 @@ def shared_panels(weight: torch.Tensor, nr: int, bf16: bool, source: torch.Tenso
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None = None,
                 epilogue: str = "none", residual: bool = False,
-                dtype: torch.dtype | None = None, source: torch.Tensor | None = None):
+                dtype: torch.dtype | None = None, source: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None):
     """``callable(x (m, K)[, residual (m, N)]) -> (m, N)``.
 
     ``m=None`` builds the kernel generic over the row count: one compile and one packed copy
@@ -103,9 +104,17 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     or bfloat16 (weights rounded to bf16 once here, the bias added in float32 to the float32
     sums, the epilogue in float32, one rounding at the end: autocast's casts and oneDNN's
     arithmetic, with fewer roundings).
+
+    ``out_dtype`` (default ``dtype``): float32 with bf16 ``dtype`` makes the residual and the
+    output float32, the product added to the residual unrounded: autocast's bf16 linear whose
+    result joins a float32 residual stream (eager rounds the product to bf16 first).
     """
     dtype = dtype or weight.dtype
     dt = kernel_dtype(dtype, "make_linear")
+    out_dtype = out_dtype or dtype
+    if out_dtype != dtype and (dt, out_dtype) != ("bf16", torch.float32):
+        raise NotImplementedError(f"make_linear: a {out_dtype} output of a {dtype} kernel "
+                                  "(only bf16 inputs with a float32 output)")
     if dt == "f32":
         for t in (weight, bias):
             if t is not None and t.dtype != torch.float32:
@@ -127,36 +136,40 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     if bias is not None:  # bf16: rounded as autocast rounds it, then added in float32
         bias_c = (bias.detach().to(torch.bfloat16) if bf16 else bias.detach()).float() \
             .contiguous()
-    args = (weight, bias_c, m, n, k, kk, epilogue, residual, dtype, source)
+    args = (weight, bias_c, m, n, k, kk, epilogue, residual, dtype, source, out_dtype)
     options = blocking.variants(m, n, kk // 2 if bf16 else k, dtype=dt)
     if len(options) == 1:
         return _build(next(iter(options.values())), *args)
 
     def inputs():
         x = torch.randn(m, k).to(dtype)
-        return [x, torch.randn(m, n).to(dtype)] if residual else [x]
+        return [x, torch.randn(m, n).to(out_dtype)] if residual else [x]
     problem = {"inputs": [["tensor", [m, k], [k, 1], str(dtype)]], "n": n, "k": k,
                "bias": bias is not None, "epilogue": epilogue, "residual": residual}
+    if out_dtype != dtype:
+        problem["out"] = str(out_dtype)
     return variants.pick("linear", problem, {name: (lambda b=blk: _build(b, *args))
                                              for name, blk in options.items()}, inputs)[1]
 
 
 def _build(blk: blocking.Blocking, weight, bias_c, m, n, k, kk, epilogue, residual, dtype,
-           source):
+           source, out_dtype):
     """The linear kernel of blocking ``blk`` and its callable (see ``make_linear``)."""
     dt = kernel_dtype(dtype, "make_linear")
     bf16, generic = dt == "bf16", m is None
     spec = GemmSpec(m or 0, n, kk, 1, "packed", bias_c is not None, epilogue, residual,
-                    **blk.as_kwargs(), dtype=dt)
+                    **blk.as_kwargs(), dtype=dt,
+                    out="" if out_dtype == dtype else kernel_dtype(out_dtype, "make_linear"))
     fn = entry(spec, 5, 2 if generic else 1)
     packed = shared_panels(weight, blk.nr, bf16, source, blk.k_step)
     if generic:
-        return _generic_run(fn, spec, packed, bias_c, n, k, pad=kk != k, dtype=dtype)
+        return _generic_run(fn, spec, packed, bias_c, n, k, pad=kk != k, dtype=dtype,
+                            out_dtype=out_dtype)
     w_ptr = packed.data_ptr()
     b_ptr = bias_c.data_ptr() if bias_c is not None else None
     symbol, x_shape, out_shape = spec.symbol, (m, k), (m, n)
     # outputs are made empty_like this: 0.8 us against 1.5 for torch.empty(shape, dtype=...)
-    template, empty_like, threads = torch.empty(out_shape, dtype=dtype), torch.empty_like, \
+    template, empty_like, threads = torch.empty(out_shape, dtype=out_dtype), torch.empty_like, \
         torch.get_num_threads
     pad = kk != k
 
@@ -175,8 +188,8 @@ def _build(blk: blocking.Blocking, weight, bias_c, m, n, k, kk, epilogue, residu
     if residual:
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
             x = prepare(x)
-            if not (res.shape == out_shape and res.dtype == dtype and res.is_contiguous()):
-                res = checked(res, out_shape, "linear residual", dtype)
+            if not (res.shape == out_shape and res.dtype == out_dtype and res.is_contiguous()):
+                res = checked(res, out_shape, "linear residual", out_dtype)
             out = empty_like(template)
             call(x.data_ptr(), res.data_ptr(), out.data_ptr())
             return out
@@ -195,13 +208,13 @@ def _build(blk: blocking.Blocking, weight, bias_c, m, n, k, kk, epilogue, residu
     return run
 
 
-def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype):
+def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype, out_dtype):
     """The callable of a kernel generic over M: the row count is read off ``x`` per call."""
     w_ptr = packed.data_ptr()
     b_ptr = bias_c.data_ptr() if bias_c is not None else None
     symbol = spec.symbol
     empty, empty_like, threads = torch.empty, torch.empty_like, torch.get_num_threads
-    one_row = torch.empty(1, n, dtype=dtype)  # batch-1 serving: empty_like is 0.7 us cheaper
+    one_row = torch.empty(1, n, dtype=out_dtype)  # batch-1 serving: empty_like is 0.7 us cheaper
 
     def prepare(x):
         if not (x.dim() == 2 and x.shape[1] == k and x.dtype == dtype and x.is_contiguous()):
@@ -210,7 +223,7 @@ def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype):
 
     def call(x, r_ptr):
         rows = x.shape[0]
-        out = empty(rows, n, dtype=dtype)  # sizes as arguments: cheaper than a shape tuple
+        out = empty(rows, n, dtype=out_dtype)  # sizes as arguments: cheaper than a shape tuple
         if rows == 0:
             return out
         if _profiler_enabled():
@@ -224,8 +237,8 @@ def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype):
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
             x = prepare(x)
             shape = (x.shape[0], n)
-            if not (res.shape == shape and res.dtype == dtype and res.is_contiguous()):
-                res = checked(res, shape, "linear residual", dtype)
+            if not (res.shape == shape and res.dtype == out_dtype and res.is_contiguous()):
+                res = checked(res, shape, "linear residual", out_dtype)
             return call(x, res.data_ptr())
     else:
         def run(x: torch.Tensor) -> torch.Tensor:

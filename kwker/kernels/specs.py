@@ -50,6 +50,9 @@ class GemmSpec(Spec):
     unroll: int = 1
     dtype: str = "f32"     # "bf16": bf16 A/B/residual/out, float32 accumulation and epilogue
     path: str = "vector"   # "tile": 32x32 blocks of matrix tiles (codegen/gemm_tile.py)
+    # the residual's and the output's type when not ``dtype``: "f32" with bf16 packed weights
+    # (autocast's float32 residual stream added to a bf16 linear, without rounding the product)
+    out: str = ""
     family = "gemm"
 
     @property
@@ -60,7 +63,8 @@ class GemmSpec(Spec):
                 f"_t{self.mr}x{self.nr}_kc{self.kc}_mc{self.mc}_nb{self.nb}"
                 f"_p{int(self.a_pack)}_s{self.ksplit}_u{self.unroll}"
                 + ("" if self.dtype == "f32" else "_" + self.dtype)
-                + ("" if self.path == "vector" else "_" + self.path))
+                + ("" if self.path == "vector" else "_" + self.path)
+                + (f"_o{self.out}" if self.out else ""))
 
 
 @register_spec

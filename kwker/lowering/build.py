@@ -228,6 +228,10 @@ def _linear(m: Match, metas, consts):
         if len(rm.shape) != len(out_shape) or not all(
                 a is None or b is None or a == b for a, b in zip(rm.shape, out_shape)):
             return None, f"residual shape {rm.shape} is not the output shape {out_shape}"
+        if rm.dtype != xm.dtype:  # a float32 residual stream (autocast): a float32 result
+            if maker != "make_linear":
+                return None, f"a {rm.dtype} residual of a {xm.dtype} low-bit linear"
+            extra["out_dtype"] = rm.dtype
     bias = consts[m.inputs["bias"]].detach() if m.inputs["bias"] is not None else None
     if not known(*lead):
         fn, why = _make(maker, w, bias, None, epilogue=m.params["epilogue"],

@@ -122,29 +122,34 @@ def _shape_meta(shape, dtype=torch.float32, stride=None):
 
 
 def _make(kind, inputs: dict, shapes: dict, params: dict, consts: dict | None = None,
-          strides: dict | None = None, dtype: torch.dtype = torch.float32):
+          strides: dict | None = None, dtype: torch.dtype = torch.float32,
+          dtypes: dict | None = None):
     """Build a kernel for ``kind`` at these shapes (called by kernel_for on a miss only);
     ``strides`` gives some inputs' layouts (contiguous otherwise; "out" is the result's);
-    ``dtype`` is the activations' (a mask's meta gets it too: only its shape is read)."""
-    strides = strides or {}
-    metas = {k: _shape_meta(v, dtype=dtype, stride=strides.get(k))
+    ``dtype`` is the activations' (a mask's meta gets it too: only its shape is read), unless
+    ``dtypes`` names another for an input."""
+    strides, dtypes = strides or {}, dtypes or {}
+    metas = {k: _shape_meta(v, dtype=dtypes.get(k, dtype), stride=strides.get(k))
              for k, v in shapes.items()}
     return B.build(Match(kind, "out", [], inputs, params), metas, consts or {})
 
 
 # --------------------------------------------------------- kernels by concrete shapes
 def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed,
-                  dtype=torch.float32, build=True):
+                  dtype=torch.float32, build=True, res_dtype=None):
     """``dtype``: the activations' (x, residual, out); a float32 weight is rounded to it.
-    None sizes in the shapes: the kernel generic over them (see ``build.generic_shapes``)."""
+    ``res_dtype``: the residual's, and then the output's, when not ``dtype`` (float32 with
+    bf16). None sizes in the shapes: the kernel generic over them (see
+    ``build.generic_shapes``)."""
+    res_dtype = res_dtype or dtype
     key = ("linear", x_shape, weight.data_ptr(), _ptr(bias), res_shape, epilogue, transposed,
-           dtype)  # a torch.Size and the tuple of its sizes are the same key
+           dtype, res_dtype)  # a torch.Size and the tuple of its sizes are the same key
     return kernel_for(key, (weight,) if bias is None else (weight, bias), lambda: _make(
         "linear", {"x": "x", "weight": "w", "transposed": transposed,
                    "bias": "b" if bias is not None else None,
                    "residual": "r" if res_shape is not None else None},
         {"x": x_shape, "r": res_shape}, {"epilogue": epilogue}, {"w": weight, "b": bias},
-        dtype=dtype), build)
+        dtype=dtype, dtypes={"r": res_dtype}), build)
 
 
 def linear_topk_kernel(x_shape, weight, transposed, k, largest, dtype=torch.float32,
@@ -213,11 +218,12 @@ def _act(out, epilogue):
 
 
 def _linear(x, weight, bias, residual, epilogue, transposed):
-    rs = None if residual is None else residual.shape
-    fn, _ = linear_kernel(x.shape, weight, bias, rs, epilogue, transposed, x.dtype, False)
+    rs, rd = (None, None) if residual is None else (residual.shape, residual.dtype)
+    fn, _ = linear_kernel(x.shape, weight, bias, rs, epilogue, transposed, x.dtype, False, rd)
     if fn is None:
         g = generic_shapes("linear", {"x": x.shape, "r": rs})
-        fn, _ = linear_kernel(g["x"], weight, bias, g["r"], epilogue, transposed, x.dtype)
+        fn, _ = linear_kernel(g["x"], weight, bias, g["r"], epilogue, transposed, x.dtype,
+                              res_dtype=rd)
     if fn is not None:
         return fn(x) if residual is None else fn(x, residual)  # contiguous, as the fake says
     weight = weight.to(x.dtype)  # an autocast region's float32 weight, cast as autocast casts
@@ -229,8 +235,9 @@ def _linear(x, weight, bias, residual, epilogue, transposed):
 def _linear_fake(x, weight, bias, residual, epilogue, transposed):
     n = weight.shape[1] if transposed else weight.shape[0]
     shape = (*x.shape[:-1], n)
-    if residual is not None:
-        shape = torch.broadcast_shapes(shape, residual.shape)
+    if residual is not None:  # a float32 residual of a bf16 product: a float32 sum
+        return x.new_empty(torch.broadcast_shapes(shape, residual.shape),
+                           dtype=torch.promote_types(x.dtype, residual.dtype))
     return x.new_empty(shape)
 
 

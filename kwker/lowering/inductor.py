@@ -67,8 +67,10 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
     dtype = metas[i[keys[0]]].dtype
     if m.kind == "linear":
         bias = consts[i["bias"]] if i["bias"] is not None else None
+        res = i["residual"]
         fn, why = C.linear_kernel(shapes["x"], consts[i["weight"]], bias, shapes["residual"],
-                                  p["epilogue"], i["transposed"], dtype)
+                                  p["epilogue"], i["transposed"], dtype,
+                                  res_dtype=metas[res].dtype if res is not None else None)
     elif m.kind == "linear_topk":
         fn, why = C.linear_topk_kernel(shapes["x"], consts[i["weight"]], i["transposed"],
                                        p["k"], p["largest"], dtype)

@@ -282,8 +282,12 @@ class Matcher:
             bu = bind(user)
             if bu is not None and bu["alpha"] == 1:
                 other = bu["other"] if bu["input"] is cur else bu["input"]
+                # a bf16 product joining a float32 residual stream (autocast): the sum is
+                # float32, and the kernel adds the product to it unrounded
+                res_dt = torch.float32 if dt == torch.bfloat16 and \
+                    _dtype(self.metas, other) == torch.float32 else dt
                 if other is not cur and isinstance(other, Node) and \
-                        _fits(self.metas, other, user, dtype=dt) and \
+                        _fits(self.metas, other, user, dtype=res_dt) and \
                         cur in (bu["input"], bu["other"]):
                     without = Match("linear", cur, list(covers), dict(inputs),
                                     {"epilogue": epilogue}, [plain] if cur is not n else [])

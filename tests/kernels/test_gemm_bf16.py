@@ -21,12 +21,14 @@ from kwker.runtime.target import host_target
 BF16 = torch.bfloat16
 ACT = {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu,
        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
-LINEAR_CASES = [  # m, n, k, epilogue, residual, bias
+LINEAR_CASES = [  # m, n, k, epilogue, residual, bias[, out: a float32 residual and output]
     (1, 64, 32, "none", False, True), (1, 4096, 1024, "none", False, True),
     (3, 37, 17, "gelu", False, True), (5, 33, 2, "relu", True, False),
     (8, 200, 1031, "gelu_tanh", True, True), (13, 100, 64, "none", True, True),
     (37, 77, 3, "none", False, True), (64, 256, 512, "gelu", False, True),
     (200, 300, 1030, "none", True, True), (131, 521, 4097, "relu", False, True),
+    (3, 70, 33, "gelu_tanh", True, True, torch.float32),
+    (45, 100, 300, "none", True, True, torch.float32),
 ]
 MATMUL_CASES = [  # m, k, n, batch, b transposed
     (5, 17, 33, 1, False), (5, 17, 33, 1, True), (64, 64, 128, 4, False), (64, 64, 128, 4, True),
@@ -51,18 +53,20 @@ def within_contract(got, eager, ref) -> tuple[bool, str]:
         f"{max_error(eager, ref)} bound {bound}"
 
 
-def check_linear(m, n, k, epilogue, residual, bias, generic=False):
-    """``generic``: the kernel built for any row count, called with ``m`` rows."""
+def check_linear(m, n, k, epilogue, residual, bias, out=BF16, generic=False):
+    """``generic``: the kernel built for any row count, called with ``m`` rows. ``out``
+    float32: autocast's bf16 product joining a float32 residual stream (eager rounds the product
+    to bf16, then adds it in float32)."""
     w = (torch.randn(n, k) / k ** 0.5).to(BF16)
     b = torch.randn(n).to(BF16) if bias else None
-    x, r = torch.randn(m, k).to(BF16), torch.randn(m, n).to(BF16)
-    fn = make_linear(w, b, None if generic else m, epilogue, residual)
+    x, r = torch.randn(m, k).to(BF16), torch.randn(m, n).to(out)
+    fn = make_linear(w, b, None if generic else m, epilogue, residual, out_dtype=out)
     got = fn(x, r) if residual else fn(x)
     ref = ACT[epilogue](F.linear(x.float(), w.float(), None if b is None else b.float()))
     eager = ACT[epilogue](F.linear(x, w, b))
     if residual:
         ref, eager = ref + r.float(), eager + r
-    assert got.dtype == BF16 and got.shape == (m, n)
+    assert got.dtype == out and got.shape == (m, n)
     return within_contract(got, eager, ref)
 
 

@@ -45,6 +45,8 @@ LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns an
     (100, 300, 1030, "none", True, True), (131, 521, 4097, "relu", False, True),
     (200, 64, 1600, "gelu", True, False),
     (97, 200, 2500, "gelu_tanh", True, True),  # deferred epilogue across 2 K blocks
+    (70, 100, 300, "gelu", True, True, torch.float32),  # a float32 residual and output
+    (40, 64, 2200, "none", True, False, torch.float32),
 ]
 MATMUL_CASES = [  # m, k, n, batch, b transposed
     (40, 17, 33, 1, False), (40, 17, 33, 1, True), (64, 64, 128, 4, False),
@@ -73,13 +75,14 @@ def _run_worker(tmp_path, tiles: str, out: str, cpu: str = "") -> str:
 def _outputs() -> dict:
     """Every case's output, from fixed inputs: the worker's and this process's are comparable."""
     results = {}
-    for i, (m, n, k, epilogue, residual, bias) in enumerate(LINEAR_CASES):
+    for i, (m, n, k, epilogue, residual, bias, *out) in enumerate(LINEAR_CASES):
+        out = out[0] if out else BF16
         g = torch.Generator().manual_seed(i)
         w = (torch.randn(n, k, generator=g) / k ** 0.5).to(BF16)
         b = torch.randn(n, generator=g).to(BF16) if bias else None
-        x, r = torch.randn(m, k, generator=g).to(BF16), torch.randn(m, n, generator=g).to(BF16)
+        x, r = torch.randn(m, k, generator=g).to(BF16), torch.randn(m, n, generator=g).to(out)
         for generic in (False, True):
-            fn = make_linear(w, b, None if generic else m, epilogue, residual)
+            fn = make_linear(w, b, None if generic else m, epilogue, residual, out_dtype=out)
             assert fn.spec.path == "tile", fn.spec
             results[f"linear{i}{'g' * generic}"] = fn(x, r) if residual else fn(x)
     return results
