@@ -61,6 +61,8 @@ class LowbitWeight:
     bits: int                        # 8, or 4 for values that fit 4 bits
     dtype: torch.dtype               # what the tensor dequantises to (the model's dtype)
     source: str                      # class name, for messages
+    version: int | None = None       # the tensor's: bumped by an in-place copy_ (torchao
+    # copies into qdata without bumping qdata's own)
 
 
 def is_quantized(t) -> bool:
@@ -104,7 +106,11 @@ def lowbit_weight(t: torch.Tensor) -> LowbitWeight:
     width = {getattr(torch, f"int{b}"): b for b in range(1, 9) if hasattr(torch, f"int{b}")}
     if width.get(target, 8) <= 4:
         bits = 4
-    return LowbitWeight(q, scale, zp, group, bits, t.dtype, name)
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        version = None
+    return LowbitWeight(q, scale, zp, group, bits, t.dtype, name, version)
 
 
 class LowbitTensor(torch.Tensor):
@@ -230,8 +236,9 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     return _wrap(either, [spec] + specs, buffers, n, k, m, residual, dtype)
 
 
-# (id(qdata), lanes, padded K, rr, groups) -> (weakref to qdata, (w, scale, zp)): the kernels of
-# one weight (a model's prefill, decode and recompiled graphs) share its repacked operands
+# (id(qdata), lanes, padded K, rr, groups) -> (weakref to qdata, the versions of its tensors,
+# (w, scale, zp)): the kernels of one weight (a model's prefill, decode and recompiled graphs)
+# share its repacked operands, repacked when the weight was changed in place
 _OPERANDS: dict = {}
 
 
@@ -242,9 +249,10 @@ def _operands(lw: LowbitWeight, lanes: int, kp: int, rr: int, groups: int) -> tu
     MB)."""
     q = lw.qdata
     key = (id(q), lanes, kp, rr, groups)
+    versions = (lw.version, *(t._version for t in (q, lw.scale, lw.zero_point) if t is not None))
     hit = _OPERANDS.get(key)
-    if hit is not None and hit[0]() is q:
-        return hit[1]
+    if hit is not None and hit[0]() is q and hit[1] == versions:
+        return hit[2]
     n = q.shape[0]
     # int8 values are q itself: cached, they would keep q alive, so only int4 is kept here
     scale = torch.zeros(n, groups)
@@ -256,8 +264,9 @@ def _operands(lw: LowbitWeight, lanes: int, kp: int, rr: int, groups: int) -> tu
     if lw.bits == 8:
         return (q if q.is_contiguous() else q.contiguous()), scale, zp
     w = pack_int4(q, lanes, kp, rr)
-    _OPERANDS[key] = (weakref.ref(q), (w, scale, zp))
-    weakref.finalize(q, _OPERANDS.pop, key, None)
+    if hit is None:
+        weakref.finalize(q, _OPERANDS.pop, key, None)
+    _OPERANDS[key] = (weakref.ref(q), versions, (w, scale, zp))
     return w, scale, zp
 
 

@@ -69,10 +69,14 @@ def _version(t: torch.Tensor):
 
 
 class Plan:
-    __slots__ = ("guards", "program", "report")
+    __slots__ = ("guards", "program", "report", "subclassed")
 
     def __init__(self, program: Program, guards: tuple, report: Report):
         self.program, self.guards, self.report = program, guards, report
+        # a tensor subclass's _version goes through its __torch_function__ (torchao's weights:
+        # ~3 us each, per call; 85 of them in a Llama decode step): read with it disabled
+        self.subclassed = any(type(t) not in (torch.Tensor, torch.nn.Parameter)
+                              for _, t, _ in guards)
 
     def valid(self, args) -> bool:
         for i, t, v in self.guards:
@@ -204,6 +208,10 @@ class EagerCompiled:
 
     def __call__(self, *args):
         plan = self.plan
+        if plan.subclassed:
+            with torch._C.DisableTorchFunctionSubclass():
+                valid = plan.valid(args)
+            return plan.program(args) if valid else self._slow(args)
         for i, t, v in plan.guards:  # Plan.valid, inlined: this is the per-call path
             a = args[i]
             if a is not t or (v is not None and a._version != v):

@@ -238,3 +238,22 @@ def test_quantized_sequential_packaged_for_another_cpu(tmp_path):
     with torch.no_grad():
         for (x,), (y,) in zip(cases, answers):
             assert_contract(y, reference(x))
+
+
+
+def test_quantized_weights_updated_in_place_are_noticed():
+    """The compiled graph checks its weights' versions per call without running torchao's
+    ``__torch_function__`` (kwker.lowering.partition.Plan.subclassed); a quantised weight
+    copied over in place still re-specialises the graph."""
+    model, reference = quantized_mlp("int4-group")
+    torch.manual_seed(1)
+    donor = MLP().eval()
+    quantize_(donor, CONFIGS["int4-group"]())
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        assert_contract(compiled(x), reference(x))
+        assert kd.last_report().kernel_names == ["linear_gelu", "linear_residual", "linear"]
+        model.up.weight.copy_(donor.up.weight)
+        reference.up.weight.copy_(donor.up.weight.dequantize())
+        assert_contract(compiled(x), reference(x))
