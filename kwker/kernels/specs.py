@@ -24,6 +24,16 @@ class EltwiseSpec(Spec):
 
 @register_spec
 @dataclass(frozen=True)
+class RopeSpec(Spec):
+    """Rotary position embedding ``x * cos + rotate_half(x) * sin`` over rows of ``d`` (see
+    codegen/rope.py); sizes and strides are read per call."""
+    d: int
+    dtype: str = "f32"     # of x, cos, sin and out ("f32" | "bf16"), rounded as ATen rounds
+    family = "rope"
+
+
+@register_spec
+@dataclass(frozen=True)
 class GemmSpec(Spec):
     """``C = act(A @ B + bias) + residual`` for fixed shapes and blocking (see codegen/gemm.py).
 

@@ -194,9 +194,14 @@ def _generic_match(m: Match, metas: dict):
     return Match(m.kind, m.output, m.covers, m.inputs, params), wide
 
 
+# the inputs of kernels generic over every size (none of their sizes keys a kernel)
+GENERIC_INPUTS = {"rope": ("x", "cos", "sin")}
+
+
 def runtime_inputs(m: Match) -> list:
     """Nodes the kernel reads at run time, in the order its callable takes them."""
-    keys = SIZED_INPUTS.get(m.kind, ("x",))  # sorting: x, then a quantile's q tensor
+    # sorting: x, then a quantile's q tensor
+    keys = SIZED_INPUTS.get(m.kind) or GENERIC_INPUTS.get(m.kind, ("x",))
     nodes = [m.inputs[k] for k in keys if m.inputs.get(k) is not None]
     if m.kind == "sorting":
         nodes += [a for a in m.params["args"] if isinstance(a, Node)]
@@ -591,8 +596,16 @@ def _sorting(m: Match, metas, consts):
     return (lambda x: wrap(run(mod, v, x, *args))), None
 
 
+def _rope(m: Match, metas, consts):
+    """One kernel per row length and dtype: sizes, strides and broadcasting are read per call
+    (and a layout it does not take runs the ATen composition), so it serves every size."""
+    xm: TensorMeta = metas[m.inputs["x"]]
+    fn, why = _make("make_rope", m.params["d"], dtype=xm.dtype)
+    return _mark(fn, True), why
+
+
 _BUILDERS = {"linear": _linear, "linear_topk": _linear_topk, "matmul": _matmul, "gelu": _gelu,
-             "sdpa": _sdpa, "layer_norm": _layer_norm, "silu_mul": _silu_mul,
+             "sdpa": _sdpa, "layer_norm": _layer_norm, "silu_mul": _silu_mul, "rope": _rope,
              "sorting": _sorting}
 
 

@@ -224,3 +224,80 @@ def silu_mul_at(n: Node) -> tuple | None:
                 len(s.args) == 1 and not s.kwargs.get("inplace", False):
             return s.args[0], u, [s, n]
     return None
+
+
+# ------------------------------------------------------------------- rotary embedding
+_NEG = ((operator.neg, torch.neg, _aten.neg.default), ("neg", "__neg__"))
+_CAT = ((torch.cat, torch.concat, _aten.cat.default), ())
+_END = 1 << 62  # an open slice end, as torch.export writes it (sys.maxsize)
+
+
+def _half(n) -> tuple | None:
+    """(x, "lo" | "hi", h, dim) if ``n`` is ``x[..., :h]`` / ``x[..., h:]`` (a getitem: dim
+    -1, or ATen's slice of ``dim``) used once, else None."""
+    if not isinstance(n, Node) or len(n.users) != 1:
+        return None
+    if n.op == "call_function" and n.target is operator.getitem and len(n.args) == 2:
+        x, idx = n.args
+        if not (isinstance(idx, tuple) and len(idx) == 2 and idx[0] is Ellipsis and
+                isinstance(idx[1], slice) and idx[1].step in (None, 1)):
+            return None
+        dim, lo, hi = -1, idx[1].start, idx[1].stop
+    elif _is(n, (_aten.slice.Tensor,)) and 3 <= len(n.args) <= 5 and not n.kwargs:
+        x, dim, lo, hi = (list(n.args) + [None])[:4]
+        if type(dim) is not int or (n.args[4:] or [1])[0] != 1:
+            return None
+        lo = None if lo == 0 else lo
+        hi = None if isinstance(hi, int) and hi >= _END else hi
+    else:
+        return None
+    if not isinstance(x, Node):
+        return None
+    if lo is None and type(hi) is int and hi > 0:
+        return x, "lo", hi, dim
+    if hi is None and type(lo) is int and lo > 0:
+        return x, "hi", lo, dim
+    return None
+
+
+def _rotated(cat: Node) -> tuple | None:
+    """(x, h, its nodes, the dims it slices and joins) if ``cat`` is ``rotate_half(x)``, that
+    is ``cat((-x[..., h:], x[..., :h]), -1)`` (the caller checks the dims are x's last)."""
+    if not _is(cat, *_CAT) or len(cat.users) != 1:
+        return None
+    parts = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or type(dim) is not int:
+        return None
+    neg, lo = parts
+    if not _is(neg, *_NEG) or len(neg.args) != 1 or len(neg.users) != 1:
+        return None
+    a, b = _half(neg.args[0]), _half(lo)
+    if a is None or b is None or a[0] is not b[0] or (a[1], b[1]) != ("hi", "lo") or \
+            a[2] != b[2]:
+        return None
+    return a[0], a[2], [neg.args[0], lo, neg, cat], {dim, a[3], b[3]}
+
+
+def rope_at(n: Node) -> tuple | None:
+    """``x * c + rotate_half(x) * s`` ending at the sum ``n`` (transformers'
+    ``apply_rotary_pos_emb`` for q or k): (x, c, s, h, the dims rotate_half slices and joins,
+    covered nodes in graph order), or None."""
+    if not _is(n, *_ADD) or len(n.args) != 2 or n.kwargs:
+        return None
+    for m1, m2 in (n.args, n.args[::-1]):
+        if not (_is(m1, *_MUL) and _is(m2, *_MUL)) or len(m1.users) != 1 or \
+                len(m2.users) != 1 or len(m2.args) != 2 or m2.kwargs:
+            continue
+        for cat, s in (m2.args, m2.args[::-1]):
+            rot = _rotated(cat) if isinstance(cat, Node) else None
+            if rot is None or not isinstance(s, Node):
+                continue
+            x, h, inner, dims = rot
+            c = _other(m1, x)
+            if not isinstance(c, Node):
+                continue
+            order = {node: i for i, node in enumerate(n.graph.nodes)}
+            covers = sorted(inner + [m1, m2, n], key=order.__getitem__)
+            return x, c, s, h, dims, covers
+    return None

@@ -40,6 +40,7 @@ _SCHEMAS = {
     "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, int d, float eps, "
                   "str norm) -> Tensor",
     "silu_mul": "silu_mul(Tensor x, Tensor y) -> Tensor",
+    "rope": "rope(Tensor x, Tensor cos, Tensor sin) -> Tensor",
     "sdpa": "sdpa(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale) "
             "-> Tensor",
 }
@@ -302,6 +303,26 @@ def _silu_mul_fake(x, y):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def rope_kernel(d, dtype=torch.float32, build=True):
+    return kernel_for(("rope", d, dtype), (), lambda: _make(
+        "rope", {"x": "x", "cos": "c", "sin": "s"},
+        {"x": (None, None, None, d), "c": (None, None, None, d), "s": (None, None, None, d)},
+        {"d": d}, dtype=dtype), build)
+
+
+def _rope(x, cos, sin):
+    fn, _ = rope_kernel(x.shape[-1], x.dtype) if x.dim() == 4 and x.shape[-1] % 2 == 0 \
+        else (None, None)
+    if fn is not None:
+        return fn(x, cos, sin)   # other layouts: the ATen composition, inside
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+def _rope_fake(x, cos, sin):
+    return torch.empty_like(x)   # eager's layout: x's (see kernels/rope.py)
+
+
 def _layer_norm(x, weight, bias, d, eps, norm):
     fn = None
     if x.is_contiguous():
@@ -366,7 +387,7 @@ def _sorting(v):
 _IMPLS = {"linear": (_linear, _linear_fake), "linear_topk": (_linear_topk, _linear_topk_fake),
           "matmul": (_matmul, _matmul_fake), "gelu": (_gelu, _gelu_fake),
           "sdpa": (_sdpa, _sdpa_fake), "layer_norm": (_layer_norm, _layer_norm_fake),
-          "silu_mul": (_silu_mul, _silu_mul_fake)}
+          "silu_mul": (_silu_mul, _silu_mul_fake), "rope": (_rope, _rope_fake)}
 for _v in _SORTING:
     _IMPLS[_v] = _sorting(_v)
 for _name, (_impl, _fake) in _IMPLS.items():

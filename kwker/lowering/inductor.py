@@ -44,6 +44,8 @@ def _call_args(m: Match) -> tuple:
         return i["x"], p["approximate"]
     if m.kind == "silu_mul":
         return i["x"], i["y"]
+    if m.kind == "rope":
+        return i["x"], i["cos"], i["sin"]
     if m.kind == "sdpa":
         return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"]
     if m.kind == "layer_norm":
@@ -56,6 +58,8 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
     """Build the match's kernel now: (why it does not fit or stays on ATen, or None; whether
     it is generic)."""
     i, p = m.inputs, m.params
+    if m.kind == "rope":  # one kernel for every size, built at the op's first call
+        return None, True
     if m.kind not in SIZED_INPUTS:
         return None, False   # sorting ops: generic over sizes already (kwker.ops)
     keys, short = SIZED_INPUTS[m.kind], SHORT_NAMES

@@ -19,7 +19,7 @@ from torch.fx import Node
 
 from . import sorting as S
 from .autocast import cast_source
-from .composite import find_gelus, rms_norm_at, silu_mul_at
+from .composite import find_gelus, rms_norm_at, rope_at, silu_mul_at
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
@@ -29,7 +29,8 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass
 class Match:
-    kind: str   # linear | matmul | gelu | sdpa | linear_topk | layer_norm | silu_mul | sorting
+    kind: str   # linear | matmul | gelu | sdpa | linear_topk | layer_norm | silu_mul | rope
+    #             | sorting
     output: Node              # the node whose value the kernel produces
     covers: list              # every node the kernel replaces, in graph order
     inputs: dict              # name -> Node (runtime tensor) or constant
@@ -186,6 +187,9 @@ class Matcher:
         gate = silu_mul_at(n)
         if gate is not None:
             return self.silu_mul(*gate)
+        rope = rope_at(n)
+        if rope is not None:
+            return self.rope(*rope)
         if kind in S.OPS and self.sorting:
             b = bind(n)
             if b is None or not isinstance(b["input"], Node) or not _meta(self.metas, b["input"]):
@@ -390,6 +394,22 @@ class Matcher:
             return None
         return Match("layer_norm", out, casts + covers, {"x": x, "weight": w, "bias": None},
                      {"d": d, "eps": float(eps), "norm": norm})
+
+    def rope(self, x: Node, c: Node, s: Node, h: int, dims: set, covers: list) -> Match | None:
+        """Rotary embedding of a (B, H, T, d) ``x``, ``h = d / 2``, with ``cos``/``sin`` of
+        x's dtype and rank broadcast to it (the kernel reads any such layout per call)."""
+        mx = _meta(self.metas, x)
+        if mx is None or not _fits(self.metas, x, c, s, covers[-1], dtype=mx.dtype, rank=(4,)):
+            return None
+        d = mx.shape[-1]
+        if type(d) is not int or d != 2 * h or not dims <= {-1, 3}:
+            return None
+        for t in (c, s):  # sizes known here must broadcast; the kernel checks the rest
+            mt = _meta(self.metas, t)
+            if mt.shape[-1] != d or any(type(a) is int and type(b) is int and a not in (1, b)
+                                        for a, b in zip(mt.shape, mx.shape)):
+                return None
+        return Match("rope", covers[-1], covers, {"x": x, "cos": c, "sin": s}, {"d": d})
 
     def silu_mul(self, g: Node, u: Node, covers: list) -> Match | None:
         """``silu(g) * u`` of two tensors of one shape and dtype (no broadcasting)."""

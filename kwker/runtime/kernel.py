@@ -31,6 +31,7 @@ EMITTERS = {
     "attention": "kwker.codegen.attention",
     "topk_gemm": "kwker.codegen.fused_topk",
     "layernorm": "kwker.codegen.layernorm",
+    "rope": "kwker.codegen.rope",
     "gemm_lowbit": "kwker.codegen.gemm_lowbit",
     "lowbit_unpack": "kwker.codegen.gemm_lowbit",
     "lowbit_planes": "kwker.codegen.gemm_lowbit_planes",

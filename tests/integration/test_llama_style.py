@@ -1,7 +1,8 @@
 """Llama-style models (transformers' LlamaForCausalLM: RMSNorm, SwiGLU MLP, grouped-query
-attention): their RMSNorms and ``silu(gate) * up`` become Kwker kernels beside the linears and
-attention, in both inner modes, float32 and bf16; ``nn.RMSNorm`` too; with torchao int4 weights
-greedy decoding gives eager torchao's tokens."""
+attention, rotary embeddings): their RMSNorms, ``silu(gate) * up`` and the rotary embedding of q
+and k become Kwker kernels beside the linears and attention, in both inner modes, float32 and
+bf16; ``nn.RMSNorm`` too; with torchao int4 weights greedy decoding gives eager torchao's
+tokens."""
 import pytest
 import torch
 
@@ -36,6 +37,7 @@ def test_llama_norms_and_gates_are_kernels(inner):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     names = kernels(reports)
     assert names.count("rms_norm") == 5 and names.count("silu_mul") == 2, names
+    assert names.count("rope") == 4, names   # q and k of each layer
 
 
 def test_llama_bf16_keeps_the_contract():
@@ -49,6 +51,7 @@ def test_llama_bf16_keeps_the_contract():
         eager, got, ref = model(ids), compiled(ids), reference(ids)
     names = kernels(kd.all_reports())
     assert names.count("rms_norm") == 5 and names.count("silu_mul") == 2, names
+    assert names.count("rope") == 4, names
     assert_bf16_contract(got, eager, ref)
 
 

@@ -376,3 +376,38 @@ def test_llama_style_norm_and_swiglu_are_kernels_in_a_package(tmp_path):
     assert {"rms_norm", "silu_mul"} <= set(info["names"]), info
     for (x,), (y,) in zip(cases, answers):
         assert_close(y, model(x))
+
+
+def test_rotary_embedding_is_a_kernel_in_a_package(tmp_path):
+    """transformers' ``apply_rotary_pos_emb`` reaches a package as ATen slices, a negation, a
+    cat, products and a sum, and is the rope kernel there."""
+    tf = pytest.importorskip("transformers.models.llama.modeling_llama")
+
+    class Rotary(torch.nn.Module):
+        def __init__(self, d=64, heads=2, kv_heads=1):
+            super().__init__()
+            self.heads, self.kv, self.hd = heads, kv_heads, d // heads
+            self.q = torch.nn.Linear(d, d, bias=False)
+            self.k = torch.nn.Linear(d, self.hd * kv_heads, bias=False)
+
+        def forward(self, x, cos, sin):
+            b, t, _ = x.shape
+            q = self.q(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+            k = self.k(x).view(b, t, self.kv, self.hd).transpose(1, 2)
+            return tf.apply_rotary_pos_emb(q, k, cos, sin)
+    torch.manual_seed(0)
+    model = Rotary().eval()
+
+    def inputs(t):
+        angles = torch.arange(t)[:, None] * torch.rand(16)[None]
+        emb = torch.cat((angles, angles), -1)[None]
+        return torch.randn(2, t, 64), emb.cos(), emb.sin()
+    seq = torch.export.Dim("s", max=128)
+    ep = _export(model, inputs(7), ({1: seq}, {1: seq}, {1: seq}))
+    path = kwker.package(ep, tmp_path / "rotary.kwk")
+    cases = [inputs(t) for t in (1, 33)]
+    answers, info = serve(tmp_path, "run", path, cases)
+    assert info["names"].count("rope") == 2, info
+    for case, got in zip(cases, answers):
+        for g, want in zip(got, model(*case)):
+            assert_close(g, want)

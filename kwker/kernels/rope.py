@@ -1,0 +1,76 @@
+"""``make_rope``: rotary position embedding, ``x * cos + rotate_half(x) * sin``, as transformers'
+``apply_rotary_pos_emb`` computes it, in one kernel call instead of seven ATen ops (see
+codegen/rope.py). Layouts the kernel does not take run the ATen composition: the same answer."""
+from __future__ import annotations
+
+import torch
+
+from ._call import _profiler_enabled, entry, kernel_dtype, record_function
+from .specs import RopeSpec
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The ATen composition (transformers' ``rotate_half``), for layouts the kernel skips."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+def _strides(t: torch.Tensor, shape) -> tuple | None:
+    """``t``'s element strides over the first three dims of ``shape`` once broadcast to it
+    (0 where it broadcasts), or None when it does not broadcast or its rows are not dense."""
+    if t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] != shape[-1]:
+        return None
+    out = []
+    for size, stride, want in zip(t.shape[:3], t.stride()[:3], shape[:3]):
+        if size == want:
+            out.append(stride if want > 1 else 0)
+        elif size == 1:
+            out.append(0)
+        else:
+            return None
+    return tuple(out)
+
+
+def make_rope(d: int, dtype: torch.dtype = torch.float32):
+    """``callable(x, cos, sin) -> x * cos + rotate_half(x) * sin`` for ``x`` (B, H, T, d) and
+    ``cos``/``sin`` broadcast to it (transformers' (B or 1, 1, T, d)), all of ``dtype``, rounded
+    as eager rounds each op (bit for bit). The result has eager's layout (``empty_like(x)``:
+    transformers' transposed q and k stay transposed)."""
+    dt = kernel_dtype(dtype, "make_rope")
+    d = int(d)
+    if d < 2 or d % 2:
+        raise ValueError(f"make_rope: the row length must be even, got {d}")
+    spec = RopeSpec(d, dt)
+    fn = entry(spec, 4, 13)
+    symbol, threads, empty_like = spec.symbol, torch.get_num_threads, torch.empty_like
+
+    layouts: dict = {}   # (x's sizes, cos's sizes and strides) -> cos's strides over x, or None
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape, cshape, cst = x.shape, cos.shape, cos.stride()
+        key = (shape, cshape, cst)
+        sc = layouts.get(key, False)
+        if sc is False:
+            if len(layouts) >= 256:  # sequence lengths come and go
+                layouts.clear()
+            sc = layouts[key] = _strides(cos, shape) if len(shape) == 4 and \
+                shape[-1] == d else None
+        if sc is None or x.stride(-1) != 1 or x.dtype != dtype or cos.dtype != dtype or \
+                sin.dtype != dtype or sin.shape != cshape or sin.stride() != cst or \
+                not (x.is_cpu and cos.is_cpu and sin.is_cpu):
+            return rotate_half_rope(x, cos, sin)
+        out = empty_like(x)
+        rows = shape[0] * shape[1] * shape[2]
+        if rows == 0:
+            return out
+        args = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, shape[1],
+                shape[2], *x.stride()[:3], *sc, *out.stride()[:3])
+        if _profiler_enabled():
+            with record_function(symbol):
+                fn(*args, threads())
+        else:
+            fn(*args, threads())
+        return out
+
+    run.spec = spec
+    return run
