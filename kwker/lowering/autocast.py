@@ -78,6 +78,7 @@ def make_explicit(gm: GraphModule, metas: dict) -> int:
         raise ValueError(why)
     changed = 0
     made = {}   # (node, dtype) -> its cast, made once for all the nodes that read it
+    replaced = set()
     for n in inside:
         if n.op not in ("call_function", "call_method") or canon(n) not in LOWERABLE:
             continue
@@ -95,6 +96,10 @@ def make_explicit(gm: GraphModule, metas: dict) -> int:
             n.args = torch.fx.node.map_arg(n.args, lambda x: casts.get(x, x))
             n.kwargs = torch.fx.node.map_arg(n.kwargs, lambda x: casts.get(x, x))
             changed += 1
+            replaced.update(casts)
+    for a in replaced:  # a view now cast at its source and viewed again: nothing reads it
+        if not a.users and a.op == "call_method" and a.target in ("view", "reshape"):
+            gm.graph.erase_node(a)
     if changed:
         gm.graph.lint()
         gm.recompile()
