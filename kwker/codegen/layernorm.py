@@ -2,8 +2,9 @@
 RMSNorm (``spec.norm``): ``x / sqrt(mean(x^2) + eps) * w``, the same sweeps without the mean.
 
 Contract: ``rows`` contiguous rows of ``spec.dtype`` (float32, or bfloat16 widened to float32)
-in, the same out; ``w`` and ``b`` are float32 (either may be absent). Maths in float32, no
-fast-math flags:
+in, the same out (or ``spec.out``: bf16 out of float32 rows, the float32 result rounded once,
+as the cast autocast puts after a float32 norm rounds it); ``w`` and ``b`` are float32 (either
+may be absent). Maths in float32, no fast-math flags:
 
 - mean and biased variance in two passes over the row (L1-resident up to a few thousand
   elements): ``m0 = sum(x) / d``, then the deviations ``e = x - m0`` summed and squared. The
@@ -94,7 +95,7 @@ def _rms_row(fn, spec, lanes: int, xrow, orow, w) -> None:
             y = bf16.widen(b, bf16.narrow(b, y))
         if spec.weight:
             y = b.fmul(simd.load_any(b, w, i, lanes, active), y)
-        bf16.store_as(b, dtype, y, orow, i, active)
+        bf16.store_as(b, spec.out or dtype, y, orow, i, active)
 
     _sweep(fn, d, lanes, write)
 
@@ -154,7 +155,7 @@ def _row(fn, spec, lanes: int, xrow, orow, w, bias) -> None:
             y = vmath.fma(b, t, simd.load_any(b, w, i, lanes, active), off)
         else:
             y = b.fadd(t, off)
-        bf16.store_as(b, dtype, y, orow, i, active)
+        bf16.store_as(b, spec.out or dtype, y, orow, i, active)
 
     _sweep(fn, d, lanes, write)
 
@@ -166,6 +167,8 @@ def emit(spec, target) -> ir.Module:
         raise ValueError(f"kwker: norm {spec.norm!r} (layer, or rms / rms_hf without a bias)")
     if spec.d < 1 or spec.rows < 0:
         raise ValueError(f"kwker: layernorm needs d >= 1 and rows >= 0, got {spec}")
+    if spec.out not in ("", spec.dtype) and (spec.dtype, spec.out) != ("f32", "bf16"):
+        raise ValueError(f"kwker: a {spec.out} output of a {spec.dtype} norm")
     lanes = simd.float_lanes(target)
     elem = i16 if spec.dtype == "bf16" else f32
     module = new_module(spec.symbol)
@@ -177,7 +180,9 @@ def emit(spec, target) -> ir.Module:
     begin, end = omp.split(body, rows, body.args[1], body.args[2])
     with body.for_range(begin, end, name="row") as r:
         at = b.mul(r, const(i64, spec.d))
-        _row(body, spec, lanes, simd.gep(b, x, at, elem), simd.gep(b, out, at, elem), w, bias)
+        out_elem = i16 if (spec.out or spec.dtype) == "bf16" else f32
+        _row(body, spec, lanes, simd.gep(b, x, at, elem), simd.gep(b, out, at, out_elem), w,
+             bias)
     body.finish()
     grain = GRAIN[spec.dtype]
     if spec.rows:

@@ -181,6 +181,8 @@ class LayerNormSpec(Spec):
     bias: bool
     dtype: str = "f32"     # element type of x and out ("f32" | "bf16"); maths in float32
     norm: str = "layer"
+    out: str = ""          # out's type when not x's: "bf16" for float32 x (autocast's cast of a
+    #                        float32 norm's output for the bf16 product after it, done here)
     family = "layernorm"
 
     @property
@@ -190,7 +192,8 @@ class LayerNormSpec(Spec):
         return (f"kw_layernorm_d{self.d}_r{self.rows}_e{eps:016x}"
                 f"_w{int(self.weight)}_b{int(self.bias)}"
                 + ("" if self.dtype == "f32" else "_" + self.dtype)
-                + ("" if self.norm == "layer" else "_" + self.norm))
+                + ("" if self.norm == "layer" else "_" + self.norm)
+                + (f"_o{self.out}" if self.out else ""))
 
 
 def instruction_path(spec, target) -> str:

@@ -471,19 +471,23 @@ def _layer_norm(m: Match, metas, consts):
         return None, f"normalised over {d} features, the input has {xm.shape[-1]}"
     w, b = (consts[m.inputs[k]].detach() if m.inputs[k] is not None else None
             for k in ("weight", "bias"))
-    lead = xm.shape[:-1]
+    lead, out = xm.shape[:-1], m.params.get("out")   # out: bf16, autocast's cast fused
     if not known(*lead):
-        fn, why = _make("make_layer_norm", d, w, b, eps, None, dtype=xm.dtype, norm=norm)
+        fn, why = _make("make_layer_norm", d, w, b, eps, None, dtype=xm.dtype, norm=norm,
+                        out_dtype=out)
         if fn is None:
             return None, why
         aten = norm_aten(norm, d, w, b, eps)
 
         def run(x):  # a strided input: ATen's, which reads any layout
-            return fn(x) if x.is_contiguous() else aten(x)
+            if x.is_contiguous():
+                return fn(x)
+            return aten(x) if out is None else aten(x).to(out)
         return _mark(run, True), None
     if not xm.contiguous or xm.numel == 0:
         return None, "non-contiguous or empty input"
-    return _make("make_layer_norm", d, w, b, eps, _prod(lead), dtype=xm.dtype, norm=norm)
+    return _make("make_layer_norm", d, w, b, eps, _prod(lead), dtype=xm.dtype, norm=norm,
+                 out_dtype=out)
 
 
 # measured on Emerald Rapids: Kwker's bf16 attention with vector products at 0.37-0.84x

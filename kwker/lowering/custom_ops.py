@@ -38,7 +38,7 @@ _SCHEMAS = {
     "matmul": "matmul(Tensor a, Tensor b) -> Tensor",
     "gelu": "gelu(Tensor x, str approximate) -> Tensor",
     "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, int d, float eps, "
-                  "str norm) -> Tensor",
+                  "str norm, ScalarType? out_dtype=None) -> Tensor",
     "silu_mul": "silu_mul(Tensor x, Tensor y) -> Tensor",
     "rope": "rope(Tensor x, Tensor cos, Tensor sin) -> Tensor",
     "sdpa": "sdpa(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale) "
@@ -181,14 +181,15 @@ def silu_mul_kernel(numel, dtype=torch.float32, build=True):
 
 
 def layer_norm_kernel(x_shape, weight, bias, eps, dtype=torch.float32, build=True,
-                      norm="layer"):
-    key = ("layer_norm", tuple(x_shape), _ptr(weight), _ptr(bias), eps, dtype, norm)
+                      norm="layer", out_dtype=None):
+    """``out_dtype``: bf16 for float32 x, autocast's cast after the norm done by the kernel."""
+    key = ("layer_norm", tuple(x_shape), _ptr(weight), _ptr(bias), eps, dtype, norm, out_dtype)
     consts = tuple(t for t in (weight, bias) if t is not None)
     return kernel_for(key, consts, lambda: _make(
         "layer_norm", {"x": "x", "weight": "w" if weight is not None else None,
                        "bias": "b" if bias is not None else None}, {"x": x_shape},
-        {"d": x_shape[-1], "eps": eps, "norm": norm}, {"w": weight, "b": bias}, dtype=dtype),
-        build)
+        {"d": x_shape[-1], "eps": eps, "norm": norm, "out": out_dtype}, {"w": weight, "b": bias},
+        dtype=dtype), build)
 
 
 def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
@@ -323,20 +324,21 @@ def _rope_fake(x, cos, sin):
     return torch.empty_like(x)   # eager's layout: x's (see kernels/rope.py)
 
 
-def _layer_norm(x, weight, bias, d, eps, norm):
+def _layer_norm(x, weight, bias, d, eps, norm, out_dtype=None):
     fn = None
     if x.is_contiguous():
-        fn, _ = layer_norm_kernel(x.shape, weight, bias, eps, x.dtype, False, norm)
+        fn, _ = layer_norm_kernel(x.shape, weight, bias, eps, x.dtype, False, norm, out_dtype)
         if fn is None:
             g = generic_shapes("layer_norm", {"x": x.shape})["x"]
-            fn, _ = layer_norm_kernel(g, weight, bias, eps, x.dtype, True, norm)
+            fn, _ = layer_norm_kernel(g, weight, bias, eps, x.dtype, True, norm, out_dtype)
     if fn is not None:
         return fn(x)
-    return B.norm_aten(norm, d, weight, bias, eps)(x).contiguous()
+    y = B.norm_aten(norm, d, weight, bias, eps)(x)
+    return (y if out_dtype is None else y.to(out_dtype)).contiguous()
 
 
-def _layer_norm_fake(x, weight, bias, d, eps, norm):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _layer_norm_fake(x, weight, bias, d, eps, norm, out_dtype=None):
+    return torch.empty_like(x, memory_format=torch.contiguous_format, dtype=out_dtype or x.dtype)
 
 
 def _sdpa(q, k, v, mask, causal, scale):

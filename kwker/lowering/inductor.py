@@ -49,7 +49,7 @@ def _call_args(m: Match) -> tuple:
     if m.kind == "sdpa":
         return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"]
     if m.kind == "layer_norm":
-        return i["x"], i["weight"], i["bias"], p["d"], p["eps"], p["norm"]
+        return i["x"], i["weight"], i["bias"], p["d"], p["eps"], p["norm"], p.get("out")
     return (i["x"], *p["args"])
 
 
@@ -88,7 +88,8 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
         fn, why = C.silu_mul_kernel(None if generic else math.prod(shapes["x"]), dtype)
     elif m.kind == "layer_norm":
         w, b = (consts[i[k]] if i[k] is not None else None for k in ("weight", "bias"))
-        fn, why = C.layer_norm_kernel(shapes["x"], w, b, p["eps"], dtype, norm=p["norm"])
+        fn, why = C.layer_norm_kernel(shapes["x"], w, b, p["eps"], dtype, norm=p["norm"],
+                                      out_dtype=p.get("out"))
     else:  # the layouts q, k, v arrive in (heads side by side...), as the op's call looks up
         strides = tuple(tuple(metas[i[k]].stride) for k in ("q", "k", "v"))
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],

@@ -360,8 +360,20 @@ class Matcher:
                 return None
             covers[:0] = casts
             inputs[key] = v
-        return Match("layer_norm", n, covers, inputs, {"d": shape[0], "eps": float(eps),
-                                                        "norm": "layer"})
+        return self._with_cast(Match("layer_norm", n, covers, inputs,
+                                     {"d": shape[0], "eps": float(eps), "norm": "layer"}))
+
+    def _with_cast(self, m: Match) -> Match:
+        """A float32 norm read only by autocast's cast to bf16 (for the bf16 product after it,
+        a pre-LN block's float32 residual stream): the cast too, the kernel writing bf16; the
+        norm alone if that fails."""
+        user = _sole_user(m.output)
+        if user is None or cast_source(user) is not m.output or \
+                _dtype(self.metas, m.output) != torch.float32 or \
+                _dtype(self.metas, user) != torch.bfloat16:
+            return m
+        return Match("layer_norm", user, m.covers + [user], dict(m.inputs),
+                     {**m.params, "out": torch.bfloat16}, [m])
 
     def rms_norm(self, n: Node) -> Match | None:
         """``F.rms_norm`` over the last dim with a constant (or no) weight."""
@@ -392,8 +404,9 @@ class Matcher:
         if w is not None and (w not in self.consts or not _fits(self.metas, w, rank=(1,))
                               or _dtype(self.metas, w) not in (dt, torch.float32)):
             return None
-        return Match("layer_norm", out, casts + covers, {"x": x, "weight": w, "bias": None},
-                     {"d": d, "eps": float(eps), "norm": norm})
+        return self._with_cast(Match("layer_norm", out, casts + covers,
+                                     {"x": x, "weight": w, "bias": None},
+                                     {"d": d, "eps": float(eps), "norm": norm}))
 
     def rope(self, x: Node, c: Node, s: Node, h: int, dims: set, covers: list) -> Match | None:
         """Rotary embedding of a (B, H, T, d) ``x``, ``h = d / 2``, with ``cos``/``sin`` of

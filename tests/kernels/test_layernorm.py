@@ -298,3 +298,22 @@ def test_rms_norm_special_values_and_bad_arguments():
         make_layer_norm(16, None, torch.zeros(16), 1e-5, norm="rms")
     with pytest.raises(ValueError, match="norm must be"):
         make_layer_norm(16, None, None, 1e-5, norm="batch")
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms", "rms_hf"])
+@pytest.mark.parametrize("rows", [7, None], ids=["fixed", "generic"])
+def test_bf16_output_of_float32_rows_is_the_cast_result(norm, rows):
+    """``out_dtype=bf16`` (autocast's cast after a float32 norm, done by the kernel): exactly
+    the float32 norm's result rounded to bf16, NaN and inf where they were."""
+    torch.manual_seed(9)
+    d = 384
+    w, b = torch.randn(d), (torch.randn(d) if norm == "layer" else None)
+    x = torch.randn(7, d) * 3 + 1
+    x[0, 0], x[1, 5] = float("nan"), float("inf")
+    got = make_layer_norm(d, w, b, 1e-5, rows, norm=norm, out_dtype=BF16)(x)
+    want = make_layer_norm(d, w, b, 1e-5, rows, norm=norm)(x).to(BF16)
+    assert got.dtype == BF16 and got.shape == x.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(NotImplementedError):
+        make_layer_norm(d, w, b, 1e-5, rows, dtype=BF16, norm=norm, out_dtype=torch.float32)
