@@ -247,10 +247,10 @@ def _half(n) -> tuple | None:
         x, dim, lo, hi = (list(n.args) + [None])[:4]
         if type(dim) is not int or (n.args[4:] or [1])[0] != 1:
             return None
-        lo = None if lo == 0 else lo
         hi = None if isinstance(hi, int) and hi >= _END else hi
     else:
         return None
+    lo = None if type(lo) is int and lo == 0 else lo
     if not isinstance(x, Node):
         return None
     if lo is None and type(hi) is int and hi > 0:
