@@ -15,7 +15,8 @@ Contract: ``x`` is (B, H, T, d) with any strides but a contiguous last dim (q an
 transposes of the projection's output); ``cos`` and ``sin`` share one layout, broadcast over
 any of B, H, T (stride 0) with a contiguous last dim; ``out`` likewise (the factory gives it
 eager's layout). Sizes and strides (in elements) are read per call: one kernel per ``d`` and
-dtype.
+dtype. ``spec.x`` "bf16" with float32 ``dtype``: bf16 rows of x (autocast's projections)
+with float32 cos, sin and out, as ATen promotes them: x widened exactly, then float32 maths.
 """
 from __future__ import annotations
 
@@ -30,8 +31,12 @@ def emit(spec, target):
         raise ValueError(f"kwker: rope dtype {spec.dtype!r}; have ['bf16', 'f32']")
     if spec.d < 2 or spec.d % 2:
         raise ValueError(f"kwker: rope needs an even row length, got {spec.d}")
+    if spec.x not in ("", spec.dtype) and (spec.x, spec.dtype) != ("bf16", "f32"):
+        raise ValueError(f"kwker: rope of {spec.x} x with {spec.dtype} cos/sin")
     lanes = simd.float_lanes(target)
     elem = i16 if spec.dtype == "bf16" else f32
+    x_dtype = spec.x or spec.dtype
+    x_elem = i16 if x_dtype == "bf16" else f32
     d, half = spec.d, spec.d // 2
     module = new_module(spec.symbol)
     body = omp.body_fn(module, f"{spec.symbol}.body")
@@ -54,7 +59,7 @@ def emit(spec, target):
         bh = b.sdiv(r, seq)
         hh, bb = b.srem(bh, heads), b.sdiv(bh, heads)
         xrow = simd.gep(b, x, b.add(b.add(b.mul(bb, sx[0]), b.mul(hh, sx[1])),
-                                    b.mul(t, sx[2])), elem)
+                                    b.mul(t, sx[2])), x_elem)
         coff = b.add(b.add(b.mul(bb, sc[0]), b.mul(hh, sc[1])), b.mul(t, sc[2]))
         crow, srow = simd.gep(b, cos, coff, elem), simd.gep(b, sin, coff, elem)
         orow = simd.gep(b, out, b.add(b.add(b.mul(bb, so[0]), b.mul(hh, so[1])),
@@ -63,9 +68,9 @@ def emit(spec, target):
             active = min(lanes, half - i)
             lo, hi = const(i64, i), const(i64, half + i)
 
-            def load(base, at):
-                return bf16.load_as(b, dtype, base, at, lanes, active)
-            x1, x2 = load(xrow, lo), load(xrow, hi)
+            def load(base, at, what=dtype):
+                return bf16.load_as(b, what, base, at, lanes, active)
+            x1, x2 = load(xrow, lo, x_dtype), load(xrow, hi, x_dtype)
             first = b.fadd(rounded(b.fmul(x1, load(crow, lo))),
                            rounded(b.fmul(b.fneg(x2), load(srow, lo))))
             second = b.fadd(rounded(b.fmul(x2, load(crow, hi))),

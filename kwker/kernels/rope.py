@@ -31,18 +31,24 @@ def _strides(t: torch.Tensor, shape) -> tuple | None:
     return tuple(out)
 
 
-def make_rope(d: int, dtype: torch.dtype = torch.float32):
+def make_rope(d: int, dtype: torch.dtype = torch.float32, x_dtype: torch.dtype | None = None):
     """``callable(x, cos, sin) -> x * cos + rotate_half(x) * sin`` for ``x`` (B, H, T, d) and
     ``cos``/``sin`` broadcast to it (transformers' (B or 1, 1, T, d)), all of ``dtype``, rounded
     as eager rounds each op (bit for bit). The result has eager's layout (``empty_like(x)``:
-    transformers' transposed q and k stay transposed)."""
+    transformers' transposed q and k stay transposed). ``x_dtype`` bf16 with float32
+    ``dtype``: bf16 x and float32 cos, sin and result, as ATen promotes them (autocast)."""
     dt = kernel_dtype(dtype, "make_rope")
+    x_dtype = x_dtype or dtype
+    if x_dtype != dtype and (x_dtype, dtype) != (torch.bfloat16, torch.float32):
+        raise NotImplementedError(f"make_rope: {x_dtype} x with {dtype} cos and sin")
     d = int(d)
     if d < 2 or d % 2:
         raise ValueError(f"make_rope: the row length must be even, got {d}")
-    spec = RopeSpec(d, dt)
+    spec = RopeSpec(d, dt, "" if x_dtype == dtype else kernel_dtype(x_dtype, "make_rope"))
     fn = entry(spec, 4, 13)
-    symbol, threads, empty_like = spec.symbol, torch.get_num_threads, torch.empty_like
+    symbol, threads = spec.symbol, torch.get_num_threads
+    new_out = torch.empty_like if x_dtype == dtype else \
+        (lambda x: torch.empty_like(x, dtype=dtype))   # x's layout, the promoted type
 
     layouts: dict = {}   # (x's sizes, cos's sizes and strides) -> cos's strides over x, or None
 
@@ -55,11 +61,11 @@ def make_rope(d: int, dtype: torch.dtype = torch.float32):
                 layouts.clear()
             sc = layouts[key] = _strides(cos, shape) if len(shape) == 4 and \
                 shape[-1] == d else None
-        if sc is None or x.stride(-1) != 1 or x.dtype != dtype or cos.dtype != dtype or \
+        if sc is None or x.stride(-1) != 1 or x.dtype != x_dtype or cos.dtype != dtype or \
                 sin.dtype != dtype or sin.shape != cshape or sin.stride() != cst or \
                 not (x.is_cpu and cos.is_cpu and sin.is_cpu):
             return rotate_half_rope(x, cos, sin)
-        out = empty_like(x)
+        out = new_out(x)
         rows = shape[0] * shape[1] * shape[2]
         if rows == 0:
             return out

@@ -29,6 +29,9 @@ class RopeSpec(Spec):
     codegen/rope.py); sizes and strides are read per call."""
     d: int
     dtype: str = "f32"     # of x, cos, sin and out ("f32" | "bf16"), rounded as ATen rounds
+    # "bf16": x is bf16 and cos, sin and out float32 (autocast: a bf16 projection times the
+    # float32 cos, which promotes), with ``dtype`` "f32"
+    x: str = ""
     family = "rope"
 
 

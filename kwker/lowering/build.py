@@ -603,8 +603,8 @@ def _sorting(m: Match, metas, consts):
 def _rope(m: Match, metas, consts):
     """One kernel per row length and dtype: sizes, strides and broadcasting are read per call
     (and a layout it does not take runs the ATen composition), so it serves every size."""
-    xm: TensorMeta = metas[m.inputs["x"]]
-    fn, why = _make("make_rope", m.params["d"], dtype=xm.dtype)
+    x_dtype, dtype = metas[m.inputs["x"]].dtype, metas[m.inputs["cos"]].dtype
+    fn, why = _make("make_rope", m.params["d"], dtype=dtype, x_dtype=x_dtype)
     return _mark(fn, True), why
 
 

@@ -304,24 +304,25 @@ def _silu_mul_fake(x, y):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def rope_kernel(d, dtype=torch.float32, build=True):
-    return kernel_for(("rope", d, dtype), (), lambda: _make(
+def rope_kernel(d, dtype=torch.float32, build=True, x_dtype=None):
+    """``dtype``: cos's and sin's (and the result's); ``x_dtype``: x's when not that."""
+    return kernel_for(("rope", d, dtype, x_dtype), (), lambda: _make(
         "rope", {"x": "x", "cos": "c", "sin": "s"},
         {"x": (None, None, None, d), "c": (None, None, None, d), "s": (None, None, None, d)},
-        {"d": d}, dtype=dtype), build)
+        {"d": d}, dtype=dtype, dtypes={"x": x_dtype or dtype}), build)
 
 
 def _rope(x, cos, sin):
-    fn, _ = rope_kernel(x.shape[-1], x.dtype) if x.dim() == 4 and x.shape[-1] % 2 == 0 \
-        else (None, None)
+    fn, _ = rope_kernel(x.shape[-1], cos.dtype, x_dtype=x.dtype) \
+        if x.dim() == 4 and x.shape[-1] % 2 == 0 else (None, None)
     if fn is not None:
         return fn(x, cos, sin)   # other layouts: the ATen composition, inside
     h = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
 
 
-def _rope_fake(x, cos, sin):
-    return torch.empty_like(x)   # eager's layout: x's (see kernels/rope.py)
+def _rope_fake(x, cos, sin):   # eager's layout (x's) and type (promoted)
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, cos.dtype))
 
 
 def _layer_norm(x, weight, bias, d, eps, norm, out_dtype=None):

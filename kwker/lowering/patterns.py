@@ -410,9 +410,12 @@ class Matcher:
 
     def rope(self, x: Node, c: Node, s: Node, h: int, dims: set, covers: list) -> Match | None:
         """Rotary embedding of a (B, H, T, d) ``x``, ``h = d / 2``, with ``cos``/``sin`` of
-        x's dtype and rank broadcast to it (the kernel reads any such layout per call)."""
-        mx = _meta(self.metas, x)
-        if mx is None or not _fits(self.metas, x, c, s, covers[-1], dtype=mx.dtype, rank=(4,)):
+        x's dtype and rank broadcast to it (the kernel reads any such layout per call), or
+        float32 ones with a bf16 x (autocast: the product promotes to float32)."""
+        mx, mc = _meta(self.metas, x), _meta(self.metas, c)
+        if mx is None or mc is None or not _fits(self.metas, x, rank=(4,)) or \
+                not _fits(self.metas, c, s, covers[-1], dtype=mc.dtype, rank=(4,)) or \
+                mx.dtype not in (mc.dtype, torch.bfloat16 if mc.dtype == torch.float32 else None):
             return None
         d = mx.shape[-1]
         if type(d) is not int or d != 2 * h or not dims <= {-1, 3}:

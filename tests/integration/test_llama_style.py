@@ -55,6 +55,24 @@ def test_llama_bf16_keeps_the_contract():
     assert_bf16_contract(got, eager, ref)
 
 
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_llama_under_autocast(inner):
+    """bf16 projections and float32 cos/sin (the rotary embedding promotes to float32, as
+    eager's does): the rotary embeddings are kernels too, and the contract holds."""
+    ids = torch.randint(0, 512, (1, 24))
+    model = Logits(llama())
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(model, backend="kwker", options={"inner": inner})
+    with torch.no_grad():
+        ref = model(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            eager, got = model(ids), compiled(ids)
+    names = kernels(kd.all_reports())
+    assert names.count("rope") == 4, names
+    assert_bf16_contract(got, eager, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_nn_rmsnorm_module(dtype):
     """``nn.RMSNorm`` (``F.rms_norm``: one rounding, ATen's default eps)."""

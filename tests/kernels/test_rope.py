@@ -64,6 +64,20 @@ def test_rope_is_the_composition_bit_for_bit(d, dtype):
     assert check(d, dtype) == 0
 
 
+def test_bf16_x_with_float32_cos_and_sin_is_the_promoted_composition():
+    """Autocast's form: a bf16 projection times float32 cos/sin promotes to float32."""
+    fn = make_rope(64, torch.float32, torch.bfloat16)
+    for name, x in layouts(64).items():
+        x = x.bfloat16()
+        for lead in COS_SHAPES:
+            cos, sin = torch.randn(*lead, 64), torch.randn(*lead, 64)
+            got, want = fn(x, cos, sin), rotate_half_rope(x, cos, sin)
+            assert got.dtype == torch.float32 and got.stride() == want.stride(), (name, lead)
+            assert torch.equal(got, want), (name, lead)
+    with pytest.raises(NotImplementedError):
+        make_rope(64, torch.bfloat16, torch.float32)
+
+
 def test_layouts_the_kernel_does_not_take_run_the_composition():
     fn = make_rope(64)
     x = torch.randn(2, 3, 5, 64)
