@@ -22,6 +22,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ..kernels.rope import rotate_half_rope
 from . import build as B
 from . import sorting as S
 from .generic import generic_shapes
@@ -317,8 +318,7 @@ def _rope(x, cos, sin):
         if x.dim() == 4 and x.shape[-1] % 2 == 0 else (None, None)
     if fn is not None:
         return fn(x, cos, sin)   # other layouts: the ATen composition, inside
-    h = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+    return rotate_half_rope(x, cos, sin)
 
 
 def _rope_fake(x, cos, sin):   # eager's layout (x's) and type (promoted)
