@@ -142,7 +142,6 @@ def _emit_pack_rows_vec(module: ir.Module, mr: int, ld: int, L: int) -> ir.Funct
     b = f.b
     zero = ir.Constant(simd.vty(L), [ir.Constant(f32, 0.0)] * L)
     tiles = b.sdiv(b.add(rows, const(i64, mr - 1)), const(i64, mr))
-    kfull = b.mul(b.sdiv(kc, const(i64, L)), const(i64, L))
     with f.for_range(0, tiles, name="t") as t:
         tile_dst = b.mul(t, b.mul(kc, const(i64, mr)))
         row0 = b.mul(t, const(i64, mr))
@@ -151,8 +150,8 @@ def _emit_pack_rows_vec(module: ir.Module, mr: int, ld: int, L: int) -> ir.Funct
             first = b.add(row0, const(i64, rg))
             valid = b.sub(rows, first)  # rows of this group that exist (may be <= 0 or > L)
 
-            def block(k0, kl, tail: bool):
-                kmask = simd.lane_mask(b, L, kl) if tail else simd.const_mask(L, L)
+            def block(k0, kl):
+                kmask = simd.lane_mask(b, L, kl)
                 vecs = []
                 for j in range(L):
                     if j >= width:
@@ -163,21 +162,18 @@ def _emit_pack_rows_vec(module: ir.Module, mr: int, ld: int, L: int) -> ir.Funct
                     idx = b.add(b.mul(b.add(first, const(i64, j)), const(i64, ld)), k0)
                     vecs.append(simd.masked_load(b, src, idx, m, L))
                 cols = transpose(b, vecs)
-                for kk in range(L):
-                    def put(kk=kk):
-                        idx = b.add(tile_dst, b.add(b.mul(b.add(k0, const(i64, kk)),
-                                                          const(i64, mr)), const(i64, rg)))
-                        simd.store_any(b, cols[kk], dst, idx, width)
-                    if tail:
-                        with f.if_(b.icmp_signed("<", const(i64, kk), kl)):
-                            put()
-                    else:
-                        put()
+                for kk in range(L):  # masked stores, not branches: the K tail's k's are off
+                    idx = b.add(tile_dst, b.add(b.mul(b.add(k0, const(i64, kk)),
+                                                      const(i64, mr)), const(i64, rg)))
+                    keep = _splat_i1(b, b.icmp_signed("<", const(i64, kk), kl), L)
+                    simd.masked_store(b, cols[kk], dst, idx,
+                                      b.and_(simd.const_mask(L, width), keep))
 
-            with f.for_range(0, kfull, step=L, name="kb") as k0:
-                block(k0, const(i64, L), False)
-            with f.if_(b.icmp_signed("<", kfull, kc)):
-                block(kfull, b.sub(kc, kfull), True)
+            # one block body for the full blocks and the K tail (its k's masked): the L x L
+            # transpose is most of this function's compile time, so it is emitted once
+            with f.for_range(0, kc, step=L, name="kb") as k0:
+                left = b.sub(kc, k0)
+                block(k0, b.select(b.icmp_signed("<", left, const(i64, L)), left, const(i64, L)))
     return f.finish()
 
 
