@@ -162,18 +162,37 @@ def _emit_pack_rows_vec(module: ir.Module, mr: int, ld: int, L: int) -> ir.Funct
                     idx = b.add(b.mul(b.add(first, const(i64, j)), const(i64, ld)), k0)
                     vecs.append(simd.masked_load(b, src, idx, m, L))
                 cols = transpose(b, vecs)
-                for kk in range(L):  # masked stores, not branches: the K tail's k's are off
-                    idx = b.add(tile_dst, b.add(b.mul(b.add(k0, const(i64, kk)),
-                                                      const(i64, mr)), const(i64, rg)))
-                    keep = _splat_i1(b, b.icmp_signed("<", const(i64, kk), kl), L)
-                    simd.masked_store(b, cols[kk], dst, idx,
-                                      b.and_(simd.const_mask(L, width), keep))
+                # the stores twice (cheap code, unlike the transpose): plain in full blocks,
+                # masked in the K tail
+                with f.if_else(b.icmp_signed("==", kl, const(i64, L))) as (full, tail):
+                    for part in (full, tail):
+                        with part:
+                            for kk in range(L):
+                                idx = b.add(tile_dst, b.add(b.mul(b.add(k0, const(i64, kk)),
+                                                                  const(i64, mr)),
+                                                            const(i64, rg)))
+                                if part is full:
+                                    simd.store_any(b, cols[kk], dst, idx, width)
+                                    continue
+                                keep = _splat_i1(b, b.icmp_signed("<", const(i64, kk), kl), L)
+                                simd.masked_store(b, cols[kk], dst, idx,
+                                                  b.and_(simd.const_mask(L, width), keep))
 
-            # one block body for the full blocks and the K tail (its k's masked): the L x L
-            # transpose is most of this function's compile time, so it is emitted once
-            with f.for_range(0, kc, step=L, name="kb") as k0:
-                left = b.sub(kc, k0)
-                block(k0, b.select(b.icmp_signed("<", left, const(i64, L)), left, const(i64, L)))
+            if L >= 16:
+                # one block body for the full blocks and the K tail (its k's masked): the 16 x 16
+                # transpose is most of this function's compile time, so it is emitted once
+                with f.for_range(0, kc, step=L, name="kb") as k0:
+                    left = b.sub(kc, k0)
+                    block(k0, b.select(b.icmp_signed("<", left, const(i64, L)), left,
+                                       const(i64, L)))
+            else:
+                # AVX2: full blocks without run-time masks (its masked loads and stores took the
+                # packing 1.4x longer), then the tail; an 8 x 8 transpose compiles quickly
+                kfull = b.mul(b.sdiv(kc, const(i64, L)), const(i64, L))
+                with f.for_range(0, kfull, step=L, name="kb") as k0:
+                    block(k0, const(i64, L))
+                with f.if_(b.icmp_signed("<", kfull, kc)):
+                    block(kfull, b.sub(kc, kfull))
     return f.finish()
 
 
