@@ -145,9 +145,10 @@ def _emit_pack_rows_vec(module: ir.Module, mr: int, ld: int, L: int) -> ir.Funct
     with f.for_range(0, tiles, name="t") as t:
         tile_dst = b.mul(t, b.mul(kc, const(i64, mr)))
         row0 = b.mul(t, const(i64, mr))
-        for rg in range(0, mr, L):
-            width = min(L, mr - rg)
-            first = b.add(row0, const(i64, rg))
+
+        def group(rg, width: int):
+            """The rows rg .. rg + width of tile t (rg: a constant or the group loop's)."""
+            first = b.add(row0, rg)
             valid = b.sub(rows, first)  # rows of this group that exist (may be <= 0 or > L)
 
             def block(k0, kl):
@@ -170,7 +171,7 @@ def _emit_pack_rows_vec(module: ir.Module, mr: int, ld: int, L: int) -> ir.Funct
                             for kk in range(L):
                                 idx = b.add(tile_dst, b.add(b.mul(b.add(k0, const(i64, kk)),
                                                                   const(i64, mr)),
-                                                            const(i64, rg)))
+                                                            rg))
                                 if part is full:
                                     simd.store_any(b, cols[kk], dst, idx, width)
                                     continue
@@ -193,6 +194,13 @@ def _emit_pack_rows_vec(module: ir.Module, mr: int, ld: int, L: int) -> ir.Funct
                     block(k0, const(i64, L))
                 with f.if_(b.icmp_signed("<", kfull, kc)):
                     block(kfull, b.sub(kc, kfull))
+
+        if mr % L == 0 and mr > L:  # equal groups: a run-time loop, one transpose emitted
+            with f.for_range(0, mr, step=L, name="rg") as rg:
+                group(rg, L)
+        else:
+            for rg in range(0, mr, L):
+                group(const(i64, rg), min(L, mr - rg))
     return f.finish()
 
 
