@@ -45,6 +45,31 @@ def test_entry_point_resolves_without_importing_kwker():
     assert out.stdout.strip().splitlines()[-1] == "['linear_gelu']"
 
 
+def test_inductor_is_imported_only_for_a_graph_left_to_it():
+    """Default options: a model whose graph is all Kwker kernels runs as a flat program and never
+    imports Inductor (~0.5-1 s of a warm compile); one with elementwise work left over does."""
+    code = textwrap.dedent("""
+        import sys, torch
+        mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                  torch.nn.Linear(256, 32)).eval()
+        x = torch.randn(16, 64)
+        with torch.no_grad():
+            assert torch.allclose(torch.compile(mlp, backend="kwker")(x), mlp(x), rtol=1e-4,
+                                  atol=1e-5)
+        print("flat", "torch._inductor.compile_fx" in sys.modules)
+        left = lambda x: (mlp(x).sin() * 3).cos().exp() + x.sum()
+        with torch.no_grad():
+            assert torch.allclose(torch.compile(left, backend="kwker")(x), left(x), rtol=1e-4,
+                                  atol=1e-5)
+        print("left", "torch._inductor.compile_fx" in sys.modules)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["flat", "False", "left", "True"], out.stdout
+
+
 def test_register_by_name_is_idempotent():
     from torch._dynamo.backends.registry import lookup_backend
     kd.register()
