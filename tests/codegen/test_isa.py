@@ -21,7 +21,7 @@ TARGETS = {"avx512": (AVX512, "zmm", 16), "avx2": (AVX2, "ymm", 8)}
 def micro_kernels_asm(asm: str) -> str:
     """The assembly of the module's micro-kernels (``uk.*``) alone: their accumulators are what
     must stay in registers (a packing routine may spill a transpose temporary)."""
-    bodies = re.findall(r"^(uk\.[^:\s]+):\n(.*?)^\.Lfunc_end", asm, re.M | re.S)
+    bodies = re.findall(r"^(uk\.[^:\s]+):\n(.*?)^\.Lfunc_end", asm, re.MULTILINE | re.DOTALL)
     assert bodies, "no micro-kernel in the module"
     return "\n".join(body for _, body in bodies)
 
