@@ -106,6 +106,9 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
 
 def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode: str | None,
                      dump_dir=None, decomposed=()):
+    if mode:  # a bad mode is an error whatever the graph holds (Inductor imported for it only)
+        from torch._inductor import list_mode_options
+        list_mode_options(mode)
     try:
         lowered = GraphModule(gm, copy.deepcopy(gm.graph))
         report = _rewrite(lowered, example_inputs, graph_id, dump_dir, decomposed)

@@ -70,6 +70,13 @@ def test_inductor_is_imported_only_for_a_graph_left_to_it():
     assert out.stdout.split() == ["flat", "False", "left", "True"], out.stdout
 
 
+def test_a_bad_inductor_mode_is_an_error_even_when_inductor_has_nothing_to_compile():
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU()).eval()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Unrecognized mode=bogus"), torch.no_grad():
+        torch.compile(mlp, backend="kwker", mode="bogus")(torch.randn(4, 64))
+
+
 def test_register_by_name_is_idempotent():
     from torch._dynamo.backends.registry import lookup_backend
     kd.register()
