@@ -51,6 +51,9 @@ from .gemm_pack import emit_pack_cols, emit_pack_rows
 from .irutil import Fn, aligned_malloc, const, f32, i16, i64, intrinsic, new_module, ptr
 
 MIN_FLOPS_PER_THREAD = 1 << 18  # ~2.5 us of FMAs: a fork (~1 us) pays off above it
+# pre-packed weights are streamed from memory once a call: a thread per this many bytes of them
+# (~3 us of a streaming read) pays off too, however few the FLOPs (a decode row's GEMV)
+MIN_WEIGHT_BYTES_PER_THREAD = 1 << 16
 SMALL_ROWS = 8  # generic over M with packed weights: up to this many rows, the small-M schedule
 
 
@@ -178,7 +181,7 @@ def emit(spec, target) -> ir.Module:
         return module
     flops = 2 * spec.batch * spec.m * spec.n * spec.k
     units = spec.batch * max(p.mt, p.np)
-    max_threads = max(1, min(units, flops // MIN_FLOPS_PER_THREAD))
+    max_threads = max(1, min(units, max(flops // MIN_FLOPS_PER_THREAD, _weight_work(p))))
     omp.emit_parallel(module, spec.symbol, args, body, max_threads=max_threads)
     return module
 
@@ -193,22 +196,36 @@ def _max_threads_at_run_time(b: ir.IRBuilder, p: _Plan, ints: list) -> ir.Value:
                                   const(i64, p.np)))
     work = b.sdiv(b.mul(b.mul(batch, m), const(i64, 2 * s.n * s.k)),
                   const(i64, MIN_FLOPS_PER_THREAD))
+    weights = const(i64, _weight_work(p))
+    work = b.select(b.icmp_signed(">", work, weights), work, weights)
     cap = b.select(b.icmp_signed("<", units, work), units, work)
     return b.select(b.icmp_signed("<", cap, const(i64, 1)), const(i64, 1), cap)
+
+
+def _weight_work(p: _Plan) -> int:
+    """Threads the streaming of pre-packed weights alone keeps busy (0 for a runtime B)."""
+    if p.s.b_layout != "packed":
+        return 0
+    per = {"f32": 4, "bf16": 2, "u8s8": 1}[p.s.dtype]
+    return p.s.n * p.s.k * per // MIN_WEIGHT_BYTES_PER_THREAD
 
 
 def _work_bound(f: Fn, p: _Plan, mt, k, nt) -> ir.Value:
     """The first (panel, row tile) unit of thread ``k`` of ``nt`` (``k = nt``: the end) when
     pre-packed panels are split by work: a full panel's tile weighs its ``nv`` vectors, the
-    edge panel's its own count."""
+    edge panel's its own count. A boundary goes to the nearest unit edge, not the one below: with
+    two units of 4 and 3 vectors the first thread takes one, where rounding down gave the second
+    thread both."""
     b = f.b
     nv, nv_edge = p.s.nr // p.lanes, _cdiv(p.nr_edge, p.lanes)
     full_units = b.mul(mt, const(i64, p.np - 1))
     total = b.add(b.mul(full_units, const(i64, nv)), b.mul(mt, const(i64, nv_edge)))
     work = b.sdiv(b.mul(total, k), nt)
     full_work = b.mul(full_units, const(i64, nv))
-    past = b.add(full_units, b.sdiv(b.sub(work, full_work), const(i64, nv_edge)))
-    return b.select(b.icmp_signed("<", work, full_work), b.sdiv(work, const(i64, nv)), past)
+    past = b.add(full_units, b.sdiv(b.add(b.sub(work, full_work), const(i64, nv_edge // 2)),
+                                     const(i64, nv_edge)))
+    within = b.sdiv(b.add(work, const(i64, nv // 2)), const(i64, nv))
+    return b.select(b.icmp_signed("<", work, full_work), within, past)
 
 
 def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:

@@ -107,6 +107,8 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
             nv, ksplit = max(1, min(16, budget // m, _cdiv(n, L))), 1
         else:
             nv = max(1, min(4 if L == 16 else 3, budget // m))
+            # at least two panels where N allows, so a second thread has weights to stream
+            nv = max(1, min(nv, _cdiv(n, 2 * L)))
             ksplit = max(1, min(4, budget // (m * nv)))
             ksplit = 1 << (ksplit.bit_length() - 1)
         nr = nv * L
