@@ -77,9 +77,9 @@ def make_layer_norm(d: int, weight: torch.Tensor | None, bias: torch.Tensor | No
     w_ptr = None if w_c is None else w_c.data_ptr()
     b_ptr = None if b_c is None else b_c.data_ptr()
     symbol, threads = spec.symbol, torch.get_num_threads
-    # empty_like is cheaper than empty(shape, dtype=...) (0.8 against 1.5 us)
+    # empty_like is cheaper than empty(shape, dtype=...) (0.8 against 1.5 us); x is contiguous
     new_out = torch.empty_like if out_dtype == dtype else \
-        (lambda x: torch.empty(x.shape, dtype=out_dtype))
+        (lambda x: torch.empty_like(x, dtype=out_dtype))
 
     if rows is None:
         def run(x: torch.Tensor) -> torch.Tensor:

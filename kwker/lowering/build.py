@@ -448,20 +448,23 @@ def _silu_mul(m: Match, metas, consts):
     return _make("make_silu_mul", xm.numel, dtype=xm.dtype)
 
 
-def norm_aten(norm: str, d: int, w, b, eps: float):
+def norm_aten(norm: str, d: int, w, b, eps: float, out_dtype=None):
     """``callable(x)``: the normalisation as ATen (or, for ``rms_hf``, transformers) computes
-    it, for inputs a kernel does not take."""
+    it, for inputs a kernel does not take; ``out_dtype``: then cast to it (autocast's cast the
+    kernel fuses)."""
     F = torch.nn.functional
     if norm == "layer":
-        return lambda x: F.layer_norm(x, (d,), w, b, eps)
-    if norm == "rms":
-        return lambda x: F.rms_norm(x, (d,), w, eps)
-
-    def rms_hf(x):
-        h = x.float()
-        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-        return y if w is None else w.to(x.dtype) * y
-    return rms_hf
+        def fn(x):
+            return F.layer_norm(x, (d,), w, b, eps)
+    elif norm == "rms":
+        def fn(x):
+            return F.rms_norm(x, (d,), w, eps)
+    else:
+        def fn(x):
+            h = x.float()
+            y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+            return y if w is None else w.to(x.dtype) * y
+    return fn if out_dtype is None else (lambda x: fn(x).to(out_dtype))
 
 
 def _layer_norm(m: Match, metas, consts):
@@ -477,12 +480,10 @@ def _layer_norm(m: Match, metas, consts):
                         out_dtype=out)
         if fn is None:
             return None, why
-        aten = norm_aten(norm, d, w, b, eps)
+        aten = norm_aten(norm, d, w, b, eps, out)
 
         def run(x):  # a strided input: ATen's, which reads any layout
-            if x.is_contiguous():
-                return fn(x)
-            return aten(x) if out is None else aten(x).to(out)
+            return fn(x) if x.is_contiguous() else aten(x)
         return _mark(run, True), None
     if not xm.contiguous or xm.numel == 0:
         return None, "non-contiguous or empty input"

@@ -334,8 +334,7 @@ def _layer_norm(x, weight, bias, d, eps, norm, out_dtype=None):
             fn, _ = layer_norm_kernel(g, weight, bias, eps, x.dtype, True, norm, out_dtype)
     if fn is not None:
         return fn(x)
-    y = B.norm_aten(norm, d, weight, bias, eps)(x)
-    return (y if out_dtype is None else y.to(out_dtype)).contiguous()
+    return B.norm_aten(norm, d, weight, bias, eps, out_dtype)(x).contiguous()
 
 
 def _layer_norm_fake(x, weight, bias, d, eps, norm, out_dtype=None):

@@ -106,9 +106,10 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
 
 def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode: str | None,
                      dump_dir=None, decomposed=()):
+    patches = {}
     if mode:  # a bad mode is an error whatever the graph holds (Inductor imported for it only)
         from torch._inductor import list_mode_options
-        list_mode_options(mode)
+        patches = list_mode_options(mode)
     try:
         lowered = GraphModule(gm, copy.deepcopy(gm.graph))
         report = _rewrite(lowered, example_inputs, graph_id, dump_dir, decomposed)
@@ -131,19 +132,17 @@ def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode:
         log.warning("kwker: lowering graph %d failed, Inductor compiles it alone: %s", graph_id,
                     e, exc_info=log.isEnabledFor(logging.DEBUG))
         publish(Report(graph_id, "inductor", status="fallback", reason=f"lowering failed: {e}"))
-        return _compile_fx(gm, example_inputs, mode)
+        return _compile_fx(gm, example_inputs, patches)
     # dynamo's guards check the inputs and Kwker's ops return what their fakes say: Inductor's
     # own size and alignment asserts would re-check both on every call (~0.3 us each)
-    return _compile_fx(lowered, example_inputs, mode,
-                       {"size_asserts": False, "alignment_asserts": False})
+    return _compile_fx(lowered, example_inputs,
+                       {**patches, "size_asserts": False, "alignment_asserts": False})
 
 
-def _compile_fx(gm: GraphModule, example_inputs: list, mode: str | None, extra=None):
+def _compile_fx(gm: GraphModule, example_inputs: list, patches: dict):
     """Inductor on ``gm``, imported only here: a graph left with nothing for Inductor (the
     flat program above) does not pay its import (~0.5-1 s of a warm compile)."""
-    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
-    patches = {**(list_mode_options(mode) if mode else {}), **(extra or {})}
     return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 
