@@ -156,9 +156,10 @@ class SoftmaxRows:
             else:
                 mval = simd.masked_load(b, self.mask_all, b.add(off, j), live, L)
             return b.fadd(x, mval)
-        # bool mask: one byte per element, True keeps the score
+        # bool mask: one byte per element, True keeps the score ("fill": True masks it)
+        keeps = "==" if s.mask == "fill" else "!="
         if mk == 1:
-            keep_s = b.icmp_unsigned("!=", simd.load_scalar(b, self.mask_all, off, i8),
+            keep_s = b.icmp_unsigned(keeps, simd.load_scalar(b, self.mask_all, off, i8),
                                      const(i8, 0))
             keep = b.insert_element(ir.Constant(ir.VectorType(i1, L), ir.Undefined), keep_s,
                                     const(i32, 0))
@@ -170,7 +171,7 @@ class SoftmaxRows:
                            [ptr, i32, live.type, vt8])
             bytes_ = b.call(fn, [simd.gep(b, self.mask_all, b.add(off, j), i8), const(i32, 1),
                                  live, ir.Constant(vt8, [0] * L)])
-            keep = b.icmp_unsigned("!=", bytes_, ir.Constant(vt8, [0] * L))
+            keep = b.icmp_unsigned(keeps, bytes_, ir.Constant(vt8, [0] * L))
         return b.select(keep, x, vmath.splat(x.type, NEG_INF))
 
     def finish_rows(self, head, i0, rows, obuf, lrow, o_all):
@@ -181,8 +182,9 @@ class SoftmaxRows:
         with f.for_range(0, rows, name="fr") as r:
             lsum = simd.load_scalar(b, lrow, r)
             inv = b.fdiv(ir.Constant(f32, 1.0), lsum)
+            # no finite score: 0 as ATen's SDPA, or NaN as a written softmax (exp(-inf + inf))
             inv = b.select(b.fcmp_ordered(">", lsum, ir.Constant(f32, 0.0)), inv,
-                           ir.Constant(f32, 0.0))
+                           ir.Constant(f32, float("nan") if s.empty_nan else 0.0))
             iv = simd.broadcast(b, inv, L)
             for v in range(self.ev_pad // L):
                 x = simd.load_vec(b, obuf, b.add(b.mul(r, const(i64, self.ev_pad)),

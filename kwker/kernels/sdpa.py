@@ -42,11 +42,15 @@ def _blocking(lq: int | None, lk: int | None, e: int, ev: int, dtype: str = "f32
 
 def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal: bool = False,
               scale: float | None = None, mask: str | None = None, mask_shape=None,
-              strides=None, dtype: torch.dtype = torch.float32, kv_heads: int | None = None):
+              strides=None, dtype: torch.dtype = torch.float32, kv_heads: int | None = None,
+              written: bool = False):
     """``callable(q, k, v, mask=None) -> out`` for float32 or bfloat16 (B, H, L, E) inputs.
 
-    ``mask``: None, "bool" (True keeps) or "float" (added, in ``dtype``); ``mask_shape`` its 4-D
-    shape, each dim 1 or full. Dropout is not supported (use dropout_p=0). ``strides``: the 4-D
+    ``mask``: None, "bool" (True keeps), "fill" (bool, True masks: ``masked_fill``'s condition)
+    or "float" (added, in ``dtype``); ``mask_shape`` its 4-D shape, each dim 1 or full.
+    ``written``: the kernel stands for ``softmax(q @ k^T * scale + mask) @ v`` written out, and
+    gives what that gives: NaN for a row with no finite score (ATen's SDPA gives 0) and a
+    contiguous output, as the last product makes it. Dropout is not supported (use dropout_p=0). ``strides``: the 4-D
     strides of q, k, v and of the output (last stride 1), read and written in place, e.g. heads
     side by side in each row as ``nn.MultiheadAttention`` makes them; None means contiguous.
     Inputs with other strides are copied into the expected layout.
@@ -62,13 +66,14 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
     if dtype not in KERNEL_DTYPES:
         raise NotImplementedError(f"make_sdpa: dtype {dtype}; float32 or bfloat16 only")
     kind = mask or "none"
-    if kind not in ("none", "bool", "float"):
-        raise ValueError(f"make_sdpa: mask must be None, 'bool' or 'float', not {mask!r}")
+    if kind not in ("none", "bool", "fill", "float"):
+        raise ValueError(f"make_sdpa: mask must be None, 'bool', 'fill' or 'float', not "
+                         f"{mask!r}")
     if None in (batch, lq, lk):
         if strides is not None:
             raise ValueError("make_sdpa: the generic kernel reads its strides from the tensors")
         return _generic(int(heads), int(e), int(ev), bool(causal), float(scale or 0.0), kind,
-                        mask_shape, dtype, _kv_heads(heads, kv_heads))
+                        mask_shape, dtype, _kv_heads(heads, kv_heads), bool(written))
     dims = tuple(int(d) for d in (batch, heads, lq, lk, e, ev))
     if min(dims) < 1:
         raise ValueError(f"make_sdpa: empty shapes {dims}")
@@ -92,11 +97,12 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
     spec = AttentionSpec(batch, heads, lq, lk, e, ev, bool(causal), float(scale or 0.0), kind,
                          mask_shape, **_blocking(lq, lk, e, ev, KERNEL_DTYPES[dtype]),
                          strides=() if strides == dense else tuple(st[:3] for st in strides),
-                         dtype=KERNEL_DTYPES[dtype], kv_heads=0 if kvh == heads else kvh)
+                         dtype=KERNEL_DTYPES[dtype], kv_heads=0 if kvh == heads else kvh,
+                         empty_nan=bool(written))
     fn = entry(spec, 5)
     symbol = spec.symbol
     (qst, kst, vst, ost) = strides
-    mdtype = torch.bool if kind == "bool" else dtype
+    mdtype = torch.bool if kind in ("bool", "fill") else dtype
     empty_strided, threads = torch.empty_strided, torch.get_num_threads
 
     def layout(x, shape, stride, name):
@@ -141,7 +147,7 @@ def _kv_heads(heads: int, kv_heads: int | None) -> int:
 
 
 def _generic(heads: int, e: int, ev: int, causal: bool, scale: float, kind: str, mask_shape,
-             dtype: torch.dtype, kvh: int):
+             dtype: torch.dtype, kvh: int, written: bool):
     """The callable of the generic kernel (codegen/attention_args.py).
 
     It reads batch, lq, lk and the strides from its 4-D tensors: q, k, v with last stride 1 are
@@ -149,7 +155,8 @@ def _generic(heads: int, e: int, ev: int, causal: bool, scale: float, kind: str,
     MultiheadAttention's views), others are copied contiguous. ``mask_shape`` is 4-D with 1 on
     the dims the mask broadcasts over and 0 on full-size ones (None: all full); a mask of size 1
     on a full-size dim is broadcast too. The output has the layout ATen's CPU SDPA gives: that
-    of ``torch.empty_like(q)`` when e == ev (its flash kernel), else contiguous (its math path).
+    of ``torch.empty_like(q)`` when e == ev (its flash kernel), else contiguous (its math path);
+    ``written``: always contiguous (see make_sdpa).
     """
     if min(heads, e, ev) < 1:
         raise ValueError(f"make_sdpa: empty shapes {(heads, e, ev)}")
@@ -163,16 +170,16 @@ def _generic(heads: int, e: int, ev: int, causal: bool, scale: float, kind: str,
     spec = AttentionSpec(0, heads, 0, 0, e, ev, causal, scale, kind, ms,
                          **_blocking(None, None, e, ev, KERNEL_DTYPES[dtype]),
                          dtype=KERNEL_DTYPES[dtype],
-                         kv_heads=0 if kvh == heads else kvh)
+                         kv_heads=0 if kvh == heads else kvh, empty_nan=written)
     # the i64 arguments pass through ctypes as c_void_p: the same register on x86-64, at about
     # half the conversion cost of c_int64 (~0.25 us a call, 5% of a decode step)
     fn = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 10)(get_kernel(spec))
     symbol = spec.symbol
     table = struct.Struct(f"{16 if kind == 'none' else 20}q").pack
-    mdtype = torch.bool if kind == "bool" else dtype
+    mdtype = torch.bool if kind in ("bool", "fill") else dtype
     empty_like, empty_strided = torch.empty_like, torch.empty_strided
     threads = torch.get_num_threads
-    same_e = e == ev
+    same_e = e == ev and not written
 
     def inputs(q, k, v):
         """q, k, v checked, those whose last stride is not 1 made contiguous (slow path)."""

@@ -85,7 +85,8 @@ class GemmSpec(Spec):
 class AttentionSpec(Spec):
     """Flash-style SDPA over (batch, heads, L, E) float32 (see codegen/attention.py).
 
-    ``mask`` is none, bool or float; ``mask_shape`` its 4-D shape (1 = broadcast). ``scale`` 0
+    ``mask`` is none, bool (True keeps), fill (bool, True masks: ``masked_fill``'s condition) or
+    float; ``mask_shape`` its 4-D shape (1 = broadcast). ``scale`` 0
     means 1/sqrt(e). Blocking: ``bq`` query rows x ``bk`` keys per step, ``nr``-key panels,
     ``mrs``/``mro`` rows per micro-tile of the score and output products.
 
@@ -118,6 +119,9 @@ class AttentionSpec(Spec):
     kv_heads: int = 0
     # "tile": both products of bf16 attention on matrix tiles (codegen/attention_tile.py)
     path: str = "vector"
+    # a row with no finite score gives NaN, as softmax written out gives it (attention matched
+    # from matmul + softmax + matmul); False: 0, as ATen's scaled_dot_product_attention
+    empty_nan: bool = False
     family = "attention"
 
     def __post_init__(self):
@@ -138,7 +142,8 @@ class AttentionSpec(Spec):
                    if self.strides else "")
                 + ("" if self.dtype == "f32" else "_" + self.dtype)
                 + (f"_g{self.kv_heads}" if self.kv_heads else "")
-                + ("" if self.path == "vector" else "_" + self.path))
+                + ("" if self.path == "vector" else "_" + self.path)
+                + ("_nan" if self.empty_nan else ""))
 
 
 @register_spec

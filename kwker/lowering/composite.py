@@ -1,5 +1,6 @@
-"""Ops written out in elementwise ops: GELU (recognised by what it computes), RMSNorm and
-SwiGLU's ``silu(gate) * up`` (recognised by their structure, at the end of this file).
+"""Ops written out in elementwise ops: GELU (recognised by what it computes), RMSNorm,
+SwiGLU's ``silu(gate) * up``, rotary embeddings and attention (``softmax(q @ k^T * c) @ v``,
+recognised by their structure, after GELU in this file).
 
 Model libraries spell GELU by hand: transformers' ``NewGELUActivation`` (GPT-2's "gelu_new") is
 ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * pow(x, 3))))``, ``FastGELUActivation``
@@ -16,6 +17,7 @@ import math
 import operator
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Node
 
 _aten = torch.ops.aten
@@ -301,3 +303,117 @@ def rope_at(n: Node) -> tuple | None:
             covers = sorted(inner + [m1, m2, n], key=order.__getitem__)
             return x, c, s, h, dims, covers
     return None
+
+
+# ---------------------------------------------------------------- attention written out
+_MATMUL = ((operator.matmul, torch.matmul, torch.bmm, _aten.matmul.default, _aten.bmm.default),
+           ("matmul", "__matmul__", "bmm"))
+_DIV = ((operator.truediv, torch.div, _aten.div.Tensor), ("div", "__truediv__"))
+_SOFTMAX = ((F.softmax, torch.softmax, _aten.softmax.int, _aten._softmax.default), ("softmax",))
+_FILL = ((torch.masked_fill, _aten.masked_fill.Scalar), ("masked_fill",))
+_DROPOUT = ((F.dropout, torch.dropout, _aten.dropout.default), ("dropout",))
+_TRANSPOSE = ((torch.transpose, _aten.transpose.int), ("transpose",))
+
+
+def _number(c) -> bool:
+    return isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c != 0
+
+
+def is_softmax(n) -> bool:
+    return _is(n, *_SOFTMAX)
+
+
+def _softmax_dim(n: Node):
+    """(the softmax's dim, its dtype argument) of the softmax node ``n``."""
+    a, kw = n.args, n.kwargs
+    dim = a[1] if len(a) > 1 else kw.get("dim")
+    if n.op == "call_function" and n.target is _aten._softmax.default:
+        return dim, None if not a[2] else torch.float32
+    if n.op == "call_function" and n.target is F.softmax:   # (input, dim, _stacklevel, dtype)
+        return dim, a[3] if len(a) > 3 else kw.get("dtype")
+    return dim, a[2] if len(a) > 2 else kw.get("dtype")
+
+
+def attention_at(n: Node, rank) -> tuple | None:
+    """Attention written out, ending at the product ``n`` (nanoGPT's, transformers' eager
+    attention, hand-written blocks): ``softmax(q @ k.transpose(-2, -1) * c [+ mask |
+    .masked_fill(cond, -inf)], -1) [.to(dtype)] [dropout in eval] @ v``, with ``/ c`` for
+    ``* c`` too and every intermediate used only by the next: (q, k, v, mask or None, mask
+    kind "float" | "fill" | None, scale, softmax's dtype argument, covered nodes in graph
+    order), or None. ``rank(node)`` gives a tensor node's rank (None if unknown)."""
+    if not _is(n, *_MATMUL) or len(n.args) != 2 or n.kwargs:
+        return None
+    p, v = n.args
+    covers = [n]
+
+    def single(x) -> bool:
+        return isinstance(x, Node) and len(x.users) == 1
+
+    if single(p) and _is(p, *_DROPOUT):   # identity in eval: F.dropout(x, p, False)
+        a, kw = p.args, p.kwargs
+        train = a[2] if len(a) > 2 else kw.get("training", True)
+        if train is not False and (a[1] if len(a) > 1 else kw.get("p", 0.5)) != 0:
+            return None
+        covers.append(p)
+        p = a[0]
+    if single(p) and _is(p, *_CASTS) and len(p.args) == 2 and not p.kwargs:
+        covers.append(p)
+        p = p.args[0]
+    if not (single(p) and _is(p, *_SOFTMAX)):
+        return None
+    dim, dtype = _softmax_dim(p)
+    r = rank(p)
+    if r is None or not isinstance(dim, int) or dim % r != r - 1:
+        return None
+    covers.append(p)
+    x = p.args[0]
+    mask, kind = None, None
+    if single(x) and _is(x, *_FILL) and len(x.args) == 3 and not x.kwargs and \
+            x.args[2] == -math.inf and isinstance(x.args[1], Node):
+        mask, kind = x.args[1], "fill"
+        covers.append(x)
+        x = x.args[0]
+    elif single(x) and _is(x, *_ADD) and len(x.args) == 2 and not x.kwargs:
+        for s_, m_ in (x.args, x.args[::-1]):
+            if isinstance(m_, Node) and _scores(s_, rank) is not None:
+                mask, kind = m_, "float"
+                covers.append(x)
+                x = s_
+                break
+        else:
+            return None
+    found = _scores(x, rank)
+    if found is None:
+        return None
+    q, k, scale, inner = found
+    order = {node: i for i, node in enumerate(n.graph.nodes)}
+    return q, k, v, mask, kind, scale, dtype, sorted(covers + inner, key=order.__getitem__)
+
+
+def _scores(x, rank) -> tuple | None:
+    """(q, k, scale, nodes) if ``x`` is ``q @ k.transpose(-2, -1)`` times / over constants,
+    each node used once (the transpose may have other users: it is covered only if not)."""
+    scale, inner = 1.0, []
+    while isinstance(x, Node) and len(x.users) == 1 and len(x.args) == 2 and not x.kwargs:
+        a, b = x.args
+        if _is(x, *_MUL) and (_number(a) or _number(b)):
+            scale, operand = (scale * a, b) if _number(a) else (scale * b, a)
+        elif _is(x, *_DIV) and _number(b):
+            scale, operand = scale / b, a
+        else:
+            break
+        inner.append(x)
+        x = operand
+    if not (isinstance(x, Node) and len(x.users) == 1 and _is(x, *_MATMUL) and
+            len(x.args) == 2 and not x.kwargs):
+        return None
+    q, kt = x.args
+    r = rank(kt)
+    if not isinstance(kt, Node) or r is None or r < 3 or not _is(kt, *_TRANSPOSE) or \
+            len(kt.args) != 3 or kt.kwargs or \
+            {d % r for d in kt.args[1:] if isinstance(d, int)} != {r - 2, r - 1}:
+        return None
+    inner.append(x)
+    if len(kt.users) == 1:
+        inner.append(kt)
+    return q, kt.args[0], scale, inner

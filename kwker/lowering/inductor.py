@@ -47,7 +47,8 @@ def _call_args(m: Match) -> tuple:
     if m.kind == "rope":
         return i["x"], i["cos"], i["sin"]
     if m.kind == "sdpa":
-        return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"]
+        return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"], \
+            p.get("written", False)
     if m.kind == "layer_norm":
         return i["x"], i["weight"], i["bias"], p["d"], p["eps"], p["norm"], p.get("out")
     return (i["x"], *p["args"])
@@ -93,7 +94,8 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
     else:  # the layouts q, k, v arrive in (heads side by side...), as the op's call looks up
         strides = tuple(tuple(metas[i[k]].stride) for k in ("q", "k", "v"))
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
-                                p["mask"], p["causal"], p["scale"], strides, dtype=dtype)
+                                p["mask"], p["causal"], p["scale"], strides, dtype=dtype,
+                                written=p.get("written", False))
     if fn is not None and not generic:
         slower, measured = tune.verdict(m, metas, consts, fn, B.runtime_inputs(m))
         if slower:

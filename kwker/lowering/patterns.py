@@ -19,7 +19,14 @@ from torch.fx import Node
 
 from . import sorting as S
 from .autocast import cast_source
-from .composite import find_gelus, rms_norm_at, rope_at, silu_mul_at
+from .composite import (
+    attention_at,
+    find_gelus,
+    is_softmax,
+    rms_norm_at,
+    rope_at,
+    silu_mul_at,
+)
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
@@ -132,6 +139,14 @@ class Matcher:
         # GELUs written out in elementwise ops (transformers' gelu_new and friends)
         self.gelus = find_gelus(nodes)
         self.gelu_of = {x: end for end, (x, _, _) in self.gelus.items()}
+        # attention written out: matched at its last product, its first left to that match
+        self.attention = {}
+        for n in nodes:
+            m = self.written_attention(n)
+            if m is not None:
+                self.attention[n] = m
+        self.in_attention = {c for m in self.attention.values() for c in m.covers
+                             if c is not m.output}
 
     def run(self) -> list[Match]:
         claimed: set = set()
@@ -160,6 +175,10 @@ class Matcher:
         return any(lo <= w < hi for w in self.writes)
 
     def match(self, n: Node) -> Match | None:
+        if n in self.attention:
+            return self.attention[n]
+        if n in self.in_attention:
+            return None
         kind = canon(n)
         if kind in ("linear", "matmul", "mm", "addmm"):
             m = self.gemm_const(n, kind)
@@ -476,6 +495,32 @@ class Matcher:
         return Match("sdpa", n, covers, {"q": q, "k": k, "v": v, "mask": mask},
                      {"causal": b["is_causal"], "scale": None if scale is None else float(scale),
                       "mask": mask_kind})
+
+
+    def written_attention(self, n: Node) -> Match | None:
+        """``softmax(q @ k^T * c [+ mask]) @ v`` written out (composite.attention_at) as the
+        SDPA kernel, which gives what it gives (a row with no finite score NaN, the output
+        contiguous). q, k, v, the scores and the output all in one dtype: under autocast the
+        products and the softmax run in different ones, left to ATen."""
+        def rank(x):
+            m = _meta(self.metas, x)
+            return len(m.shape) if m is not None else None
+        found = attention_at(n, rank)
+        if found is None:
+            return None
+        q, k, v, mask, kind, scale, softmax_dtype, covers = found
+        dt = _dtype(self.metas, q)
+        if not _fits(self.metas, q, k, v, n, rank=(3, 4), dtype=dt) or \
+                softmax_dtype not in (None, torch.float32) or \
+                any(_dtype(self.metas, c) != dt for c in covers
+                    if _meta(self.metas, c) and not is_softmax(c)):
+            return None
+        if mask is not None:
+            mm = _meta(self.metas, mask)
+            if mm is None or mm.dtype != (torch.bool if kind == "fill" else dt):
+                return None
+        return Match("sdpa", n, covers, {"q": q, "k": k, "v": v, "mask": mask},
+                     {"causal": False, "scale": float(scale), "mask": kind, "written": True})
 
 
 _VIEWS = ("getitem", "unsqueeze", "view", "reshape")
