@@ -24,14 +24,8 @@ GRAIN = {"relu": 1 << 15}  # others: DEFAULT_GRAIN
 DEFAULT_GRAIN = 1 << 12
 UNROLL = {"relu": 4}  # others: 1
 
-def _silu(b, x):
-    """x / (1 + e^-x), as ATen computes SiLU."""
-    one = vmath.splat(x.type, 1.0)
-    return b.fdiv(x, b.fadd(one, vmath.exp(b, b.fsub(vmath.splat(x.type, 0.0), x))))
-
-
 OPS = {
-    "silu": _silu,
+    "silu": vmath.silu,
     "gelu": lambda b, x: vmath.gelu(b, x, "none"),
     "gelu_tanh": lambda b, x: vmath.gelu(b, x, "tanh"),
     "relu": vmath.relu,

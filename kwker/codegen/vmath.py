@@ -270,12 +270,21 @@ def relu(b: ir.IRBuilder, x):
     return b.select(b.fcmp_ordered("<", x, splat(x.type, 0.0)), splat(x.type, 0.0), x)
 
 
+def silu(b: ir.IRBuilder, x):
+    """x / (1 + e^-x), as ATen computes SiLU."""
+    one = splat(x.type, 1.0)
+    return b.fdiv(x, b.fadd(one, exp(b, b.fsub(splat(x.type, 0.0), x))))
+
+
 def activation(b: ir.IRBuilder, name: str, x, bf16: bool = False):
-    """Epilogue activation by name: none, relu, gelu, gelu_tanh (``bf16``: see ``gelu``)."""
+    """Epilogue activation by name: none, relu, silu, gelu, gelu_tanh (``bf16``: see
+    ``gelu``)."""
     if name == "none":
         return x
     if name == "relu":
         return relu(b, x)
+    if name == "silu":
+        return silu(b, x)
     if name == "gelu":
         return gelu(b, x, "none", bf16)
     if name == "gelu_tanh":

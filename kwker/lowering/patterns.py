@@ -283,11 +283,13 @@ class Matcher:
             epilogue = "gelu" if self.gelus[end][2] == "none" else "gelu_tanh"
             covers += self.gelus[end][1]
             cur = end
-        elif user is not None and canon(user) in ("relu", "gelu"):
+        elif user is not None and canon(user) in ("relu", "silu", "gelu") and not (
+                canon(user) == "silu" and _sole_user(user) is not None and
+                silu_mul_at(_sole_user(user)) is not None):   # SwiGLU's gate: silu_mul's
             bu = bind(user)
             if bu is not None and bu["input"] is cur:
-                if canon(user) == "relu":
-                    epilogue = "relu"
+                if canon(user) in ("relu", "silu"):
+                    epilogue = canon(user)
                 elif bu["approximate"] in ("none", "tanh"):
                     epilogue = "gelu" if bu["approximate"] == "none" else "gelu_tanh"
                 if epilogue != "none":

@@ -126,3 +126,33 @@ def test_rows_linear_fuses_its_epilogue_through_the_views(dtype, inner):
         assert_close(got, eager)
     else:
         assert_bf16_contract(got, eager, reference)
+
+
+class SiLUBlock(torch.nn.Module):
+    """A SiLU after a linear (nn.SiLU, in place too) fuses into its epilogue; SwiGLU's gate
+    ``silu(g(x)) * u(x)`` stays the silu_mul kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(48, 96), torch.nn.Linear(96, 48)
+        self.g, self.u = torch.nn.Linear(48, 80, bias=False), torch.nn.Linear(48, 80, bias=False)
+        self.act = torch.nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        h = self.b(self.act(self.a(x)))
+        return torch.nn.functional.silu(self.g(h)) * self.u(h)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_silu_epilogue_and_swiglu_gate(inner):
+    torch.manual_seed(14)
+    model = SiLUBlock().eval()
+    x = torch.randn(9, 48)
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(model, backend="kwker", options={"inner": inner})
+    with torch.no_grad():
+        got, eager = compiled(x), model(x)
+    names = sorted(n for r in kd.all_reports() for n in r.kernel_names)
+    assert names == ["linear", "linear", "linear", "linear_silu", "silu_mul"], names
+    assert_close(got, eager)

@@ -102,10 +102,11 @@ def main() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(2)
     checks = {}
-    for m, n, k, epi in [(1, 37, 70, "gelu"), (5, 100, 33, "relu"), (50, 61, 130, "gelu_tanh")]:
+    for m, n, k, epi in [(1, 37, 70, "gelu"), (5, 100, 33, "relu"), (50, 61, 130, "gelu_tanh"),
+                         (9, 40, 50, "silu")]:
         w, b, x = torch.randn(n, k) / k ** 0.5, torch.randn(n), torch.randn(m, k)
         ref = F.linear(x, w, b)
-        ref = {"gelu": F.gelu, "relu": torch.relu,
+        ref = {"gelu": F.gelu, "relu": torch.relu, "silu": F.silu,
                "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[epi](ref)
         checks[f"linear {m}x{n}x{k} {epi}"] = close(make_linear(w, b, m, epi)(x), ref)
     a, bt = torch.randn(2, 30, 40), torch.randn(2, 50, 40)

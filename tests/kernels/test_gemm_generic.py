@@ -12,7 +12,7 @@ from kwker.kernels.linear import make_linear
 from kwker.kernels.matmul import make_matmul
 
 ROWS = [*range(1, 30), 31, 37, 64, 97, 255, 257, 1031]
-ACTS = {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu,
+ACTS = {"none": lambda t: t, "relu": torch.relu, "silu": F.silu, "gelu": F.gelu,
         "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 
@@ -28,7 +28,8 @@ def _check(out, ref, dtype):
 @pytest.mark.parametrize("n,k,epilogue,residual", [(96, 64, "gelu", False),
                                                    (100, 33, "relu", True),
                                                    (512, 300, "none", True),
-                                                   (33, 1100, "gelu_tanh", False)])
+                                                   (33, 1100, "gelu_tanh", False),
+                                                   (70, 45, "silu", True)])
 def test_linear_generic_over_rows(n, k, epilogue, residual, dtype):
     torch.manual_seed(n + k)
     w, b = torch.randn(n, k) / k ** 0.5, torch.randn(n)

@@ -32,7 +32,7 @@ FORMATS = {
     "int2-group32": (IntxWeightOnlyConfig, {"weight_dtype": torch.int2,
                                             "granularity": PerGroup(32)}),
 }
-EPILOGUES = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu,
+EPILOGUES = {"none": lambda y: y, "relu": F.relu, "silu": F.silu, "gelu": F.gelu,
              "gelu_tanh": lambda y: F.gelu(y, approximate="tanh")}
 
 
