@@ -3,7 +3,7 @@
     torch.compile(model, backend="kwker")                              # inner="inductor"
     torch.compile(model, backend="kwker", options={"inner": "eager"})  # seconds to compile
 
-In each FX graph dynamo hands over, GEMMs (with bias, ReLU/GELU and residual epilogues), GELU,
+In each FX graph dynamo hands over, GEMMs (with bias, ReLU/SiLU/GELU and residual epilogues), GELU,
 attention, GEMM+topk and sorting ops become Kwker kernels: specialised to static sizes, generic
 over symbolic ones (read per call, so a new size never waits for a compile). Everything else
 runs on the inner compiler: plain ATen calls in a flat precomputed list (``"eager"``), or
