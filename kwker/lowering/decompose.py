@@ -1,4 +1,5 @@
-"""Expand fused attention-block ops into the primitives Kwker has kernels for.
+"""Expand fused attention-block ops, and einsums that are matmuls, into the primitives Kwker
+has kernels for.
 
 In eval mode under ``no_grad`` PyTorch runs ``nn.TransformerEncoderLayer`` as one fused op
 (``torch._transformer_encoder_layer_fwd``) and ``nn.MultiheadAttention`` as
@@ -9,6 +10,12 @@ the same function (the native op's order of operations: QKV projection, attentio
 projection + residual, norm, FFN + residual, norm). Only the cases spelled out below are
 rewritten (no masks on the fused layer, no attention weights requested, self-attention with the
 packed projection); anything else keeps its original node.
+
+A two-operand ``torch.einsum`` that is a (batched) matrix product (one contracted index, each
+operand's free index last or next to last, the output in matmul's order: ``"bhid,bhjd->bhij"``,
+``"bhij,bhjd->bhid"``, ``"bld,dh->blh"``, ``"bid,jd->bij"``) becomes ``matmul`` with the
+operands transposed where needed, so projections and attention written with einsum meet the
+same patterns as ``@`` (linears with a weight, attention written out).
 """
 from __future__ import annotations
 
@@ -173,13 +180,65 @@ def _mha(e: _Emit, node: Node) -> Node | None:
                        a["out_proj_bias"], causal)
 
 
-_RULES = {_TEL: _encoder_layer, _NATIVE_MHA: _native_mha, _MHA: _mha}
+def _einsum_plan(eq: str) -> tuple[bool, bool] | None:
+    """(transpose a, transpose b) making ``eq`` one ``torch.matmul`` of the two operands, or
+    None. "..." counts as one batch index, leading in all three terms."""
+    eq = eq.replace(" ", "")
+    if eq.count("->") != 1 or eq.count(",") != 1:
+        return None
+    lhs, out = eq.split("->")
+    a, b = lhs.split(",")
+    if "..." in eq:
+        if not all(t.startswith("...") and t.count("...") == 1 for t in (a, b, out)):
+            return None
+        a, b, out = ("#" + t[3:] for t in (a, b, out))
+    terms = (a, b, out)
+    if not all(t.isalpha() or t[1:].isalpha() and t[0] == "#" for t in terms if t) or \
+            any(len(set(t)) != len(t) for t in terms) or len(a) < 2 or len(b) < 2:
+        return None
+    shared = set(a) & set(b)
+    contracted = shared - set(out)
+    if len(contracted) != 1 or set(out) != (set(a) | set(b)) - contracted:
+        return None
+    c = contracted.pop()
+    ta, tb = a[-2] == c, b[-1] == c       # a: (..., x, c); b: (..., c, y)
+    a2 = a[:-2] + a[-1] + a[-2] if ta else a
+    b2 = b[:-2] + b[-1] + b[-2] if tb else b
+    x, y, batch_a, batch_b = a2[-2], b2[-1], a2[:-2], b2[:-2]
+    # batch dims align from the right, as matmul broadcasts them: the shorter run's indices
+    # are in both operands, the longer's extra ones in one only
+    long, short = (batch_a, batch_b) if len(batch_a) >= len(batch_b) else (batch_b, batch_a)
+    if a2[-1] != c or b2[-2] != c or x in shared or y in shared or \
+            not long.endswith(short) or set(short) - shared or \
+            set(long[:len(long) - len(short)]) & shared or out != long + x + y:
+        return None
+    return ta, tb
+
+
+def _einsum(e: _Emit, node: Node) -> Node | None:
+    args = node.args
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    if not (args and isinstance(args[0], str)) or len(ops) != 2 or node.kwargs or \
+            not all(isinstance(o, Node) for o in ops):
+        return None
+    plan = _einsum_plan(args[0])
+    if plan is None:
+        return None
+    a, b = (e.fn(torch.transpose, o, -2, -1) if t else o for o, t in zip(ops, plan))
+    return e.fn(torch.matmul, a, b)
+
+
+_EINSUM = torch.functional.einsum
+_RULES = {_TEL: _encoder_layer, _NATIVE_MHA: _native_mha, _MHA: _mha, _EINSUM: _einsum}
+_ONE_VALUE = (_TEL, _EINSUM)   # rules whose node is its value (MHA's is an (out, weights) pair)
 _KEPT = {  # why a fused op stays one opaque ATen call
     _TEL: "kept whole: a mask, nested or non-float32/bfloat16 input, or heads not dividing "
           "the width",
     _NATIVE_MHA: "kept whole: attention weights, a mask, or cross-attention requested",
     _MHA: "kept whole: attention weights, masks (other than a causal hint), dropout, bias_k/v, "
           "separate projections or cross-attention requested",
+    _EINSUM: "kept as einsum: not one matrix product (Kwker rewrites two operands with one "
+             "contracted index and free indices where matmul puts them)",
 }
 KEPT_NOTE = "kwker.decompose"  # node.meta key holding that reason
 
@@ -208,7 +267,7 @@ def decompose(gm: GraphModule) -> tuple[GraphModule, list]:
         done.append((node.name, getattr(node.target, "__name__", str(node.target))))
         # the expansion's result stands for the node's value: keep dynamo's metadata on it, so
         # a following fused block (the next layer of an nn.TransformerEncoder) still matches
-        if node.target is _TEL:
+        if node.target in _ONE_VALUE:
             _keep_value(node, out)
             node.replace_all_uses_with(out)
         else:
