@@ -276,15 +276,25 @@ def silu(b: ir.IRBuilder, x):
     return b.fdiv(x, b.fadd(one, exp(b, b.fsub(splat(x.type, 0.0), x))))
 
 
+def sigmoid(b: ir.IRBuilder, x):
+    """1 / (1 + e^-x): 0 at -inf, 1 at inf, NaN kept."""
+    one = splat(x.type, 1.0)
+    return b.fdiv(one, b.fadd(one, exp(b, b.fsub(splat(x.type, 0.0), x))))
+
+
 def activation(b: ir.IRBuilder, name: str, x, bf16: bool = False):
-    """Epilogue activation by name: none, relu, silu, gelu, gelu_tanh (``bf16``: see
-    ``gelu``)."""
+    """Epilogue activation by name: none, relu, silu, sigmoid, tanh, gelu, gelu_tanh
+    (``bf16``: see ``gelu``)."""
     if name == "none":
         return x
     if name == "relu":
         return relu(b, x)
     if name == "silu":
         return silu(b, x)
+    if name == "sigmoid":
+        return sigmoid(b, x)
+    if name == "tanh":
+        return tanh(b, x)
     if name == "gelu":
         return gelu(b, x, "none", bf16)
     if name == "gelu_tanh":

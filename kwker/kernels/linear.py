@@ -11,7 +11,7 @@ from . import blocking, variants
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function
 from .specs import GemmSpec
 
-EPILOGUES = ("none", "relu", "silu", "gelu", "gelu_tanh")
+EPILOGUES = ("none", "relu", "silu", "sigmoid", "tanh", "gelu", "gelu_tanh")
 
 
 def pack_panels(w: torch.Tensor, nr: int) -> torch.Tensor:

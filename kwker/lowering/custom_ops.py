@@ -217,8 +217,8 @@ def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
 def _act(out, epilogue):
     if epilogue == "relu":
         return torch.relu(out)
-    if epilogue == "silu":
-        return F.silu(out)
+    if epilogue in ("silu", "sigmoid", "tanh"):
+        return getattr(torch, epilogue)(out) if epilogue != "silu" else F.silu(out)
     if epilogue in ("gelu", "gelu_tanh"):
         return F.gelu(out, approximate="none" if epilogue == "gelu" else "tanh")
     return out

@@ -5,7 +5,7 @@ what holds for every size dynamo may pass: the operations, single-use chains, wh
 parameters (compile-time constants), dtypes and ranks. Whether concrete sizes fit a kernel is
 decided when the kernel is built (``build.py``), or, under Inductor, inside the custom op.
 
-Fused chains: a GEMM with a constant weight absorbs a following ReLU/SiLU/GELU and then a residual
+Fused chains: a GEMM with a constant weight absorbs a following ReLU/SiLU/sigmoid/tanh/GELU and then a residual
 ``add``; a GEMM whose only user is ``topk`` along the last axis becomes one kernel that never
 writes the score matrix.
 """
@@ -30,6 +30,8 @@ from .composite import (
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
+# activations a GEMM with a weight takes into its epilogue (by their canonical names)
+ACTIVATIONS = ("relu", "silu", "sigmoid", "tanh", "gelu")
 # dtypes the compute kernels run in (sorting ops take more, see sorting.py)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -283,12 +285,12 @@ class Matcher:
             epilogue = "gelu" if self.gelus[end][2] == "none" else "gelu_tanh"
             covers += self.gelus[end][1]
             cur = end
-        elif user is not None and canon(user) in ("relu", "silu", "gelu") and not (
+        elif user is not None and canon(user) in ACTIVATIONS and not (
                 canon(user) == "silu" and _sole_user(user) is not None and
                 silu_mul_at(_sole_user(user)) is not None):   # SwiGLU's gate: silu_mul's
             bu = bind(user)
             if bu is not None and bu["input"] is cur:
-                if canon(user) in ("relu", "silu"):
+                if canon(user) != "gelu":
                     epilogue = canon(user)
                 elif bu["approximate"] in ("none", "tanh"):
                     epilogue = "gelu" if bu["approximate"] == "none" else "gelu_tanh"

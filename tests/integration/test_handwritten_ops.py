@@ -129,18 +129,20 @@ def test_rows_linear_fuses_its_epilogue_through_the_views(dtype, inner):
 
 
 class SiLUBlock(torch.nn.Module):
-    """A SiLU after a linear (nn.SiLU, in place too) fuses into its epilogue; SwiGLU's gate
-    ``silu(g(x)) * u(x)`` stays the silu_mul kernel."""
+    """A SiLU (nn.SiLU, in place too), sigmoid or tanh after a linear fuses into its epilogue;
+    SwiGLU's gate ``silu(g(x)) * u(x)`` stays the silu_mul kernel."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b = torch.nn.Linear(48, 96), torch.nn.Linear(96, 48)
         self.g, self.u = torch.nn.Linear(48, 80, bias=False), torch.nn.Linear(48, 80, bias=False)
         self.act = torch.nn.SiLU(inplace=True)
+        self.c, self.d = torch.nn.Linear(80, 30), torch.nn.Linear(80, 30)
 
     def forward(self, x):
         h = self.b(self.act(self.a(x)))
-        return torch.nn.functional.silu(self.g(h)) * self.u(h)
+        y = torch.nn.functional.silu(self.g(h)) * self.u(h)
+        return torch.sigmoid(self.c(y)) * self.d(y).tanh()     # an LSTM-like gate
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
@@ -154,5 +156,6 @@ def test_silu_epilogue_and_swiglu_gate(inner):
     with torch.no_grad():
         got, eager = compiled(x), model(x)
     names = sorted(n for r in kd.all_reports() for n in r.kernel_names)
-    assert names == ["linear", "linear", "linear", "linear_silu", "silu_mul"], names
+    assert names == ["linear", "linear", "linear", "linear_sigmoid", "linear_silu",
+                     "linear_tanh", "silu_mul"], names
     assert_close(got, eager)

@@ -19,7 +19,8 @@ from kwker.kernels.topk import make_linear_topk
 from kwker.runtime.target import host_target
 
 BF16 = torch.bfloat16
-ACT = {"none": lambda t: t, "relu": torch.relu, "silu": F.silu, "gelu": F.gelu,
+ACT = {"none": lambda t: t, "relu": torch.relu, "silu": F.silu, "sigmoid": torch.sigmoid,
+       "tanh": torch.tanh, "gelu": F.gelu,
        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 LINEAR_CASES = [  # m, n, k, epilogue, residual, bias[, out: a float32 residual and output]
     (1, 64, 32, "none", False, True), (1, 4096, 1024, "none", False, True),
@@ -30,6 +31,7 @@ LINEAR_CASES = [  # m, n, k, epilogue, residual, bias[, out: a float32 residual 
     (3, 70, 33, "gelu_tanh", True, True, torch.float32),
     (45, 100, 300, "none", True, True, torch.float32),
     (21, 90, 77, "silu", True, True), (6, 40, 128, "silu", False, True, torch.float32),
+    (17, 50, 40, "sigmoid", False, True), (2, 33, 70, "tanh", True, True),
 ]
 MATMUL_CASES = [  # m, k, n, batch, b transposed
     (5, 17, 33, 1, False), (5, 17, 33, 1, True), (64, 64, 128, 4, False), (64, 64, 128, 4, True),

@@ -12,7 +12,8 @@ from kwker.kernels.linear import make_linear
 from kwker.kernels.matmul import make_matmul
 
 ROWS = [*range(1, 30), 31, 37, 64, 97, 255, 257, 1031]
-ACTS = {"none": lambda t: t, "relu": torch.relu, "silu": F.silu, "gelu": F.gelu,
+ACTS = {"none": lambda t: t, "relu": torch.relu, "silu": F.silu, "sigmoid": torch.sigmoid,
+        "tanh": torch.tanh, "gelu": F.gelu,
         "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 
@@ -29,7 +30,9 @@ def _check(out, ref, dtype):
                                                    (100, 33, "relu", True),
                                                    (512, 300, "none", True),
                                                    (33, 1100, "gelu_tanh", False),
-                                                   (70, 45, "silu", True)])
+                                                   (70, 45, "silu", True),
+                                                   (40, 30, "sigmoid", False),
+                                                   (50, 20, "tanh", True)])
 def test_linear_generic_over_rows(n, k, epilogue, residual, dtype):
     torch.manual_seed(n + k)
     w, b = torch.randn(n, k) / k ** 0.5, torch.randn(n)

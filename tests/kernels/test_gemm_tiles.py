@@ -48,6 +48,7 @@ LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns an
     (70, 100, 300, "gelu", True, True, torch.float32),  # a float32 residual and output
     (40, 64, 2200, "none", True, False, torch.float32),
     (50, 70, 90, "silu", True, True), (37, 64, 1300, "silu", False, True, torch.float32),
+    (40, 45, 64, "sigmoid", True, True), (33, 96, 100, "tanh", False, True),
 ]
 MATMUL_CASES = [  # m, k, n, batch, b transposed
     (40, 17, 33, 1, False), (40, 17, 33, 1, True), (64, 64, 128, 4, False),

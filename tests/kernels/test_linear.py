@@ -13,8 +13,8 @@ def reference(x, w, b, epilogue, res):
     y = F.linear(x, w, b)
     if epilogue == "relu":
         y = torch.relu(y)
-    elif epilogue == "silu":
-        y = F.silu(y)
+    elif epilogue in ("silu", "sigmoid", "tanh"):
+        y = getattr(F, epilogue)(y)
     elif epilogue == "gelu":
         y = F.gelu(y)
     elif epilogue == "gelu_tanh":
@@ -37,7 +37,8 @@ def test_linear_shapes(m, n, k, threads):
     assert_close(f(x), F.linear(x, w, b), k)
 
 
-@pytest.mark.parametrize("epilogue", ["none", "relu", "silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("epilogue", ["none", "relu", "silu", "sigmoid", "tanh", "gelu",
+                                      "gelu_tanh"])
 @pytest.mark.parametrize("m,bias,residual", [(1, True, False), (5, False, True),
                                              (29, True, True), (64, True, False)])
 def test_linear_epilogues(epilogue, m, bias, residual):
