@@ -5,8 +5,8 @@ what holds for every size dynamo may pass: the operations, single-use chains, wh
 parameters (compile-time constants), dtypes and ranks. Whether concrete sizes fit a kernel is
 decided when the kernel is built (``build.py``), or, under Inductor, inside the custom op.
 
-Fused chains: a GEMM with a constant weight absorbs a following ReLU/SiLU/sigmoid/tanh/GELU and then a residual
-``add``; a GEMM whose only user is ``topk`` along the last axis becomes one kernel that never
+Fused chains: a GEMM with a constant weight absorbs a following ReLU/SiLU/sigmoid/tanh/GELU and
+then a residual ``add``; a GEMM whose only user is ``topk`` along the last axis becomes one kernel that never
 writes the score matrix.
 """
 from __future__ import annotations
