@@ -17,6 +17,10 @@ from .attention_bf16 import exp2_p, store_p
 from .irutil import const, f32, i1, i8, i32, i64, intrinsic, ptr
 
 NEG_INF = -math.inf
+# the lowest finite fill value kept: scores are scaled by log2(e) after masking, and a fill of
+# float32's min (transformers' masks) would overflow to -inf there, turning the uniform softmax
+# of a fully masked row into NaN; a fill this low still gives p = 0 next to any real score
+FILL_MIN = -2.3e38
 
 
 class SoftmaxRows:
@@ -172,7 +176,8 @@ class SoftmaxRows:
             bytes_ = b.call(fn, [simd.gep(b, self.mask_all, b.add(off, j), i8), const(i32, 1),
                                  live, ir.Constant(vt8, [0] * L)])
             keep = b.icmp_unsigned(keeps, bytes_, ir.Constant(vt8, [0] * L))
-        return b.select(keep, x, vmath.splat(x.type, NEG_INF))
+        fill = NEG_INF if s.mask != "fill" or s.fill == NEG_INF else max(s.fill, FILL_MIN)
+        return b.select(keep, x, vmath.splat(x.type, fill))
 
     def finish_rows(self, head, i0, rows, obuf, lrow, o_all):
         s, L, f = self.s, self.L, self.f

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 
 import torch
@@ -43,11 +44,12 @@ def _blocking(lq: int | None, lk: int | None, e: int, ev: int, dtype: str = "f32
 def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal: bool = False,
               scale: float | None = None, mask: str | None = None, mask_shape=None,
               strides=None, dtype: torch.dtype = torch.float32, kv_heads: int | None = None,
-              written: bool = False):
+              written: bool = False, fill: float = -math.inf):
     """``callable(q, k, v, mask=None) -> out`` for float32 or bfloat16 (B, H, L, E) inputs.
 
     ``mask``: None, "bool" (True keeps), "fill" (bool, True masks: ``masked_fill``'s condition)
     or "float" (added, in ``dtype``); ``mask_shape`` its 4-D shape, each dim 1 or full.
+    ``fill``: what a "fill" mask puts in place of a masked (scaled) score, masked_fill's value.
     ``written``: the kernel stands for ``softmax(q @ k^T * scale + mask) @ v`` written out, and
     gives what that gives: NaN for a row with no finite score (ATen's SDPA gives 0) and a
     contiguous output, as the last product makes it. Dropout is not supported (use dropout_p=0). ``strides``: the 4-D
@@ -73,7 +75,8 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
         if strides is not None:
             raise ValueError("make_sdpa: the generic kernel reads its strides from the tensors")
         return _generic(int(heads), int(e), int(ev), bool(causal), float(scale or 0.0), kind,
-                        mask_shape, dtype, _kv_heads(heads, kv_heads), bool(written))
+                        mask_shape, dtype, _kv_heads(heads, kv_heads), bool(written),
+                        float(fill))
     dims = tuple(int(d) for d in (batch, heads, lq, lk, e, ev))
     if min(dims) < 1:
         raise ValueError(f"make_sdpa: empty shapes {dims}")
@@ -98,7 +101,7 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
                          mask_shape, **_blocking(lq, lk, e, ev, KERNEL_DTYPES[dtype]),
                          strides=() if strides == dense else tuple(st[:3] for st in strides),
                          dtype=KERNEL_DTYPES[dtype], kv_heads=0 if kvh == heads else kvh,
-                         empty_nan=bool(written))
+                         empty_nan=bool(written), fill=float(fill))
     fn = entry(spec, 5)
     symbol = spec.symbol
     (qst, kst, vst, ost) = strides
@@ -147,7 +150,7 @@ def _kv_heads(heads: int, kv_heads: int | None) -> int:
 
 
 def _generic(heads: int, e: int, ev: int, causal: bool, scale: float, kind: str, mask_shape,
-             dtype: torch.dtype, kvh: int, written: bool):
+             dtype: torch.dtype, kvh: int, written: bool, fill: float):
     """The callable of the generic kernel (codegen/attention_args.py).
 
     It reads batch, lq, lk and the strides from its 4-D tensors: q, k, v with last stride 1 are
@@ -170,7 +173,7 @@ def _generic(heads: int, e: int, ev: int, causal: bool, scale: float, kind: str,
     spec = AttentionSpec(0, heads, 0, 0, e, ev, causal, scale, kind, ms,
                          **_blocking(None, None, e, ev, KERNEL_DTYPES[dtype]),
                          dtype=KERNEL_DTYPES[dtype],
-                         kv_heads=0 if kvh == heads else kvh, empty_nan=written)
+                         kv_heads=0 if kvh == heads else kvh, empty_nan=written, fill=fill)
     # the i64 arguments pass through ctypes as c_void_p: the same register on x86-64, at about
     # half the conversion cost of c_int64 (~0.25 us a call, 5% of a decode step)
     fn = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 10)(get_kernel(spec))

@@ -6,6 +6,7 @@ packed weight layout always matches the kernel). The ISA comes from the target a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..spec import Spec, register_spec
@@ -122,6 +123,8 @@ class AttentionSpec(Spec):
     # a row with no finite score gives NaN, as softmax written out gives it (attention matched
     # from matmul + softmax + matmul); False: 0, as ATen's scaled_dot_product_attention
     empty_nan: bool = False
+    # what a "fill" mask puts in place of a masked score (after the scale): masked_fill's value
+    fill: float = -math.inf
     family = "attention"
 
     def __post_init__(self):
@@ -143,7 +146,9 @@ class AttentionSpec(Spec):
                 + ("" if self.dtype == "f32" else "_" + self.dtype)
                 + (f"_g{self.kv_heads}" if self.kv_heads else "")
                 + ("" if self.path == "vector" else "_" + self.path)
-                + ("_nan" if self.empty_nan else ""))
+                + ("_nan" if self.empty_nan else "")
+                + ("" if self.fill == -math.inf else
+                   f"_f{struct.unpack('<I', struct.pack('<f', self.fill))[0]:08x}"))
 
 
 @register_spec

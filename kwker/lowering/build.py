@@ -500,12 +500,13 @@ ATTENTION_ON_ATEN = ("bf16 attention of this shape stays on ATen on a CPU with A
                      "multiple of 32, and more than 4 queries)")
 
 
-def written_attention_aten(q, k, v, mask, scale: float) -> torch.Tensor:
-    """``softmax(q @ k^T * scale [+ mask | masked by it]) @ v`` as ATen computes it written
-    out (a bool mask is ``masked_fill``'s condition): for inputs the kernel does not take."""
+def written_attention_aten(q, k, v, mask, scale: float, fill: float = -math.inf) -> torch.Tensor:
+    """``softmax(q @ k^T * scale [+ mask | masked_fill(mask, fill)]) @ v`` as ATen computes it
+    written out (a bool mask is ``masked_fill``'s condition): for inputs the kernel does not
+    take."""
     s = (q @ k.transpose(-2, -1)) * scale
     if mask is not None:
-        s = s.masked_fill(mask, -math.inf) if mask.dtype == torch.bool else s + mask
+        s = s.masked_fill(mask, fill) if mask.dtype == torch.bool else s + mask
     return s.softmax(-1) @ v
 
 
@@ -550,7 +551,8 @@ def _sdpa(m: Match, metas, consts):
     gqa = {} if hk == h else {"kv_heads": hk}  # grouped-query: kv head h // (H / Hkv)
     fn, why = _make("make_sdpa", b, h, lq, lk, e, ev, m.params["causal"], m.params["scale"],
                     m.params["mask"], mask_shape=mask_shape, strides=strides,
-                    dtype=qm.dtype, written=m.params.get("written", False), **gqa)
+                    dtype=qm.dtype, written=m.params.get("written", False),
+                    fill=m.params.get("fill", -math.inf), **gqa)
     if fn is None:
         return None, why
     if three:
@@ -579,7 +581,7 @@ def _sdpa_generic(m: Match, metas, three: bool, h: int, hk: int, e: int, ev: int
     fn, why = _make("make_sdpa", None, h, None, None, e, ev, m.params["causal"],
                     m.params["scale"], m.params["mask"], mask_shape=pattern,
                     dtype=metas[m.inputs["q"]].dtype, written=m.params.get("written", False),
-                    **gqa)
+                    fill=m.params.get("fill", -math.inf), **gqa)
     if fn is None:
         return None, why
     lead = (1,) * (4 - len(pattern or ()))

@@ -339,8 +339,9 @@ def attention_at(n: Node, rank) -> tuple | None:
     attention, hand-written blocks): ``softmax(q @ k.transpose(-2, -1) * c [+ mask |
     .masked_fill(cond, -inf)], -1) [.to(dtype)] [dropout in eval] @ v``, with ``/ c`` for
     ``* c`` too and every intermediate used only by the next: (q, k, v, mask or None, mask
-    kind "float" | "fill" | None, scale, softmax's dtype argument, covered nodes in graph
-    order), or None. ``rank(node)`` gives a tensor node's rank (None if unknown)."""
+    kind "float" | "fill" | None, the fill value, scale, softmax's dtype argument, covered
+    nodes in graph order), or None. ``rank(node)`` gives a tensor node's rank (None if
+    unknown)."""
     if not _is(n, *_MATMUL) or len(n.args) != 2 or n.kwargs:
         return None
     p, v = n.args
@@ -367,10 +368,11 @@ def attention_at(n: Node, rank) -> tuple | None:
         return None
     covers.append(p)
     x = p.args[0]
-    mask, kind = None, None
+    mask, kind, fill = None, None, -math.inf
     if single(x) and _is(x, *_FILL) and len(x.args) == 3 and not x.kwargs and \
-            x.args[2] == -math.inf and isinstance(x.args[1], Node):
-        mask, kind = x.args[1], "fill"
+            isinstance(x.args[1], Node) and isinstance(x.args[2], (int, float)) and \
+            not isinstance(x.args[2], bool) and (math.isfinite(x.args[2]) or x.args[2] < 0):
+        mask, kind, fill = x.args[1], "fill", float(x.args[2])
         covers.append(x)
         x = x.args[0]
     elif single(x) and _is(x, *_ADD) and len(x.args) == 2 and not x.kwargs:
@@ -387,7 +389,7 @@ def attention_at(n: Node, rank) -> tuple | None:
         return None
     q, k, scale, inner = found
     order = {node: i for i, node in enumerate(n.graph.nodes)}
-    return q, k, v, mask, kind, scale, dtype, sorted(covers + inner, key=order.__getitem__)
+    return q, k, v, mask, kind, fill, scale, dtype, sorted(covers + inner, key=order.__getitem__)
 
 
 def _scores(x, rank) -> tuple | None:

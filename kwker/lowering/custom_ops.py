@@ -15,6 +15,7 @@ graph cache can reuse the compiled graph in another process.
 """
 from __future__ import annotations
 
+import math
 import logging
 import threading
 import weakref
@@ -43,7 +44,7 @@ _SCHEMAS = {
     "silu_mul": "silu_mul(Tensor x, Tensor y) -> Tensor",
     "rope": "rope(Tensor x, Tensor cos, Tensor sin) -> Tensor",
     "sdpa": "sdpa(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale, "
-            "bool written=False) -> Tensor",
+            "bool written=False, float? fill=None) -> Tensor",
 }
 _PAIR, _QUANTILE = "-> (Tensor, Tensor)", "int? dim, bool keepdim, str interpolation) -> Tensor"
 _SORTING = {  # variant (see sorting.py) -> schema
@@ -195,7 +196,7 @@ def layer_norm_kernel(x_shape, weight, bias, eps, dtype=torch.float32, build=Tru
 
 def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
                 qkv_strides=(None, None, None), dtype=torch.float32, build=True,
-                written=False):
+                written=False, fill=-math.inf):
     """``qkv_strides``: the layouts q, k, v arrive in (read in place by a specialised kernel;
     a generic one reads them per call); the result is contiguous, as the fake says.
     ``written``: attention written out (see make_sdpa)."""
@@ -204,12 +205,12 @@ def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
         qkv_strides = (None, None, None)
     key = ("sdpa", tuple(q_shape), tuple(k_shape), tuple(v_shape),
            None if mask_shape is None else tuple(mask_shape), mask_kind, causal, scale,
-           qkv_strides, dtype, written)
+           qkv_strides, dtype, written, fill)
     out_shape = (*q_shape[:-1], v_shape[-1])
     return kernel_for(key, (), lambda: _make(
         "sdpa", {"q": "q", "k": "k", "v": "v", "mask": None if mask_shape is None else "m"},
         {"q": q_shape, "k": k_shape, "v": v_shape, "m": mask_shape, "out": out_shape},
-        {"causal": causal, "scale": scale, "mask": mask_kind, "written": written},
+        {"causal": causal, "scale": scale, "mask": mask_kind, "written": written, "fill": fill},
         strides=dict(zip("qkv", qkv_strides)), dtype=dtype), build)
 
 
@@ -345,20 +346,21 @@ def _layer_norm_fake(x, weight, bias, d, eps, norm, out_dtype=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format, dtype=out_dtype or x.dtype)
 
 
-def _sdpa(q, k, v, mask, causal, scale, written=False):
+def _sdpa(q, k, v, mask, causal, scale, written=False, fill=None):
+    fill = -math.inf if fill is None else fill   # (the schema has no -inf default)
     kind = None if mask is None else ("float" if mask.dtype != torch.bool else
                                       "fill" if written else "bool")
     ms = None if mask is None else mask.shape
     fn, _ = sdpa_kernel(q.shape, k.shape, v.shape, ms, kind, causal, scale,
-                        (q.stride(), k.stride(), v.stride()), q.dtype, False, written)
+                        (q.stride(), k.stride(), v.stride()), q.dtype, False, written, fill)
     if fn is None:
         g = generic_shapes("sdpa", {"q": q.shape, "k": k.shape, "v": v.shape, "m": ms})
         fn, _ = sdpa_kernel(g["q"], g["k"], g["v"], g["m"], kind, causal, scale,
-                            dtype=q.dtype, written=written)
+                            dtype=q.dtype, written=written, fill=fill)
     if fn is not None:
         return (fn(q, k, v) if mask is None else fn(q, k, v, mask)).contiguous()
     if written:
-        return B.written_attention_aten(q, k, v, mask, scale)
+        return B.written_attention_aten(q, k, v, mask, scale, fill)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=_gqa(q, k)).contiguous()
 
@@ -374,7 +376,7 @@ def _gqa(q, k) -> bool:
     return q.dim() == 4 and k.shape[-3] != q.shape[-3]
 
 
-def _sdpa_fake(q, k, v, mask, causal, scale, written=False):
+def _sdpa_fake(q, k, v, mask, causal, scale, written=False, fill=None):
     if _gqa(q, k):
         return q.new_empty((*q.shape[:-1], v.shape[-1]))
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])

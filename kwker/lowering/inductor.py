@@ -48,7 +48,7 @@ def _call_args(m: Match) -> tuple:
         return i["x"], i["cos"], i["sin"]
     if m.kind == "sdpa":
         return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"], \
-            p.get("written", False)
+            p.get("written", False), None if p.get("fill", -math.inf) == -math.inf else p["fill"]
     if m.kind == "layer_norm":
         return i["x"], i["weight"], i["bias"], p["d"], p["eps"], p["norm"], p.get("out")
     return (i["x"], *p["args"])
@@ -95,7 +95,8 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
         strides = tuple(tuple(metas[i[k]].stride) for k in ("q", "k", "v"))
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],
                                 p["mask"], p["causal"], p["scale"], strides, dtype=dtype,
-                                written=p.get("written", False))
+                                written=p.get("written", False),
+                                fill=p.get("fill", -math.inf))
     if fn is not None and not generic:
         slower, measured = tune.verdict(m, metas, consts, fn, B.runtime_inputs(m))
         if slower:

@@ -512,7 +512,7 @@ class Matcher:
         found = attention_at(n, rank)
         if found is None:
             return None
-        q, k, v, mask, kind, scale, softmax_dtype, covers = found
+        q, k, v, mask, kind, fill, scale, softmax_dtype, covers = found
         dt = _dtype(self.metas, q)
         if not _fits(self.metas, q, k, v, n, rank=(3, 4), dtype=dt) or \
                 softmax_dtype not in (None, torch.float32) or \
@@ -524,7 +524,8 @@ class Matcher:
             if mm is None or mm.dtype != (torch.bool if kind == "fill" else dt):
                 return None
         return Match("sdpa", n, covers, {"q": q, "k": k, "v": v, "mask": mask},
-                     {"causal": False, "scale": float(scale), "mask": kind, "written": True})
+                     {"causal": False, "scale": float(scale), "mask": kind, "written": True,
+                      "fill": fill})
 
 
 _VIEWS = ("getitem", "unsqueeze", "view", "reshape")

@@ -127,15 +127,41 @@ def test_a_row_with_no_finite_score_is_nan_as_written(inner, dynamic):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
+class FillFinite(torch.nn.Module):
+    """masked_fill with a finite value (the Annotated Transformer's -1e9, transformers'
+    finfo.min): a fully masked row is uniform there, not NaN."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, q, k, v, cond):
+        s = (q @ k.transpose(-2, -1)) / 4.0
+        return s.masked_fill(cond, self.value).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("value", [-1e9, -1e4, -3.0, torch.finfo(torch.float32).min])
+@pytest.mark.parametrize("inner", INNERS)
+def test_finite_fill_values(value, inner):
+    torch.manual_seed(10)
+    q, k, v = torch.randn(2, 3, 13, 16), torch.randn(2, 3, 19, 16), torch.randn(2, 3, 19, 16)
+    cond = torch.rand(2, 3, 13, 19) < 0.4
+    cond[1, 2, 5] = True                      # every key masked: uniform weights
+    expected, got, reports = compile_run(FillFinite(value), (q, k, v, cond), inner)
+    assert kernels(reports) == ["sdpa"], "\n".join(map(str, reports))
+    assert not expected.isnan().any()
+    assert_close(got, expected)
+
+
 class WeightsUsed(torch.nn.Module):      # the probabilities are an output too
     def forward(self, q, k, v):
         p = (q @ k.transpose(-2, -1) * 0.25).softmax(-1)
         return p @ v, p
 
 
-class FillMin(torch.nn.Module):          # masked with the dtype's min, not -inf: a full row is
-    def forward(self, q, k, v, cond):     # uniform there, not NaN
-        s = (q @ k.transpose(-2, -1)).masked_fill(cond, torch.finfo(q.dtype).min)
+class FillTensor(torch.nn.Module):       # masked_fill with a tensor value
+    def forward(self, q, k, v, cond):
+        s = (q @ k.transpose(-2, -1)).masked_fill(cond, q.new_tensor(-5.0))
         return s.softmax(-1) @ v
 
 
@@ -144,13 +170,11 @@ class OtherDim(torch.nn.Module):
         return (q @ k.transpose(-2, -1)).softmax(-2) @ v
 
 
-@pytest.mark.parametrize("model", [WeightsUsed, FillMin, OtherDim], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("model", [WeightsUsed, FillTensor, OtherDim], ids=lambda c: c.__name__)
 def test_look_alikes_are_not_attention(model):
     torch.manual_seed(7)
     q, k, v = torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
-    inputs = (q, k, v) if model is not FillMin else (q, k, v, torch.rand(2, 2, 12, 12) < 0.5)
-    if model is FillMin:
-        inputs[3][0, 0, 2] = True
+    inputs = (q, k, v) if model is not FillTensor else (q, k, v, torch.rand(2, 2, 12, 12) < 0.5)
     expected, got, reports = compile_run(model(), inputs, "eager")
     assert "sdpa" not in kernels(reports), "\n".join(map(str, reports))
     assert_close(got, expected)
