@@ -323,6 +323,17 @@ def is_softmax(n) -> bool:
     return _is(n, *_SOFTMAX)
 
 
+def cast_of(n):
+    """The input of a dtype cast ``n`` (``.to(dtype)``, ``.float()``, ``.type_as(t)``), else
+    None."""
+    if not isinstance(n, Node) or n.kwargs:
+        return None
+    if _is(n, _CASTS[0], ("to", "type_as")) and len(n.args) == 2 or \
+            _is(n, (), ("float",)) and len(n.args) == 1:
+        return n.args[0]
+    return None
+
+
 def _softmax_dim(n: Node):
     """(the softmax's dim, its dtype argument) of the softmax node ``n``."""
     a, kw = n.args, n.kwargs
@@ -337,8 +348,9 @@ def _softmax_dim(n: Node):
 def attention_at(n: Node, rank) -> tuple | None:
     """Attention written out, ending at the product ``n`` (nanoGPT's, transformers' eager
     attention, hand-written blocks): ``softmax(q @ k.transpose(-2, -1) * c [+ mask |
-    .masked_fill(cond, -inf)], -1) [.to(dtype)] [dropout in eval] @ v``, with ``/ c`` for
-    ``* c`` too and every intermediate used only by the next: (q, k, v, mask or None, mask
+    .masked_fill(cond, value)], -1) [dropout in eval] @ v``, with ``/ c`` for ``* c``, casts
+    around the softmax (``.float()``, ``.to(dtype)``, ``.type_as(t)``) and every intermediate
+    used only inside the pattern: (q, k, v, mask or None, mask
     kind "float" | "fill" | None, the fill value, scale, softmax's dtype argument, covered
     nodes in graph order), or None. ``rank(node)`` gives a tensor node's rank (None if
     unknown)."""
@@ -357,9 +369,9 @@ def attention_at(n: Node, rank) -> tuple | None:
             return None
         covers.append(p)
         p = a[0]
-    if single(p) and _is(p, *_CASTS) and len(p.args) == 2 and not p.kwargs:
+    while single(p) and cast_of(p) is not None:
         covers.append(p)
-        p = p.args[0]
+        p = cast_of(p)
     if not (single(p) and _is(p, *_SOFTMAX)):
         return None
     dim, dtype = _softmax_dim(p)
@@ -368,14 +380,17 @@ def attention_at(n: Node, rank) -> tuple | None:
         return None
     covers.append(p)
     x = p.args[0]
+    while isinstance(x, Node) and cast_of(x) is not None:   # T5's scores.float()
+        covers.append(x)
+        x = cast_of(x)
     mask, kind, fill = None, None, -math.inf
-    if single(x) and _is(x, *_FILL) and len(x.args) == 3 and not x.kwargs and \
+    if isinstance(x, Node) and _is(x, *_FILL) and len(x.args) == 3 and not x.kwargs and \
             isinstance(x.args[1], Node) and isinstance(x.args[2], (int, float)) and \
             not isinstance(x.args[2], bool) and (math.isfinite(x.args[2]) or x.args[2] < 0):
         mask, kind, fill = x.args[1], "fill", float(x.args[2])
         covers.append(x)
         x = x.args[0]
-    elif single(x) and _is(x, *_ADD) and len(x.args) == 2 and not x.kwargs:
+    elif isinstance(x, Node) and _is(x, *_ADD) and len(x.args) == 2 and not x.kwargs:
         for s_, m_ in (x.args, x.args[::-1]):
             if isinstance(m_, Node) and _scores(s_, rank) is not None:
                 mask, kind = m_, "float"
@@ -388,8 +403,12 @@ def attention_at(n: Node, rank) -> tuple | None:
     if found is None:
         return None
     q, k, scale, inner = found
+    covers += inner
+    inside = set(covers)
+    if any(not set(c.users) <= inside for c in covers if c is not n):
+        return None   # an intermediate read elsewhere (the weights returned, say)
     order = {node: i for i, node in enumerate(n.graph.nodes)}
-    return q, k, v, mask, kind, fill, scale, dtype, sorted(covers + inner, key=order.__getitem__)
+    return q, k, v, mask, kind, fill, scale, dtype, sorted(covers, key=order.__getitem__)
 
 
 def _scores(x, rank) -> tuple | None:

@@ -21,6 +21,7 @@ from . import sorting as S
 from .autocast import cast_source
 from .composite import (
     attention_at,
+    cast_of,
     find_gelus,
     is_softmax,
     rms_norm_at,
@@ -517,7 +518,7 @@ class Matcher:
         if not _fits(self.metas, q, k, v, n, rank=(3, 4), dtype=dt) or \
                 softmax_dtype not in (None, torch.float32) or \
                 any(_dtype(self.metas, c) != dt for c in covers
-                    if _meta(self.metas, c) and not is_softmax(c)):
+                    if _meta(self.metas, c) and not is_softmax(c) and cast_of(c) is None):
             return None
         if mask is not None:
             mm = _meta(self.metas, mask)

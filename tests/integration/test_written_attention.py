@@ -49,6 +49,13 @@ class Additive(Heads):      # transformers' eager_attention_forward
         return torch.matmul(F.dropout(w, p=0.0, training=False), v)
 
 
+class T5(Heads):            # transformers' T5: a position bias, the softmax in float32
+    def attend(self, q, k, v, mask):
+        scores = torch.matmul(q, k.transpose(3, 2)) + mask
+        w = F.softmax(scores.float(), dim=-1).type_as(scores)
+        return torch.matmul(w, v)
+
+
 class Bmm(torch.nn.Module):  # rank 3: (batch * heads, length, head size)
     def forward(self, q, k, v):
         return torch.bmm(F.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.3, dim=2), v)
@@ -56,6 +63,8 @@ class Bmm(torch.nn.Module):  # rank 3: (batch * heads, length, head size)
 
 def _inputs(model, dtype=torch.float32, t=40):
     x = torch.randn(3, t, model.qkv.in_features, dtype=dtype)
+    if isinstance(model, T5):
+        return x, torch.randn(1, model.h, t, t, dtype=dtype)
     if isinstance(model, Additive):
         mask = torch.zeros(3, 1, t, t, dtype=dtype)
         mask[:, :, :, t // 2:] = torch.finfo(dtype).min   # padding of the second half
@@ -65,7 +74,7 @@ def _inputs(model, dtype=torch.float32, t=40):
 
 
 @pytest.mark.parametrize("inner", INNERS)
-@pytest.mark.parametrize("form", [Scaled, NanoGPT, Additive], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("form", [Scaled, NanoGPT, Additive, T5], ids=lambda c: c.__name__)
 def test_written_attention_runs_as_the_sdpa_kernel(form, inner):
     torch.manual_seed(3)
     model = form().eval()
@@ -84,7 +93,7 @@ def test_rank3_bmm_form(inner):
     assert got.is_contiguous()
 
 
-@pytest.mark.parametrize("form", [NanoGPT, Additive], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("form", [NanoGPT, Additive, T5], ids=lambda c: c.__name__)
 def test_bf16_keeps_the_bf16_contract(form):
     """Head size 32: on the tile path where the CPU has AMX, the vector path elsewhere."""
     torch.manual_seed(5)
