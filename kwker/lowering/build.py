@@ -29,6 +29,7 @@ from ..runtime import kernel
 from ..runtime.collect import Collector
 from ..runtime.target import host_target
 from . import sorting as S
+from .fold import ATTR as _FOLDED_ATTR
 from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes, pinned
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides, same_layout
@@ -510,6 +511,28 @@ def written_attention_aten(q, k, v, mask, scale: float, fill: float = -math.inf)
     return s.softmax(-1) @ v
 
 
+FOLDED = _FOLDED_ATTR.format("")   # the graph attributes fold.py makes
+# an additive mask entry this low is a masked key: score + it underflows exp to 0 next to any
+# visible key's score
+MASKED_BELOW = -1e30
+
+
+def causal_float_mask(m: Match, consts, lq: int, lk: int) -> bool:
+    """Whether written attention's additive mask is a constant Kwker folded (fold.py) that is
+    the causal pattern: 0 on and below the diagonal, -inf or a value below ``MASKED_BELOW``
+    above it (transformers' masks of finfo.min). Such a mask runs as ``causal``, skipping the
+    masked blocks, where a row always keeps its first key (no row is fully masked)."""
+    node = m.inputs["mask"]
+    if not (m.params.get("written") and m.params["mask"] == "float" and node in consts and
+            node.op == "get_attr" and str(node.target).startswith(FOLDED)):
+        return False
+    t = consts[node]
+    if t.dim() < 2 or tuple(t.shape[-2:]) != (lq, lk):
+        return False
+    keep = torch.ones(lq, lk, dtype=torch.bool).tril()
+    return bool((t[..., keep] == 0).all()) and bool((t[..., ~keep] < MASKED_BELOW).all())
+
+
 def _sdpa(m: Match, metas, consts):
     qm, km, vm = (metas[m.inputs[k]] for k in "qkv")
     target = host_target()
@@ -533,8 +556,10 @@ def _sdpa(m: Match, metas, consts):
         return None, "broadcast batch or heads"
     if 0 in (b, h, lq, lk, e, ev):
         return None, "empty input"
-    mask_shape = None
-    if m.inputs["mask"] is not None:
+    mask_shape, causal, kind = None, m.params["causal"], m.params["mask"]
+    if causal_float_mask(m, consts, lq, lk):
+        causal, kind = True, None
+    elif m.inputs["mask"] is not None:
         ms = metas[m.inputs["mask"]].shape
         if len(ms) > 4:
             return None, "mask of rank > 4"
@@ -549,12 +574,17 @@ def _sdpa(m: Match, metas, consts):
             t.stride[-1] == 1 and min(t.stride) >= 0 for t in (qm, km, vm, om)):
         strides = (qm.stride, km.stride, vm.stride, om.stride)
     gqa = {} if hk == h else {"kv_heads": hk}  # grouped-query: kv head h // (H / Hkv)
-    fn, why = _make("make_sdpa", b, h, lq, lk, e, ev, m.params["causal"], m.params["scale"],
-                    m.params["mask"], mask_shape=mask_shape, strides=strides,
+    fn, why = _make("make_sdpa", b, h, lq, lk, e, ev, causal, m.params["scale"],
+                    kind, mask_shape=mask_shape, strides=strides,
                     dtype=qm.dtype, written=m.params.get("written", False),
                     fill=m.params.get("fill", -math.inf), **gqa)
     if fn is None:
         return None, why
+    if kind is None and m.inputs["mask"] is not None:   # a causal mask, not read
+        fn3 = fn
+        if three:
+            return (lambda q, k, v, mask: fn3(q[None], k[None], v[None])[0]), None
+        return (lambda q, k, v, mask: fn3(q, k, v)), None
     if three:
         if mask_shape is None:
             return (lambda q, k, v: fn(q[None], k[None], v[None])[0]), None

@@ -324,11 +324,11 @@ def is_softmax(n) -> bool:
 
 
 def cast_of(n):
-    """The input of a dtype cast ``n`` (``.to(dtype)``, ``.float()``, ``.type_as(t)``), else
-    None."""
+    """The input of a dtype cast ``n`` (``.to(dtype)``, ``.type(dtype)``, ``.float()``,
+    ``.type_as(t)``), else None."""
     if not isinstance(n, Node) or n.kwargs:
         return None
-    if _is(n, _CASTS[0], ("to", "type_as")) and len(n.args) == 2 or \
+    if _is(n, _CASTS[0], ("to", "type_as", "type")) and len(n.args) == 2 or \
             _is(n, (), ("float",)) and len(n.args) == 1:
         return n.args[0]
     return None

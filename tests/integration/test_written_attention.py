@@ -211,3 +211,29 @@ def test_packaged_written_attention(tmp_path):
     with torch.no_grad():
         assert_close(loaded(x), model(x))
     assert "sdpa" in loaded.report.kernel_names, str(loaded.report)
+
+
+class FoldedCausal(torch.nn.Module):
+    """An additive causal mask built from sizes alone (folded at compile time; transformers'
+    eager attention adds one of finfo.min): the kernel runs causal, reading no mask."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, q, k, v):
+        t = q.shape[-2]
+        i = torch.arange(t)
+        mask = torch.where(i[None, :] <= i[:, None], 0.0, self.value)
+        return (torch.matmul(q, k.transpose(-1, -2)) * 0.25 + mask).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("value", [-math.inf, torch.finfo(torch.float32).min, -5.0])
+def test_a_folded_causal_mask_runs_causal(value):
+    torch.manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 40, 16) for _ in range(3))
+    expected, got, reports = compile_run(FoldedCausal(value), (q, k, v), "eager")
+    assert kernels(reports) == ["sdpa"], "\n".join(map(str, reports))
+    causal = "_c1_" in "\n".join(map(str, reports))
+    assert causal == (value != -5.0), "\n".join(map(str, reports))   # -5 is not masking
+    assert_close(got, expected)
