@@ -524,9 +524,13 @@ class Matcher:
             mm = _meta(self.metas, mask)
             if mm is None or mm.dtype != (torch.bool if kind == "fill" else dt):
                 return None
+        # if the kernel does not build (a bf16 shape left to ATen on AMX), its two products
+        # are what they would have been without it
+        products = [(c, canon(c)) for c in covers if canon(c) in ("matmul", "bmm")]
+        fallback = [g for g in (self.gemm(c, kind_) for c, kind_ in products) if g is not None]
         return Match("sdpa", n, covers, {"q": q, "k": k, "v": v, "mask": mask},
                      {"causal": False, "scale": float(scale), "mask": kind, "written": True,
-                      "fill": fill})
+                      "fill": fill}, fallback)
 
 
 _VIEWS = ("getitem", "unsqueeze", "view", "reshape")

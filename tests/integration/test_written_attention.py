@@ -237,3 +237,16 @@ def test_a_folded_causal_mask_runs_causal(value):
     causal = "_c1_" in "\n".join(map(str, reports))
     assert causal == (value != -5.0), "\n".join(map(str, reports))   # -5 is not masking
     assert_close(got, expected)
+
+
+def test_products_fall_back_to_matmul_kernels(monkeypatch):
+    """Where the attention kernel does not build, its two products get the matmul kernels they
+    had without the pattern."""
+    import kwker.lowering.build as B
+    monkeypatch.setitem(B._BUILDERS, "sdpa", lambda m, metas, consts: (None, "test: no kernel"))
+    torch.manual_seed(12)
+    q, k, v = torch.randn(2, 3, 20, 16), torch.randn(2, 3, 24, 16), torch.randn(2, 3, 24, 16)
+    expected, got, reports = compile_run(Bmm(), (q.flatten(0, 1), k.flatten(0, 1),
+                                                 v.flatten(0, 1)), "eager")
+    assert kernels(reports) == ["matmul", "matmul"], "\n".join(map(str, reports))
+    assert_close(got, expected)
