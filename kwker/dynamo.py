@@ -3,12 +3,12 @@
     torch.compile(model, backend="kwker")                              # inner="inductor"
     torch.compile(model, backend="kwker", options={"inner": "eager"})  # seconds to compile
 
-In each FX graph dynamo hands over, GEMMs (with bias, ReLU/SiLU/GELU and residual epilogues), GELU,
-attention, GEMM+topk and sorting ops become Kwker kernels: specialised to static sizes, generic
-over symbolic ones (read per call, so a new size never waits for a compile). Everything else
-runs on the inner compiler: plain ATen calls in a flat precomputed list (``"eager"``), or
-Inductor, which sees the kernels as opaque custom ops (``"inductor"``; a graph left with
-nothing but Kwker kernels and views runs as the flat list there too).
+In each FX graph dynamo hands over, GEMMs (with bias, activation and residual epilogues), GELU,
+attention (also written out), GEMM+topk and sorting ops become Kwker kernels: specialised to
+static sizes, generic over symbolic ones (read per call, so a new size never waits for a
+compile). Everything else runs on the inner compiler: plain ATen calls in a flat precomputed
+list (``"eager"``), or Inductor, which sees the kernels as opaque custom ops (``"inductor"``;
+a graph left with nothing but Kwker kernels and views runs as the flat list there too).
 Graphs that need autograd (training) go to the inner compiler unchanged, so gradients are
 eager's. Graphs in float32 or bfloat16 are lowered, and so are CPU autocast regions to bfloat16
 (see ``lowering/autocast.py``). ``last_report()`` tells which nodes became kernels.

@@ -52,9 +52,10 @@ def make_sdpa(batch: int, heads: int, lq: int, lk: int, e: int, ev: int, causal:
     ``fill``: what a "fill" mask puts in place of a masked (scaled) score, masked_fill's value.
     ``written``: the kernel stands for ``softmax(q @ k^T * scale + mask) @ v`` written out, and
     gives what that gives: NaN for a row with no finite score (ATen's SDPA gives 0) and a
-    contiguous output, as the last product makes it. Dropout is not supported (use dropout_p=0). ``strides``: the 4-D
-    strides of q, k, v and of the output (last stride 1), read and written in place, e.g. heads
-    side by side in each row as ``nn.MultiheadAttention`` makes them; None means contiguous.
+    contiguous output, as the last product makes it. Dropout is not supported (use
+    dropout_p=0). ``strides``: the 4-D strides of q, k, v and of the output (last stride 1),
+    read and written in place, e.g. heads side by side in each row as
+    ``nn.MultiheadAttention`` makes them; None means contiguous.
     Inputs with other strides are copied into the expected layout.
 
     ``dtype``: torch.float32 or torch.bfloat16 (q, k, v, float mask and output; the softmax and

@@ -87,9 +87,9 @@ class AttentionSpec(Spec):
     """Flash-style SDPA over (batch, heads, L, E) float32 (see codegen/attention.py).
 
     ``mask`` is none, bool (True keeps), fill (bool, True masks: ``masked_fill``'s condition) or
-    float; ``mask_shape`` its 4-D shape (1 = broadcast). ``scale`` 0
-    means 1/sqrt(e). Blocking: ``bq`` query rows x ``bk`` keys per step, ``nr``-key panels,
-    ``mrs``/``mro`` rows per micro-tile of the score and output products.
+    float; ``mask_shape`` its 4-D shape (1 = broadcast). ``scale`` 0 means 1/sqrt(e).
+    Blocking: ``bq`` query rows x ``bk`` keys per step, ``nr``-key panels, ``mrs``/``mro`` rows
+    per micro-tile of the score and output products.
 
     ``batch = lq = lk = 0``: the generic kernel (codegen/attention_args.py), one for every size
     and layout: sizes and all strides are read at call time, ``strides`` stays (), and

@@ -15,8 +15,8 @@ graph cache can reuse the compiled graph in another process.
 """
 from __future__ import annotations
 
-import math
 import logging
+import math
 import threading
 import weakref
 
@@ -219,7 +219,7 @@ def _act(out, epilogue):
     if epilogue == "relu":
         return torch.relu(out)
     if epilogue in ("silu", "sigmoid", "tanh"):
-        return getattr(torch, epilogue)(out) if epilogue != "silu" else F.silu(out)
+        return getattr(F, epilogue)(out)
     if epilogue in ("gelu", "gelu_tanh"):
         return F.gelu(out, approximate="none" if epilogue == "gelu" else "tanh")
     return out

@@ -5,9 +5,10 @@ what holds for every size dynamo may pass: the operations, single-use chains, wh
 parameters (compile-time constants), dtypes and ranks. Whether concrete sizes fit a kernel is
 decided when the kernel is built (``build.py``), or, under Inductor, inside the custom op.
 
-Fused chains: a GEMM with a constant weight absorbs a following ReLU/SiLU/sigmoid/tanh/GELU and
-then a residual ``add``; a GEMM whose only user is ``topk`` along the last axis becomes one kernel that never
-writes the score matrix.
+Fused chains: a GEMM with a constant weight absorbs a following activation (ReLU, SiLU,
+sigmoid, tanh, GELU) and then a residual ``add``; a GEMM whose only user is ``topk`` along the
+last axis becomes one kernel that never writes the score matrix; attention written out
+(``softmax(q @ k^T * c + mask) @ v``) becomes the attention kernel.
 """
 from __future__ import annotations
 
@@ -500,7 +501,6 @@ class Matcher:
         return Match("sdpa", n, covers, {"q": q, "k": k, "v": v, "mask": mask},
                      {"causal": b["is_causal"], "scale": None if scale is None else float(scale),
                       "mask": mask_kind})
-
 
     def written_attention(self, n: Node) -> Match | None:
         """``softmax(q @ k^T * c [+ mask]) @ v`` written out (composite.attention_at) as the
