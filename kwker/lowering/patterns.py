@@ -520,9 +520,17 @@ class Matcher:
                 any(_dtype(self.metas, c) != dt for c in covers
                     if _meta(self.metas, c) and not is_softmax(c) and cast_of(c) is None):
             return None
+        # one batch shape for q, k, v and the output, but for k and v's one head that the
+        # products broadcast to every query head (multi-query attention: the kernel's grouped
+        # form); the kernel broadcasts nothing else (matmul would)
+        lq_, lk_, lv_, lo_ = (tuple(self.metas[t].shape[:-2]) for t in (q, k, v, n))
+        if lo_ != lq_ or lk_ != lv_ or not (lk_ == lq_ or len(lq_) == 2 and
+                                             lk_ == (lq_[0], 1)):
+            return None
         if mask is not None:
             mm = _meta(self.metas, mask)
-            if mm is None or mm.dtype != (torch.bool if kind == "fill" else dt):
+            if mm is None or mm.dtype != (torch.bool if kind == "fill" else dt) or \
+                    len(mm.shape) > len(self.metas[q].shape):
                 return None
         # if the kernel does not build (a bf16 shape left to ATen on AMX), its two products
         # are what they would have been without it

@@ -250,3 +250,25 @@ def test_products_fall_back_to_matmul_kernels(monkeypatch):
                                                  v.flatten(0, 1)), "eager")
     assert kernels(reports) == ["matmul", "matmul"], "\n".join(map(str, reports))
     assert_close(got, expected)
+
+
+class Broadcast(torch.nn.Module):
+    """One k/v head the products broadcast to every query head (multi-query attention) is the
+    kernel's grouped form; other broadcasts (a batch of one, a mask of more dims than q) are
+    left to the matmuls, whatever the sizes."""
+
+    def forward(self, q, k, v, mask):
+        a = (q @ k.transpose(-2, -1) * 0.3).softmax(-1) @ v
+        b = (q[0] @ k[0].transpose(-2, -1) + mask).softmax(-1) @ v[0]
+        c = (q @ k[:1].transpose(-2, -1)).softmax(-1) @ v[:1]
+        return a, b, c
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_broadcast_heads_and_batches(dynamic):
+    torch.manual_seed(13)
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 1, 11, 8), torch.randn(2, 1, 11, 8)
+    mask = torch.randn(3, 4, 9, 11)
+    expected, got, reports = compile_run(Broadcast(), (q, k, v, mask), "eager", dynamic=dynamic)
+    assert kernels(reports).count("sdpa") == 1, "\n".join(map(str, reports))
+    assert_close(got, expected)
