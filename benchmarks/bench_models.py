@@ -273,7 +273,7 @@ def markdown(rows, info, reps, over=None, rounds=3, bf16: dict | None = None) ->
         "and Inductor caches, *warm* in a second process reusing them. "
         + (f"Importing `torch._dynamo` (paid by every backend, not included) took "
            f"{min(dyn):.1f}–{max(dyn):.1f} s." if dyn else ""), "",
-        table(rows), "",
+        table(rows), "", *common.runs_note(rows, info),
         ("Plot: [models.png](models.png) (eager time / each variant's time per model; the "
          "black tick is the fastest peer, which Kwker must beat)."), "",
         "## Peers: ONNX Runtime and OpenVINO", "",
@@ -367,9 +367,12 @@ def plot(rows, path: Path, info: dict) -> bool:
 SECTIONS = ("f32", "bf16", "avx2")
 
 
-def _merged(old: list, new: list, subset) -> list:
+def _merged(old: list, new: list, subset, info: dict) -> list:
     """``new`` rows, and with a ``--models`` subset also the old rows of the other models (in
-    their old places), so a partial run updates its rows and keeps the rest."""
+    their old places), so a partial run updates its rows and keeps the rest. Each row records
+    when and at which commit it was measured (``run``): a table of merged rows says so."""
+    for r in new:
+        r["run"] = f"{info['date']}, kwker {info.get('commit', '?')}"
     if not subset:
         return new
     key = lambda r: (r.get("model"), r.get("mode"))  # noqa: E731
@@ -427,7 +430,7 @@ def main(argv=None) -> int:
     if "f32" in sections:
         data.update(machine=info, reps=reps, rounds=rounds, rows=_merged(
             data["rows"], run_f32(names, reps, rounds, peer_list, args.compile_times),
-            args.models))
+            args.models, info))
         data["overhead"] = over = (overhead(TUTORIAL, reps, rounds) if TUTORIAL in names
                                    else data.get("overhead") if args.models else None)
         print_f32(data["rows"], over)
@@ -436,12 +439,12 @@ def main(argv=None) -> int:
         bf16.update(machine=info, reps=reps, rounds=rounds, rows=_merged(
             bf16.get("rows", []), models_bf16.run(bf16_names, reps, rounds, peer_list,
                                                   max_autotune=args.max_autotune),
-            args.models))
+            args.models, info))
     if "avx2" in sections:
         fresh = models_bf16.run_avx2(bf16_names, args.quick, Path(__file__))
         if not fresh.get("error"):
             fresh["rows"] = _merged((bf16.get("avx2") or {}).get("rows", []), fresh["rows"],
-                                    args.models)
+                                    args.models, info)
         bf16["avx2"] = fresh
     if bf16:
         for text in (models_bf16.speed_table, models_bf16.accuracy_table):

@@ -89,6 +89,20 @@ def machine_line(info: dict | None = None) -> str:
             f"kwker {i.get('commit', '?')}; load {i.get('load', '?')} at start")
 
 
+def runs_note(rows, info: dict) -> list[str]:
+    """A line naming the rows measured in another run than the header's, if any."""
+    here = f"{info['date']}, kwker {info.get('commit', '?')}"
+    other = []
+    for r in rows:
+        if r.get("run") != here:
+            mode = f" {r['mode']}" if r.get("mode") else ""
+            other.append(f"{r['model']}{mode} ({r.get('run', 'an earlier run')})")
+    if not other:
+        return []
+    return [f"Rows from earlier runs (a `--models` run updated the others): {'; '.join(other)}.",
+            ""]
+
+
 # ------------------------------------------------------------------------------------ timing
 @dataclass
 class Side:

@@ -59,6 +59,31 @@ def _sdpa(causal):
     return Attention(causal), tuple(torch.randn(8, 8, 128, 32) for _ in range(3))
 
 
+class WrittenAttentionBlock(torch.nn.Module):
+    """A GPT-style pre-LN block with its attention written out as nanoGPT writes it (scores,
+    a causal ``masked_fill`` from a buffer, softmax, product with v): Kwker matches it as
+    attention (lowering/composite.py)."""
+
+    def __init__(self, d=384, heads=6, max_len=256):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.register_buffer("bias", torch.tril(torch.ones(max_len, max_len))
+                             .view(1, 1, max_len, max_len))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(d, dim=-1))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (d // self.heads) ** 0.5)
+        att = att.masked_fill(self.bias[:, :, :n, :n] == 0, float("-inf"))
+        a = F.softmax(att, dim=-1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
 MODELS = {
     "tutorial Ranker b1": lambda: _ranker(1),
     "tutorial Ranker b32": lambda: _ranker(32),
@@ -68,6 +93,8 @@ MODELS = {
     "TransformerEncoderLayer (8,128,256)": _encoder,
     "SDPA (8,8,128,32)": lambda: _sdpa(False),
     "SDPA causal (8,8,128,32)": lambda: _sdpa(True),
+    "nanoGPT block, attention written out (1,256,384)":
+        lambda: (WrittenAttentionBlock(), (torch.randn(1, 256, 384),)),
 }
 TUTORIAL = "tutorial Ranker b32"
 

@@ -395,6 +395,7 @@ def markdown(bf16: dict) -> str:
         lines += [f"{common.machine_line(info)}; best of {bf16.get('rounds', '?')} rounds of "
                   f"{bf16.get('reps', '?')} samples.", ""]
     lines += [METHOD, "", "### Speed", "", speed_table(rows), "",
+              *(common.runs_note(rows, info) if info else []),
               "Plot: [models_bf16.png](models_bf16.png) (eager bf16 time / each variant's time; "
               "black tick = target; right: without AVX512_BF16).", "",
               "### Accuracy and lowering", "", accuracy_table(rows), "", *notes(rows), ""]
