@@ -10,6 +10,10 @@ then single vectors, then one masked vector for the tail (no scalar loop). The m
 
 ``numel == 0`` is the generic kernel ``sym(src, dst, numel, nthreads)``: the same loops with the
 size, the thread split and the thread cap read at call time, so one compile serves every size.
+
+``spec.rows`` (binary ops): ``sym(x, y, out, rows, width, ldx, ldy, nthreads)`` over rows whose
+x and y lie ``ldx`` / ``ldy`` elements apart (the two halves of ``t.chunk(2, -1)``: Phi-3's
+fused gate and up projection), out contiguous; threads take whole rows.
 """
 from __future__ import annotations
 
@@ -65,6 +69,41 @@ IO = {"f32": (_load_f32, _store_f32), "bf16": (_load_bf16, _store_bf16)}
 BINARY = {"silu_mul": "silu"}
 
 
+def _emit_rows(spec, target, module, load, store) -> ir.Module:
+    """The row-strided binary kernel (module doc)."""
+    lanes = simd.float_lanes(target)
+    body = omp.body_fn(module, f"{spec.symbol}.body")
+    ctx = omp.Context(body, body.args[0])
+    b = body.b
+    x, y, out = (ctx.ptr(i) for i in range(3))
+    rows, width, ldx, ldy = (ctx.i64(3 + i) for i in range(4))
+    first = OPS[BINARY[spec.op]]
+    r0, r1 = omp.split(body, rows, body.args[1], body.args[2])
+    full = b.mul(b.sdiv(width, const(i64, lanes)), const(i64, lanes))
+    tail = b.sub(width, full)
+
+    def one(xr, yr, orow, at, mask=None):
+        v = first(b, load(b, xr, at, lanes, mask))
+        if spec.dtype == "bf16":
+            v = bf16.widen(b, bf16.narrow(b, v))
+        store(b, b.fmul(v, load(b, yr, at, lanes, mask)), orow, at, mask)
+
+    with body.for_range(r0, r1, name="r") as r:
+        et = ir.IntType(16) if spec.dtype == "bf16" else ir.FloatType()
+        xr = simd.gep(b, x, b.mul(r, ldx), et)
+        yr = simd.gep(b, y, b.mul(r, ldy), et)
+        orow = simd.gep(b, out, b.mul(r, width), et)
+        with body.for_range(0, full, step=lanes, name="c") as c:
+            one(xr, yr, orow, c)
+        with body.if_(b.icmp_signed(">", tail, const(i64, 0))):
+            one(xr, yr, orow, full, simd.lane_mask(b, lanes, tail))
+    body.finish()
+    grain = GRAIN.get(spec.op, DEFAULT_GRAIN)
+    omp.emit_parallel(module, spec.symbol, [ptr] * 3 + [i64] * 4, body.fn,
+                      lambda b, args: omp.per_grain(b, b.mul(args[3], args[4]), grain))
+    return module
+
+
 def emit(spec, target) -> ir.Module:
     if spec.op not in OPS and spec.op not in BINARY:
         raise ValueError(f"kwker: no elementwise op {spec.op!r}; have "
@@ -75,6 +114,10 @@ def emit(spec, target) -> ir.Module:
     arity = 2 if spec.op in BINARY else 1
     lanes = simd.float_lanes(target)
     module = new_module(spec.symbol)
+    if spec.rows:
+        if arity != 2 or spec.numel:
+            raise ValueError("kwker: row-strided elementwise kernels are binary and generic")
+        return _emit_rows(spec, target, module, load, store)
     body = omp.body_fn(module, f"{spec.symbol}.body")
     ctx = omp.Context(body, body.args[0])
     tid, nt = body.args[1], body.args[2]

@@ -107,3 +107,51 @@ def make_silu_mul(numel: int | None, dtype: torch.dtype = torch.float32):
 
     run.spec = spec
     return run
+
+
+def make_silu_mul_rows(dtype: torch.dtype = torch.float32):
+    """``callable(x, y) -> F.silu(x) * y`` for x and y of one shape whose rows (the last dim)
+    are contiguous but may lie apart, such as the two halves of ``t.chunk(2, -1)`` (a fused gate
+    and up projection); the result is contiguous, as ATen's is. Inputs that are not rows of a
+    stride fall back to ATen. One kernel for every size."""
+    if dtype not in _DTYPES:
+        raise NotImplementedError(f"kwker silu_mul: float32 or bfloat16 only, got {dtype}")
+    spec = EltwiseSpec("silu_mul", 0, _DTYPES[dtype], rows=True)
+    fn = entry(spec, 3, 5)
+    symbol, silu = spec.symbol, torch.nn.functional.silu
+    get_threads, empty = torch.get_num_threads, torch.empty
+
+    def rows_of(t: torch.Tensor):
+        """(rows, width, row stride) of ``t`` as rows, or None."""
+        if t.dim() == 0 or t.stride(-1) != 1 and t.shape[-1] > 1:
+            return None
+        width, rows, ld = t.shape[-1], 1, None
+        for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+            if size == 1:
+                continue
+            if ld is None:
+                ld = stride
+            elif stride != ld * rows:
+                return None
+            rows *= size
+        return rows, width, ld if ld is not None else width
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        fx, fy = rows_of(x), rows_of(y)
+        if fx is None or fy is None or x.shape != y.shape or x.dtype != dtype or \
+                y.dtype != dtype or x.device.type != "cpu" or y.device.type != "cpu":
+            return silu(x) * y
+        (rows, width, ldx), (_, _, ldy) = fx, fy
+        out = empty(x.shape, dtype=dtype)
+        if rows * width == 0:
+            return out
+        args = (x.data_ptr(), y.data_ptr(), out.data_ptr(), rows, width, ldx, ldy)
+        if _profiler_enabled():
+            with record_function(symbol):
+                fn(*args, get_threads())
+        else:
+            fn(*args, get_threads())
+        return out
+
+    run.spec = spec
+    return run

@@ -16,10 +16,12 @@ from ..spec import Spec, register_spec
 @dataclass(frozen=True)
 class EltwiseSpec(Spec):
     """``out = op(x)`` over ``numel`` contiguous elements (op: gelu, gelu_tanh, relu, exp, ...);
-    ``numel`` 0: any size, passed per call (one compile for every shape)."""
+    ``numel`` 0: any size, passed per call (one compile for every shape). ``rows``: a binary op
+    over rows of x and y a stride apart (codegen/elementwise.py)."""
     op: str
     numel: int
     dtype: str = "f32"     # element type of x and out ("f32" | "bf16"); maths in float32
+    rows: bool = False
     family = "eltwise"
 
 

@@ -431,9 +431,22 @@ def _gelu(m: Match, metas, consts):
     return _make("make_gelu", xm.numel, approximate=approximate, dtype=xm.dtype)
 
 
+def _dense(meta: TensorMeta) -> bool:
+    try:
+        return bool(meta.contiguous)
+    except TypeError:   # symbolic strides that do not compare
+        return False
+
+
 def _silu_mul(m: Match, metas, consts):
     xm: TensorMeta = metas[m.inputs["x"]]
+    ym: TensorMeta = metas[m.inputs["y"]]
     silu = torch.nn.functional.silu
+    if not (_dense(xm) and _dense(ym)):
+        # rows a stride apart (the two halves of a fused gate/up projection's chunk): the
+        # row kernel, one for every size (inputs that are not rows of a stride go to ATen)
+        fn, why = _make("make_silu_mul_rows", dtype=xm.dtype)
+        return (_mark(fn, True), None) if fn is not None else (None, why)
     if not known(*xm.shape):
         fn, why = _make("make_silu_mul", None, dtype=xm.dtype)
         if fn is None:
@@ -444,9 +457,8 @@ def _silu_mul(m: Match, metas, consts):
                 return fn(x, y)
             return silu(x) * y
         return _mark(run, True), None
-    ym: TensorMeta = metas[m.inputs["y"]]
-    if not (xm.contiguous and ym.contiguous) or xm.numel == 0:
-        return None, "non-contiguous or empty input"
+    if xm.numel == 0:
+        return None, "empty input"
     return _make("make_silu_mul", xm.numel, dtype=xm.dtype)
 
 
