@@ -529,19 +529,23 @@ FOLDED = _FOLDED_ATTR.format("")   # the graph attributes fold.py makes
 MASKED_BELOW = -1e30
 
 
-def causal_float_mask(m: Match, consts, lq: int, lk: int) -> bool:
-    """Whether written attention's additive mask is a constant Kwker folded (fold.py) that is
-    the causal pattern: 0 on and below the diagonal, -inf or a value below ``MASKED_BELOW``
-    above it (transformers' masks of finfo.min). Such a mask runs as ``causal``, skipping the
-    masked blocks, where a row always keeps its first key (no row is fully masked)."""
-    node = m.inputs["mask"]
-    if not (m.params.get("written") and m.params["mask"] == "float" and node in consts and
+def causal_mask(m: Match, consts, lq: int, lk: int) -> bool:
+    """Whether written attention's mask is a constant Kwker folded (fold.py) that is the
+    causal pattern: an additive mask of 0 on and below the diagonal and -inf or a value below
+    ``MASKED_BELOW`` above it (transformers' masks of finfo.min), or a ``masked_fill``
+    condition true exactly above it, filled with such a value (``tril(ones(T, T)) == 0`` built
+    in forward). Such a mask runs as ``causal``, skipping the masked blocks, where a row always
+    keeps its first key (no row is fully masked)."""
+    node, kind = m.inputs["mask"], m.params["mask"]
+    if not (m.params.get("written") and kind in ("float", "fill") and node in consts and
             node.op == "get_attr" and str(node.target).startswith(FOLDED)):
         return False
     t = consts[node]
     if t.dim() < 2 or tuple(t.shape[-2:]) != (lq, lk):
         return False
     keep = torch.ones(lq, lk, dtype=torch.bool).tril()
+    if kind == "fill":
+        return m.params["fill"] < MASKED_BELOW and torch.equal(t, ~keep.expand_as(t))
     return bool((t[..., keep] == 0).all()) and bool((t[..., ~keep] < MASKED_BELOW).all())
 
 
@@ -569,7 +573,7 @@ def _sdpa(m: Match, metas, consts):
     if 0 in (b, h, lq, lk, e, ev):
         return None, "empty input"
     mask_shape, causal, kind = None, m.params["causal"], m.params["mask"]
-    if causal_float_mask(m, consts, lq, lk):
+    if causal_mask(m, consts, lq, lk):
         causal, kind = True, None
     elif m.inputs["mask"] is not None:
         ms = metas[m.inputs["mask"]].shape

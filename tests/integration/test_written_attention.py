@@ -228,11 +228,26 @@ class FoldedCausal(torch.nn.Module):
         return (torch.matmul(q, k.transpose(-1, -2)) * 0.25 + mask).softmax(-1) @ v
 
 
+class FoldedCausalFill(torch.nn.Module):
+    """The same as a masked_fill condition built in forward (tril(ones) == 0)."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, q, k, v):
+        t = q.shape[-2]
+        keep = torch.tril(torch.ones(t, t))
+        s = (q @ k.transpose(-2, -1)).masked_fill(keep == 0, self.value)
+        return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("form", [FoldedCausal, FoldedCausalFill], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("value", [-math.inf, torch.finfo(torch.float32).min, -5.0])
-def test_a_folded_causal_mask_runs_causal(value):
+def test_a_folded_causal_mask_runs_causal(value, form):
     torch.manual_seed(11)
     q, k, v = (torch.randn(2, 3, 40, 16) for _ in range(3))
-    expected, got, reports = compile_run(FoldedCausal(value), (q, k, v), "eager")
+    expected, got, reports = compile_run(form(value), (q, k, v), "eager")
     assert kernels(reports) == ["sdpa"], "\n".join(map(str, reports))
     causal = "_c1_" in "\n".join(map(str, reports))
     assert causal == (value != -5.0), "\n".join(map(str, reports))   # -5 is not masking
