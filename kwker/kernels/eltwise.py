@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.calling import row_stride
 from ._call import _profiler_enabled, checked, entry, record_function
 from .specs import EltwiseSpec
 
@@ -125,16 +126,9 @@ def make_silu_mul_rows(dtype: torch.dtype = torch.float32):
         """(rows, width, row stride) of ``t`` as rows, or None."""
         if t.dim() == 0 or t.stride(-1) != 1 and t.shape[-1] > 1:
             return None
-        width, rows, ld = t.shape[-1], 1, None
-        for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
-            if size == 1:
-                continue
-            if ld is None:
-                ld = stride
-            elif stride != ld * rows:
-                return None
-            rows *= size
-        return rows, width, ld if ld is not None else width
+        ld = row_stride(t.shape, t.stride(), t.dim() - 1)
+        width = t.shape[-1]
+        return None if ld is None else (t.numel() // width if width else 0, width, ld)
 
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         fx, fy = rows_of(x), rows_of(y)

@@ -296,20 +296,15 @@ def _gelu_fake(x, approximate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-_SILU_MUL_ROWS: dict = {}   # dtype -> the row kernel (make_silu_mul_rows), built on first use
-
-
 def _silu_mul(x, y):
     if x.is_contiguous() and y.is_contiguous():
         fn, _ = silu_mul_kernel(x.numel(), x.dtype, False)
         if fn is None:
             fn, _ = silu_mul_kernel(None, x.dtype)
-        if fn is not None:
-            return fn(x, y)
-    elif x.dtype in (torch.float32, torch.bfloat16):   # rows a stride apart (a chunk's halves)
-        fn = _SILU_MUL_ROWS.get(x.dtype)
-        if fn is None:
-            fn = _SILU_MUL_ROWS[x.dtype] = B.factory("make_silu_mul_rows")(x.dtype)
+    else:   # rows a stride apart (a chunk's halves): the row kernel, built on first use
+        fn, _ = kernel_for(("silu_mul_rows", x.dtype), (),
+                           lambda: B._make("make_silu_mul_rows", dtype=x.dtype))
+    if fn is not None:
         return fn(x, y)
     return (F.silu(x) * y).contiguous()
 

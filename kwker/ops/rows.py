@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 
 from ..codegen.sorting import NARG, SLOTS, scratch_layout  # noqa: F401 (NARG: arg order)
-from ..runtime.calling import call
+from ..runtime.calling import call, row_stride
 
 # ATen's grain for row-parallel sorting ops: 32768 elements per task
 GRAIN = 32768
@@ -24,25 +24,6 @@ calls: Counter = Counter()  # kernel calls per op: lets tests prove a fast path 
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.int64: "int64",
           torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
           torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def row_stride(shape, strides, dim: int) -> int | None:
-    """Stride between consecutive rows when every dim but ``dim`` collapses into one, else None.
-
-    Rows enumerate the other dims in order (as ``movedim(dim, -1)`` does); this works on plain
-    ints, so the common layouts need no view objects on the hot path.
-    """
-    rs, span = None, None
-    for i in range(len(shape) - 1, -1, -1):
-        if i == dim or shape[i] == 1:
-            continue
-        if rs is None:
-            rs, span = strides[i], strides[i] * shape[i]
-        elif strides[i] != span:
-            return None
-        else:
-            span = strides[i] * shape[i]
-    return 0 if rs is None else rs
 
 
 def rows_of(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int, int, int]:

@@ -1,4 +1,6 @@
-"""Calling a JIT'd eager kernel: pack an i64 argument block, make one ctypes call.
+"""Calling a JIT'd eager kernel: pack an i64 argument block, make one ctypes call; and the
+row stride a row kernel is called with (``row_stride``, shared by the eager ops and the
+kernel factories).
 
 The block is packed with ``struct`` (about 0.4 us, several times cheaper than a ctypes array) and
 passed as a read-only buffer. ctypes releases the GIL for the duration of the call, so several
@@ -28,3 +30,22 @@ def call(spec, args: list[int]) -> None:
     if packer is None:
         packer = _packers[len(args)] = struct.Struct(f"{len(args)}q")
     kernel_function(spec)(packer.pack(*args))
+
+
+def row_stride(shape, strides, dim: int) -> int | None:
+    """Stride between consecutive rows when every dim but ``dim`` collapses into one, else None.
+
+    Rows enumerate the other dims in order (as ``movedim(dim, -1)`` does); this works on plain
+    ints, so the common layouts need no view objects on the hot path.
+    """
+    rs, span = None, None
+    for i in range(len(shape) - 1, -1, -1):
+        if i == dim or shape[i] == 1:
+            continue
+        if rs is None:
+            rs, span = strides[i], strides[i] * shape[i]
+        elif strides[i] != span:
+            return None
+        else:
+            span = strides[i] * shape[i]
+    return 0 if rs is None else rs
