@@ -19,7 +19,7 @@ from pathlib import Path
 from . import cache, tile_permission
 from .compiler import compile_assembly, compile_object
 from .loader import load_symbols
-from .target import Target, host_target
+from .target import Target, host_has_amx, host_target
 
 log = logging.getLogger("kwker")
 
@@ -143,8 +143,11 @@ def get_kernel(spec) -> int:
         addr = _kernels.get(spec)
         if addr is None:
             target = host_target()
-            if target.tiles == "amx" and not tile_permission.granted():
-                # a KWKER_CPU naming an AMX CPU: its tile kernels would die of SIGILL here
+            if target.tiles == "amx" and host_has_amx() and not tile_permission.granted():
+                # a KWKER_CPU naming an AMX CPU on an AMX host that refused the tile state: its
+                # tile kernels would die of SIGILL here. A host without AMX cannot run that
+                # target's code at all (like AVX-512 code on an AVX2 host): it is loaded only to
+                # be compiled and packaged (packaging._specs_for), never called
                 raise RuntimeError(f"kwker: {spec.symbol} is built for AMX tiles, which this "
                                    f"process may not use: {tile_permission.refusal()}. Set "
                                    "KWKER_TILES=off (or emulate) to build without them")

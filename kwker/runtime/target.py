@@ -275,6 +275,11 @@ def _host_features() -> str:
     return ",".join(("+" if host.get(f) else "-") + f for f in _INTERESTING if f in host)
 
 
+def host_has_amx() -> bool:
+    """Whether this machine's CPU (not a ``KWKER_CPU`` override) has the AMX tile unit."""
+    return "+amx-tile" in _host_features().split(",")
+
+
 @functools.lru_cache(maxsize=None)
 def host_target() -> Target:
     """Host CPU name and features from LLVM, unless overridden by the environment.

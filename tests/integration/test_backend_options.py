@@ -1,4 +1,5 @@
 """Registration, options, reports and logs, kernel dumps, profiler names, wider-ISA code."""
+import dataclasses
 import logging
 import os
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import kwker.dynamo as kd
+from kwker.kernels import blocking
 from kwker.runtime import kernel
 from kwker.runtime.compiler import compile_assembly
 from kwker.runtime.target import host_target, make_target
@@ -194,6 +196,16 @@ def test_fully_lowered_graph_skips_inductor():
         assert kd.last_report().kernel_names == ["linear_relu", "linear"]
 
 
+def _blocked(spec, target):
+    """``spec`` with the register tile and cache blocks lowering picks on ``target`` (a GEMM's
+    blocking follows the ISA: 6x24 on an AVX2 host cannot be AVX-512 code)."""
+    if spec.family != "gemm":
+        return spec
+    chosen = blocking.choose(spec.m, spec.n, spec.k, target, b_layout=spec.b_layout,
+                             dtype=spec.dtype)
+    return dataclasses.replace(spec, **chosen.as_kwargs())
+
+
 def test_avx512_and_avx2_code_for_the_graphs_kernels():
     """The specs a compiled graph uses, emitted for both ISAs without running them."""
     torch.manual_seed(4)
@@ -201,8 +213,8 @@ def test_avx512_and_avx2_code_for_the_graphs_kernels():
     avx512 = make_target("skylake-avx512", "+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx2,+fma")
     avx2 = make_target("haswell", "+avx2,+fma,-avx512f")
     for spec in reports[-1].specs:
-        _, asm512 = compile_assembly(str(kernel.emit(spec, avx512)), avx512)
-        _, asm256 = compile_assembly(str(kernel.emit(spec, avx2)), avx2)
+        _, asm512 = compile_assembly(str(kernel.emit(_blocked(spec, avx512), avx512)), avx512)
+        _, asm256 = compile_assembly(str(kernel.emit(_blocked(spec, avx2), avx2)), avx2)
         assert "zmm" in asm512, spec.symbol
         assert "ymm" in asm256 and "zmm" not in asm256, spec.symbol
 

@@ -320,6 +320,30 @@ def test_refused_permission_means_no_tiles(monkeypatch):
         tile_permission._forget()
 
 
+def test_refused_permission_stops_tile_code_only_on_an_amx_host(monkeypatch):
+    """Under a KWKER_CPU naming an AMX CPU, a host with AMX that was refused the tile state
+    builds no kernel (it would die of SIGILL); a host without AMX loads the code, as packaging
+    does to compile another CPU's kernels, and never calls it."""
+    import errno
+
+    from kwker.runtime import kernel as kernel_mod
+
+    spec = GemmSpec(3, 8, 5, 1, "packed", mr=3, nr=16, kc=5, mc=3, nb=1, a_pack=False)
+    monkeypatch.setattr(tile_permission, "_arch_prctl", lambda code, arg: (-1, errno.EPERM))
+    monkeypatch.setattr(kernel_mod, "host_target", lambda: SAPPHIRE)
+    tile_permission._forget()
+    try:
+        monkeypatch.setattr(kernel_mod, "host_has_amx", lambda: True)
+        with pytest.raises(RuntimeError, match="KWKER_TILES=off"):
+            kernel_mod.get_kernel(spec)
+        monkeypatch.setattr(kernel_mod, "host_has_amx", lambda: False)
+        assert kernel_mod.get_kernel(spec) > 0
+    finally:
+        kernel_mod._kernels.pop(spec, None)  # SAPPHIRE's code: never to be called here
+        monkeypatch.undo()
+        tile_permission._forget()
+
+
 def test_instruction_paths_name_what_runs():
     """What the report and the benchmarks call each kernel's instructions, per target."""
     tile, vector = _tile_spec(), GemmSpec(200, 300, 402, 1, "packed", dtype="bf16")
