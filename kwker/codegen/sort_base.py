@@ -24,13 +24,17 @@ class SortAlgosBase:
     """Construction and element access for one key type and comparator (see ``SortAlgos``)."""
 
     def __init__(self, module: ir.Module, key_type: ir.Type, lt, prefix: str,
-                 vector_lanes: int = 0, packed: bool = False):
+                 vector_lanes: int = 0, packed: bool = False, presorted: bool = False):
         self.m, self.kt, self.lt, self.prefix = module, key_type, lt, prefix
         self.lanes = vector_lanes
         # packed: one i64 word per element, (i32 key << 32) | index, in K (I unused): a swap is
         # two loads and two stores instead of four and four
         self.packed = packed
         assert not packed or key_type == i32
+        # presorted (packed only): I holds the row sorted, K's tied keys are flagged, and ranges
+        # without a flag are copied from I (sort_presorted.py)
+        self.presorted = presorted
+        assert not presorted or packed
         self.elem_types = [i64] if packed else [key_type, i32]
         # packed words: all-equal ranges of EQUAL_MIN or more take their whole subtree at once
         self.equal_ranges = packed and vector_lanes >= 4

@@ -1,16 +1,18 @@
 """sort: the whole row in ATen's order (§3).
 
 Stable sorts run the LSD radix sort (a short row of 32-bit keys: one sorting network); the others
-std::sort exactly, on packed (key << 32 | index) words for 32-bit keys, with several threads
-sharing one long row when the caller asks for them.
+std::sort exactly: 32-bit keys on packed (key << 32 | index) words, introsort only where keys
+tie and a radix-sorted copy elsewhere (sort_presorted.py); several threads share one long row
+when the caller asks for them.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from .irutil import Fn, const, i32, i64, intrinsic, ptr, void
+from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec, void
+from .sort_presorted import TIED
 from .sort_rows import RowKernel
-from .sortalgo import SortAlgos, emit_radix_sort
+from .sortalgo import SortAlgos, emit_radix_sort, emit_radix_sort_packed
 
 
 def _emit_radix(rk: RowKernel):
@@ -42,15 +44,81 @@ def emit_sort(rk: RowKernel):
         else:
             _emit_radix(rk)
     elif rk.kt == i32:
-        P, = rk.scratch_arrays(["P"])
-        rk.fill_packed(P)
-        _std_sort_maybe_parallel(rk, rk.algos(packed=True), P, P)
-        rk.write_packed(P, rk.n)
+        _emit_presorted(rk)
     else:
         K, I = rk.scratch_arrays(["K", "I"])
         rk.fill_keys(K, I)
         _std_sort_maybe_parallel(rk, rk.algos(), K, I)
         rk.write_sorted(I, rk.n)
+
+
+# a row with more tied pairs than one per this many elements is partitioned exactly throughout
+# (flagged ranges reach nearly every level), so its radix sort would be wasted time
+TIES_PER_ROW = 1024
+SAMPLE = 32  # keys sampled across a row to spot tie-heavy data before the radix sort
+
+
+def _emit_presorted(rk: RowKernel):
+    """std::sort of 32-bit keys, from a radix-sorted copy where keys do not tie
+    (sort_presorted.py): a row without ties is its radix sort; with a few, the packed words of
+    tied keys are flagged and introsort copies every range without a flag from the sorted words.
+    Rows with many ties (a tie among a few sampled keys, or more than one tied pair per
+    TIES_PER_ROW elements) and a long row shared between threads run introsort throughout."""
+    f, b = rk.f, rk.f.b
+    zero, one = const(i64, 0), const(i64, 1)
+    P, = rk.scratch_arrays(["P"])
+    H, W, S = rk.scratch_arrays(["H", "W", "S"])
+    algos = rk.algos(packed=True, presorted=True)
+    rk.fill_packed(W)
+    sorted_words = f.var(ptr, ir.Constant(ptr, None), "sorted")  # null: introsort throughout
+    serial = b.icmp_signed("<=", rk.a["p0"], one)
+    with f.if_(b.and_(serial, b.not_(_sample_has_tie(rk)))):
+        radix = emit_radix_sort_packed(rk.m, f"{rk.spec.symbol}.radix")
+        R = b.call(radix, [W, P, S, H, rk.n])
+        last = b.sub(rk.n, one)
+        high = const(i64, -(1 << 32))
+
+        def tied(j):  # sorted words j and j + 1 share their key
+            return b.icmp_unsigned("==", b.and_(f.load(i64, R, j), high),
+                                   b.and_(f.load(i64, R, b.add(j, one)), high))
+        ties = f.var(i64, zero, "ties")
+        with f.for_range(zero, last, name="ties") as j:
+            ties.set(b.add(ties.get(), b.zext(tied(j), i64)))
+        with f.if_(b.icmp_signed("==", ties.get(), zero)):
+            rk.write_packed(R, rk.n)
+            f.ret()
+        few = b.icmp_signed("<=", b.mul(ties.get(), const(i64, TIES_PER_ROW)), rk.n)
+        with f.if_(few):
+            flag, index = const(i64, TIED), const(i64, TIED - 1)
+            with f.for_range(zero, last, name="flag") as j:
+                with f.if_(tied(j)):
+                    for at in (j, b.add(j, one)):
+                        idx = b.and_(f.load(i64, R, at), index)
+                        f.store(b.or_(f.load(i64, W, idx), flag), W, idx)
+            sorted_words.set(R)
+    _std_sort_maybe_parallel(rk, algos, W, sorted_words.get())
+    rk.write_packed(W, rk.n)
+
+
+def _sample_has_tie(rk: RowKernel) -> ir.Value:
+    """Whether SAMPLE keys spread over the row hold two equal ones: tie-heavy data (a few
+    distinct values) shows it at once, a row of random floats almost never."""
+    f, b = rk.f, rk.f.b
+    step = b.sdiv(rk.n, const(i64, SAMPLE))
+    lanes = [b.mul(const(i64, t), step) for t in range(SAMPLE)]
+    keys = [rk.key(f.load(rk.vt, rk.src, at)) for at in lanes]
+    vt = vec(rk.kt, SAMPLE)
+    v = ir.Constant(vt, None)
+    for t, k in enumerate(keys):
+        v = b.insert_element(v, k, const(i32, t))
+    found = const(i1, 0)
+    for shift in range(1, SAMPLE):  # every pair once: lane t against lane t + shift
+        rot = b.shuffle_vector(v, v, ir.Constant(vec(i32, SAMPLE),
+                                                 [(t + shift) % SAMPLE for t in range(SAMPLE)]))
+        eq = b.bitcast(b.icmp_signed("==", v, rot), ir.IntType(SAMPLE))
+        found = b.or_(found, b.icmp_unsigned("!=", eq, const(ir.IntType(SAMPLE), 0)))
+    # n < SAMPLE: step 0 samples the first key SAMPLE times, which is no tie
+    return b.and_(found, b.icmp_signed(">", step, const(i64, 0)))
 
 
 SPLIT_LEVELS = 3  # at most this many partition levels before a long row's ranges go to threads

@@ -77,3 +77,57 @@ def emit_radix_sort(module: ir.Module, key_type: ir.IntType, name: str) -> ir.Fu
             flipped.set(b.xor(flipped.get(), const(i1, 1)))
     f.ret(flipped.get())
     return f.finish()
+
+
+def emit_radix_sort_packed(module: ir.Module, name: str) -> ir.Function:
+    """Stable ascending sort of packed (i32 key << 32 | index) words by their key (LSD radix,
+    the digits of ``radix_digits(i32)``): one 8-byte store per element and pass, where the
+    key/index pair costs two stores to two arrays' cache lines.
+
+    ``radix(src, A, B, hist, n) -> ptr``: the array holding the result, A or B (``src`` itself
+    only when every pass is skipped); ``src`` is never written. ``hist`` holds
+    ``radix_hist_bytes(i32)`` of i64 counters. Passes whose digit is the same for every key are
+    skipped.
+    """
+    digits = radix_digits(ir.IntType(32))
+    bases, total = [], 0
+    for _, bits in digits:
+        bases.append(total)
+        total += 1 << bits
+    f = Fn(module, name, ptr, [ptr, ptr, ptr, ptr, i64], ["src", "A", "B", "H", "n"])
+    src, A, B, H, n = f.args
+    b = f.b
+    sign = const(i64, 1 << 63)
+    zero = const(i64, 0)
+
+    def digit(word, p):
+        shift, bits = digits[p]
+        d = b.and_(b.lshr(b.xor(word, sign), const(i64, 32 + shift)), const(i64, (1 << bits) - 1))
+        return b.add(d, const(i64, bases[p]))
+    with f.for_range(0, total, name="z") as z:
+        f.store(zero, H, z)
+    with f.for_range(zero, n, name="h") as i:
+        word = f.load(i64, src, i)
+        for p in range(len(digits)):
+            slot = digit(word, p)
+            f.store(b.add(f.load(i64, H, slot), const(i64, 1)), H, slot)
+    cur = f.var(ptr, src, "cur")
+    for p, (_, bits) in enumerate(digits):
+        d0 = digit(f.load(i64, cur.get(), zero), p)
+        with f.if_(b.icmp_signed("!=", f.load(i64, H, d0), n)):
+            run = f.var(i64, zero, "run")
+            with f.for_range(bases[p], bases[p] + (1 << bits), name="pre") as slot:
+                c = f.load(i64, H, slot)
+                f.store(run.get(), H, slot)
+                run.set(b.add(run.get(), c))
+            s = cur.get()
+            dst = b.select(b.icmp_unsigned("==", s, A), B, A)
+            with f.for_range(zero, n, name="scatter") as i:
+                word = f.load(i64, s, i)
+                slot = digit(word, p)
+                pos = f.load(i64, H, slot)
+                f.store(b.add(pos, const(i64, 1)), H, slot)
+                f.store(word, dst, pos)
+            cur.set(dst)
+    f.ret(cur.get())
+    return f.finish()

@@ -31,6 +31,7 @@ from .irutil import (
     void,
 )
 from .rows import FIRST_OP_SLOT
+from .sort_presorted import TIED
 from .sortalgo import SortAlgos, radix_hist_bytes
 
 SLOTS = {name: FIRST_OP_SLOT + i for i, name in enumerate(
@@ -39,6 +40,7 @@ SLOTS = {name: FIRST_OP_SLOT + i for i, name in enumerate(
 NARG = FIRST_OP_SLOT + len(SLOTS)
 # bytes before and after each scratch array: stopper masks may read 64 keys past the end
 PAD = 512
+INDEX_MASK = TIED - 1  # a packed word's index, without the tie flag
 SELECT_BUCKETS = 2048  # quantile selection buckets: the top 11 bits of the unsigned key
 
 
@@ -55,12 +57,20 @@ def _align(nbytes: int) -> int:
     return (nbytes + 63) // 64 * 64
 
 
+def presorted_sort(op: str, dtype: str, stable: bool) -> bool:
+    """Whether the op's rows are sorted by radix first, introsort only where keys tie
+    (sort_presorted.py): the unstable sort of 32-bit keys."""
+    return op == "sort" and not stable and key_type(dtype) == i32
+
+
 def scratch_layout(op: str, dtype: str, n: int, stable: bool = False) -> dict[str, int]:
     """Byte offsets of the per-thread scratch arrays, and the total under ``"size"``."""
     kb = key_type(dtype).width // 8
     sizes = [("K", n * kb), ("I", n * 4)]
-    if stable or op in ("quantile", "nanquantile"):
+    if stable or op in ("quantile", "nanquantile") or presorted_sort(op, dtype, stable):
         sizes += [("K2", n * kb), ("I2", n * 4), ("H", hist_bytes(key_type(dtype)))]
+    if presorted_sort(op, dtype, stable):  # K and I hold P, the radix sort's other buffer
+        sizes += [("W", n * 8), ("S", n * 8)]
     out, pos = {}, 0
     for name, size in sizes:
         out[name] = pos + PAD
@@ -91,16 +101,17 @@ class RowKernel:
     def lt(self, b, x, y):
         return b.icmp_signed("<", x, y)
 
-    def algos(self, lanes: int | None = None, packed: bool = False) -> SortAlgos:
+    def algos(self, lanes: int | None = None, packed: bool = False,
+              presorted: bool = False) -> SortAlgos:
         """The exact algorithms on this op's keys (one set per module and variant)."""
         lanes = self.lanes if lanes is None else lanes
         if packed:
             lanes = max(lanes // 2, 4)  # i64 words per vector
-        key = (lanes, packed)
+        key = (lanes, packed, presorted)
         if key not in self._algos:
-            self._algos[key] = SortAlgos(self.m, self.kt, self.lt,
-                                         f"{self.spec.symbol}.algo{lanes}{'p' * packed}",
-                                         vector_lanes=lanes, packed=packed)
+            name = f"{self.spec.symbol}.algo{lanes}{'p' * packed}{'s' * presorted}"
+            self._algos[key] = SortAlgos(self.m, self.kt, self.lt, name, vector_lanes=lanes,
+                                         packed=packed, presorted=presorted)
         return self._algos[key]
 
     def fill_packed(self, P):
@@ -112,7 +123,22 @@ class RowKernel:
 
     def write_packed(self, P, count):
         """Values (gathered from the row: keys do not keep NaN payloads) and indices of the
-        packed words; 16 at a time when both outputs are contiguous along the row."""
+        packed words (their index half, without the tie flag of sort_presorted.py)."""
+        mask = INDEX_MASK
+        self._write_indexed(count, lambda j, W: self.f.b.and_(
+            self.f.load_vec(i64, W, P, j), ir.Constant(vec(i64, W), [mask] * W)),
+            lambda j: self.f.b.and_(self.f.load(i64, P, j), const(i64, mask)))
+
+    def write_sorted(self, I, count):
+        """Values and indices of the i32 index array ``I``."""
+        b = self.f.b
+        self._write_indexed(count, lambda j, W: b.zext(self.f.load_vec(i32, W, I, j),
+                                                       vec(i64, W)),
+                            lambda j: b.sext(self.f.load(i32, I, j), i64))
+
+    def _write_indexed(self, count, indices, index):
+        """Output slots 0..count-1 from the indices ``indices(j, W)`` (W at a time: 16 when both
+        outputs are contiguous along the row) or ``index(j)`` (one)."""
         f, b, a = self.f, self.f.b, self.a
         start = const(i64, 0)
         W = 16
@@ -124,11 +150,11 @@ class RowKernel:
             full = b.select(dense, b.and_(count, const(i64, -W)), const(i64, 0))
             out_v = f.gep(a["out_v"], b.mul(self.row, a["out_v_rs"]), self.vt)
             out_i = f.gep(a["out_i"], b.mul(self.row, a["out_i_rs"]), i64)
-            vt, it = vec(self.vt, W), vec(i64, W)
+            vt = vec(self.vt, W)
             gname = f"llvm.masked.gather.v{W}{'f32' if self.vt == f32 else 'i32'}.v{W}p0"
             gather = intrinsic(self.m, gname, vt, [vec(ptr, W), i32, vec(i1, W), vt])
             with f.for_range(const(i64, 0), full, step=W, name="outv") as j:
-                idx = b.and_(f.load_vec(i64, W, P, j), ir.Constant(it, [0xFFFFFFFF] * W))
+                idx = indices(j, W)
                 ptrs = b.gep(self.src, [idx], inbounds=True, source_etype=self.vt)
                 ptrs.type = vec(ptr, W)  # llvmlite types a vector GEP as a scalar pointer
                 v = b.call(gather, [ptrs, const(i32, 4), ir.Constant(vec(i1, W), [1] * W),
@@ -137,7 +163,7 @@ class RowKernel:
                 b.store(idx, f.gep(out_i, j, i64), align=8)
             start = full
         with f.for_range(start, count, name="outp") as j:
-            self.write(j, b.and_(f.load(i64, P, j), const(i64, 0xFFFFFFFF)))
+            self.write(j, index(j))
 
     def scratch_arrays(self, names):
         """Pointers to the scratch arrays: offsets computed at run time from n."""
@@ -149,8 +175,9 @@ class RowKernel:
             return [self.f.gep(self.scratch, pad, ir.IntType(8))]
         sizes["K2"], sizes["I2"] = sizes["K"], sizes["I"]
         sizes["H"] = const(i64, hist_bytes(self.kt))
+        sizes["W"] = sizes["S"] = sizes["P"]
         out, pos = {}, const(i64, 0)
-        for name in ("K", "I", "K2", "I2", "H"):
+        for name in ("K", "I", "K2", "I2", "H", "W", "S"):
             out[name] = self.f.gep(self.scratch, b.add(pos, pad), ir.IntType(8))
             size = b.add(sizes[name], const(i64, 2 * PAD + 63))
             pos = b.add(pos, b.and_(size, const(i64, ~63)))
@@ -231,11 +258,6 @@ class RowKernel:
         f.store(v, a["out_v"], vpos)
         ipos = b.add(b.mul(self.row, a["out_i_rs"]), b.mul(j, a["out_i_es"]))
         f.store(idx, a["out_i"], ipos)
-
-    def write_sorted(self, I, count):
-        f, b = self.f, self.f.b
-        with f.for_range(const(i64, 0), count, name="out") as j:
-            self.write(j, b.sext(f.load(i32, I, j), i64))
 
     def finish(self):
         self.f.finish()

@@ -7,9 +7,10 @@ torch's, ties included. Elements are structure-of-arrays: a key array ``K`` (key
 
 Where the output is provably the same, a faster equivalent replaces a step; each module says
 which and why: sort_partition.py (block-wise Hoare scans), sort_small.py (sorting networks for
-short and all-distinct ranges), sort_equal.py (all-equal ranges), sort_radix.py (the stable
-sort). This module composes them into ``SortAlgos`` and holds the drivers built from them:
-std::sort, nth_element and ATen's quickselect.
+short and all-distinct ranges), sort_equal.py (all-equal ranges), sort_presorted.py (ranges
+without ties, from a sorted copy), sort_radix.py (the stable sort). This module composes them
+into ``SortAlgos`` and holds the drivers built from them: std::sort, nth_element and ATen's
+quickselect.
 
 Fast-math: none. Comparisons are exact integer (or ordered float, for ``mode``) compares.
 """
@@ -22,14 +23,15 @@ from .sort_base import EQUAL_MIN, NETWORK_MAX, THRESHOLD
 from .sort_equal import EqualRangeAlgos
 from .sort_heap import HeapAlgos
 from .sort_partition import PartitionAlgos
-from .sort_radix import emit_radix_sort, radix_digits, radix_hist_bytes
+from .sort_presorted import PresortedAlgos
+from .sort_radix import emit_radix_sort, emit_radix_sort_packed, radix_digits, radix_hist_bytes
 from .sort_small import SmallSortAlgos
 
-__all__ = ["NETWORK_MAX", "THRESHOLD", "SortAlgos", "emit_radix_sort", "radix_digits",
-           "radix_hist_bytes"]
+__all__ = ["NETWORK_MAX", "THRESHOLD", "SortAlgos", "emit_radix_sort", "emit_radix_sort_packed",
+           "radix_digits", "radix_hist_bytes"]
 
 
-class SortAlgos(PartitionAlgos, HeapAlgos, SmallSortAlgos, EqualRangeAlgos):
+class SortAlgos(PartitionAlgos, HeapAlgos, SmallSortAlgos, EqualRangeAlgos, PresortedAlgos):
     """Emits the exact sorting building blocks for one key type and comparator into a module.
 
     ``lt(b, x, y)`` emits "x goes strictly before y". ``vector_lanes`` > 0 enables the block
@@ -44,6 +46,12 @@ class SortAlgos(PartitionAlgos, HeapAlgos, SmallSortAlgos, EqualRangeAlgos):
             last, depth = f.var(i64, last0, "last"), f.var(i64, depth0, "depth")
             with f.while_(lambda: b.icmp_signed(">", b.sub(last.get(), first),
                                                 const(i64, THRESHOLD))):
+                if self.presorted:  # short ranges: the distinct-keys network is as quick
+                    big = b.icmp_signed(">", b.sub(last.get(), first),
+                                        const(i64, max(self.distinct_max, THRESHOLD)))
+                    with f.if_(b.and_(big, b.icmp_unsigned("!=", I, ir.Constant(ptr, None)))):
+                        with f.if_(b.call(self.presorted_copy(), [K, I, first, last.get()])):
+                            f.ret()
                 if self.equal_ranges:
                     big = b.icmp_signed(">=", b.sub(last.get(), first), const(i64, EQUAL_MIN))
                     with f.if_(big):

@@ -130,3 +130,37 @@ def test_long_row_split_over_threads(dtype, threads, kernels_everywhere):
         x = make(pattern, (150_001,), dtype, seed=4)
         check(lambda: torch.sort(x), f"long sort {pattern}")
         check(lambda: torch.sort(x, descending=True), f"long sort desc {pattern}")
+
+
+def _planted(n: int, pairs: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Distinct values with ``pairs`` planted ties (among them a NaN pair and a -0.0/+0.0
+    pair for floats), some at the row's ends."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randperm(n, generator=g) - n // 2).double()
+    spots = torch.randperm(n, generator=g)[:2 * pairs].tolist()
+    if pairs:
+        spots[:2] = [0, n - 1]
+    for a, b in zip(spots[::2], spots[1::2]):
+        x[a] = x[b]
+    if dtype.is_floating_point and pairs >= 3:
+        x[spots[2]], x[spots[3]] = float("nan"), float("nan")
+        x[spots[4]], x[spots[5]] = -0.0, 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.int32, torch.float16), ids=str)
+def test_rows_sorted_first_where_no_key_ties(dtype, kernels_everywhere):
+    """Unstable sorts of 32-bit keys radix-sort the row first; introsort runs exactly only on
+    ranges holding a tied key (sort_presorted.py): rows with no, one or a few ties, on one
+    thread and one long row split over threads."""
+    n = 2048 if dtype == torch.float16 else 20000  # float16 holds 2048 integers exactly
+    for pairs in (0, 1, 3, 12):
+        x = torch.stack([_planted(n, pairs, dtype, seed) for seed in range(3)])
+        for desc in (False, True):
+            check(lambda: torch.sort(x, descending=desc), f"rows pairs={pairs} desc={desc}")
+        check(lambda: torch.argsort(x.t(), dim=0), f"argsort of a view pairs={pairs}")
+    torch.set_num_threads(2)
+    for pairs in (0, 1, 40):
+        x = _planted(150_001 if dtype != torch.float16 else 2048, pairs, dtype, seed=7)
+        check(lambda: torch.sort(x), f"long row pairs={pairs}")
+        check(lambda: torch.sort(x, descending=True), f"long row desc pairs={pairs}")
