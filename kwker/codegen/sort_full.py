@@ -17,6 +17,13 @@ from .sortalgo import SortAlgos, emit_radix_sort, emit_radix_sort_packed
 
 def _emit_radix(rk: RowKernel):
     b = rk.f.b
+    if rk.kt == i32:  # packed words: one store per element and pass instead of two
+        P, = rk.scratch_arrays(["P"])
+        H, W = rk.scratch_arrays(["H", "W"])
+        rk.fill_packed(P)
+        radix = emit_radix_sort_packed(rk.m, f"{rk.spec.symbol}.radix")
+        rk.write_packed(b.call(radix, [P, P, W, H, rk.n]), rk.n)
+        return
     K, I, K2, I2, H = rk.scratch_arrays(["K", "I", "K2", "I2", "H"])
     rk.fill_keys(K, I)
     radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")

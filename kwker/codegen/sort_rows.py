@@ -57,19 +57,19 @@ def _align(nbytes: int) -> int:
     return (nbytes + 63) // 64 * 64
 
 
-def presorted_sort(op: str, dtype: str, stable: bool) -> bool:
-    """Whether the op's rows are sorted by radix first, introsort only where keys tie
-    (sort_presorted.py): the unstable sort of 32-bit keys."""
-    return op == "sort" and not stable and key_type(dtype) == i32
+def packed_sort(op: str, dtype: str) -> bool:
+    """Whether the op's rows are radix-sorted as packed (key << 32 | index) words: sorts of
+    32-bit keys (unstable ones then run introsort only where keys tie, sort_presorted.py)."""
+    return op == "sort" and key_type(dtype) == i32
 
 
 def scratch_layout(op: str, dtype: str, n: int, stable: bool = False) -> dict[str, int]:
     """Byte offsets of the per-thread scratch arrays, and the total under ``"size"``."""
     kb = key_type(dtype).width // 8
     sizes = [("K", n * kb), ("I", n * 4)]
-    if stable or op in ("quantile", "nanquantile") or presorted_sort(op, dtype, stable):
+    if stable or op in ("quantile", "nanquantile") or packed_sort(op, dtype):
         sizes += [("K2", n * kb), ("I2", n * 4), ("H", hist_bytes(key_type(dtype)))]
-    if presorted_sort(op, dtype, stable):  # K and I hold P, the radix sort's other buffer
+    if packed_sort(op, dtype):  # K and I hold P, a radix buffer (the second is W or S)
         sizes += [("W", n * 8), ("S", n * 8)]
     out, pos = {}, 0
     for name, size in sizes:
