@@ -47,6 +47,8 @@ def emit_topk(rk: RowKernel):
                     b.call(sift, [K, I, zero, zero, k, *elem])
             L = rk.lanes
             j = f.var(i64, k, "j")
+            if packed and rk.vt == f32:
+                _float_prefilter(rk, algos, K, j, offer)
             with f.while_(lambda: b.icmp_signed("<=", b.add(j.get(), const(i64, L)), rk.n)):
                 keys = rk.key(f.load_vec(rk.vt, L, rk.src, j.get()))
                 root = algos.key_at(f, K, zero)
@@ -75,6 +77,40 @@ def emit_topk(rk: RowKernel):
         rk.write_packed(P, k)
     else:
         rk.write_sorted(I, k)
+
+
+PREFILTER_UNROLL = 4  # vectors tested per branch by the float pre-filter
+
+
+def _float_prefilter(rk: RowKernel, algos: SortAlgos, K, j, offer):
+    """The heap path's pre-filter on float32 values as they are, PREFILTER_UNROLL vectors per
+    branch: an element is offered when it is beyond the root's value or either is NaN (``ugt``
+    for the largest, ``ult`` for the smallest). That passes every element whose key goes before
+    the root's (keys order floats with -0.0 == +0.0 and NaN beyond +inf, as float compares do
+    apart from NaN, which passes), and ``offer`` compares keys exactly. No key transform per
+    element: two instructions a vector instead of nine."""
+    f, b = rk.f, rk.f.b
+    L, U = rk.lanes, PREFILTER_UNROLL
+    width = L * U
+    assert width <= 64
+    pred = "ugt" if rk.spec.descending else "ult"
+    zero = const(i64, 0)
+    with f.while_(lambda: b.icmp_signed("<=", b.add(j.get(), const(i64, width)), rk.n)):
+        root = algos._get(f, K, None, zero)[0]
+        rootv = f.load(f32, rk.src, b.and_(root, const(i64, 0xFFFFFFFF)))
+        splat = b.insert_element(ir.Constant(vec(f32, L), None), rootv, const(i32, 0))
+        splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, L), [0] * L))
+        mask = zero
+        for u in range(U):
+            v = f.load_vec(f32, L, rk.src, b.add(j.get(), const(i64, u * L)))
+            bits = b.zext(b.bitcast(b.fcmp_unordered(pred, v, splat), ir.IntType(L)), i64)
+            mask = b.or_(mask, b.shl(bits, const(i64, u * L)) if u else bits)
+        m = f.var(i64, mask, "fmask")
+        with f.while_(lambda: b.icmp_unsigned("!=", m.get(), zero)):
+            t = f.call_intrinsic("llvm.cttz.i64", i64, [m.get(), const(i1, 0)])
+            offer(b.add(j.get(), t))
+            m.set(b.and_(m.get(), b.sub(m.get(), const(i64, 1))))
+        j.set(b.add(j.get(), const(i64, width)))
 
 
 def emit_kthvalue(rk: RowKernel):
