@@ -61,16 +61,9 @@ def emit_quantile(rk: RowKernel, nan_ignoring: bool):
     with f.if_else(exact) as (slow, fast):
         with slow:
             b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
-        with fast:  # bucket starts by the top 11 key bits, for selection without a sort
-            with f.for_range(0, SELECT_BUCKETS + 1, name="hz") as z:
-                f.store(zero, H, z)
-            with f.for_range(zero, rk.n, name="hist") as j:
-                slot = b.add(_bucket(rk, f.load(ity, K, j)), one)
-                f.store(b.add(f.load(i64, H, slot), one), H, slot)
-            with f.for_range(1, SELECT_BUCKETS + 1, name="starts") as z:
-                f.store(b.add(f.load(i64, H, z), f.load(i64, H, b.sub(z, one))), H, z)
-            f.store(const(i64, -1), state, zero)
-    select = _emit_bucket_select(rk)
+        with fast:
+            bucket_starts(rk, K, H, state)
+    select = emit_bucket_select(rk)
     zero_bits = b.select(pz.get(), const(ity, 0), const(ity, -(1 << (ity.width - 1))))
 
     def S(pos):
@@ -126,20 +119,38 @@ def emit_quantile(rk: RowKernel, nan_ignoring: bool):
         f.store(out.get(), rk.a["out_v"], pos)
 
 
+def bucket_starts(rk: RowKernel, K, H, state):
+    """H[b] = the first sorted position of bucket b (the top 11 key bits) of the keys in K, for
+    ``emit_bucket_select``; ``state`` (2 x i64) marks no bucket gathered yet."""
+    f, b = rk.f, rk.f.b
+    zero, one = const(i64, 0), const(i64, 1)
+    with f.for_range(0, SELECT_BUCKETS + 1, name="hz") as z:
+        f.store(zero, H, z)
+    with f.for_range(zero, rk.n, name="hist") as j:
+        slot = b.add(_bucket(rk, f.load(rk.kt, K, j)), one)
+        f.store(b.add(f.load(i64, H, slot), one), H, slot)
+    with f.for_range(1, SELECT_BUCKETS + 1, name="starts") as z:
+        f.store(b.add(f.load(i64, H, z), f.load(i64, H, b.sub(z, one))), H, z)
+    f.store(const(i64, -1), state, zero)
+
+
 def _bucket(rk: RowKernel, key):
     kt, b = rk.kt, rk.f.b
     d = b.lshr(b.xor(key, const(kt, 1 << (kt.width - 1))), const(kt, kt.width - 11))
     return b.zext(d, i64) if kt.width < 64 else d
 
 
-def _emit_bucket_select(rk: RowKernel) -> ir.Function:
+def emit_bucket_select(rk: RowKernel) -> ir.Function:
     """select(K, C, D, starts, n, pos, cache) -> the key at sorted position ``pos``.
 
     The bucket holding ``pos`` is gathered into C (once: consecutive positions of one bucket
-    reuse it) and introselected there; any selection gives the same key.
+    reuse it) and introselected there; any selection gives the same key. K is left as it is.
     """
+    name = f"{rk.spec.symbol}.select"
+    if name in {fn.name for fn in rk.m.functions}:
+        return rk.m.get_global(name)
     outer = rk.f
-    f = Fn(rk.m, f"{rk.spec.symbol}.select", rk.kt, [ptr, ptr, ptr, ptr, i64, i64, ptr],
+    f = Fn(rk.m, name, rk.kt, [ptr, ptr, ptr, ptr, i64, i64, ptr],
            ["K", "C", "D", "starts", "n", "pos", "cache"])
     K, C, D, H, n, pos, cache = f.args
     b = f.b

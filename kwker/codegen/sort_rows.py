@@ -67,7 +67,8 @@ def scratch_layout(op: str, dtype: str, n: int, stable: bool = False) -> dict[st
     """Byte offsets of the per-thread scratch arrays, and the total under ``"size"``."""
     kb = key_type(dtype).width // 8
     sizes = [("K", n * kb), ("I", n * 4)]
-    if stable or op in ("quantile", "nanquantile") or packed_sort(op, dtype):
+    if stable or op in ("quantile", "nanquantile", "kthvalue", "median", "nanmedian") or \
+            packed_sort(op, dtype):
         sizes += [("K2", n * kb), ("I2", n * 4), ("H", hist_bytes(key_type(dtype)))]
     if packed_sort(op, dtype):  # K and I hold P, a radix buffer (the second is W or S)
         sizes += [("W", n * 8), ("S", n * 8)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .irutil import HALF_FLOATS, const, f32, i1, i16, i32, i64, vec
+from .sort_quantile import bucket_starts, emit_bucket_select
 from .sort_rows import RowKernel
 from .sortalgo import SortAlgos
 
@@ -115,25 +116,89 @@ def _float_prefilter(rk: RowKernel, algos: SortAlgos, K, j, offer):
 
 def emit_kthvalue(rk: RowKernel):
     """§5. If the k-th key occurs once in the row, its value and index are fixed whatever the
-    algorithm, so the vectorised introselect finds it; a tie at the k-th key needs ATen's own
-    quickselect, step by step, on a fresh copy."""
+    algorithm, so a selection finds it (``_select``); a tie at the k-th key needs ATen's own
+    quickselect, step by step, on the keys as filled."""
     f, b = rk.f, rk.f.b
     K, I = rk.scratch_arrays(["K", "I"])
     rk.fill_keys(K, I)
-    zero = const(i64, 0)
+    zero, one = const(i64, 0), const(i64, 1)
     k0 = rk.a["p0"]  # 0-based
-    b.call(rk.algos().nth_element(), [K, I, zero, k0, rk.n])
-    kv = f.load(rk.kt, K, k0)
-    same = f.var(i64, zero, "same")
-    with f.for_range(zero, rk.n, name="count") as j:
-        same.set(b.add(same.get(), b.zext(b.icmp_signed("==", f.load(rk.kt, K, j), kv), i64)))
-    with f.if_else(b.icmp_signed("==", same.get(), const(i64, 1))) as (unique, tied):
+    kv, less, same = _select(rk, K, I, k0)
+    with f.if_else(b.icmp_signed("==", same, one)) as (unique, tied):
         with unique:
-            rk.write(zero, b.sext(f.load(i32, I, k0), i64))
+            rk.write(zero, _nth_occurrence(rk, K, kv, zero))
         with tied:
-            rk.fill_keys(K, I)
+            with f.if_(b.icmp_signed("<=", rk.n, const(i64, SHORT_SELECT_ROW))):
+                rk.fill_keys(K, I)  # the short rows' introselect permuted them
             b.call(rk.algos().aten_quickselect(), [K, I, rk.n, k0])
             rk.write(zero, b.sext(f.load(i32, I, k0), i64))
+
+
+# rows up to this long select by introselect; longer ones from buckets of the top key bits
+# (clearing and scanning the bucket table costs more than a short row's partitions)
+SHORT_SELECT_ROW = 256
+
+
+def _select(rk: RowKernel, K, I, pos):
+    """(key at sorted position ``pos``, keys before it, keys equal to it) of the row's keys in K.
+
+    Short rows introselect K in place (K and I permuted); longer ones pick the key from buckets
+    of the top key bits (sort_quantile.emit_bucket_select: one histogram pass, the bucket
+    holding ``pos`` gathered and introselected), leaving K in index order."""
+    f, b = rk.f, rk.f.b
+    zero = const(i64, 0)
+    kv = f.var(rk.kt, const(rk.kt, 0), "kv")
+    with f.if_else(b.icmp_signed("<=", rk.n, const(i64, SHORT_SELECT_ROW))) as (short, long_):
+        with short:
+            b.call(rk.algos().nth_element(), [K, I, zero, pos, rk.n])
+            kv.set(f.load(rk.kt, K, pos))
+        with long_:
+            K2, I2, H = rk.scratch_arrays(["K2", "I2", "H"])
+            state = f.array(i64, 2, "bucket_cache")
+            bucket_starts(rk, K, H, state)
+            kv.set(b.call(emit_bucket_select(rk), [K, K2, I2, H, rk.n, pos, state]))
+    less = f.var(i64, zero, "less")
+    same = f.var(i64, zero, "same")
+    with f.for_range(zero, rk.n, name="count") as j:
+        key = f.load(rk.kt, K, j)
+        less.set(b.add(less.get(), b.zext(b.icmp_signed("<", key, kv.get()), i64)))
+        same.set(b.add(same.get(), b.zext(b.icmp_signed("==", key, kv.get()), i64)))
+    return kv.get(), less.get(), same.get()
+
+
+def _nth_occurrence(rk: RowKernel, K, kv, skip):
+    """Index of the ``skip``-th (0-based) element whose key is ``kv``, in index order: from K in
+    index order, 16 keys a step with popcounts until the step that holds it; short rows (K
+    introselected by ``_select``) from the row itself."""
+    f, b = rk.f, rk.f.b
+    L = 16
+    zero, one = const(i64, 0), const(i64, 1)
+    short = b.icmp_signed("<=", rk.n, const(i64, SHORT_SELECT_ROW))
+    found = f.var(i64, zero, "found")
+    with f.if_else(short) as (permuted, ordered):
+        with permuted:  # K was permuted: scan the row in index order through the keys
+            found.set(_first_match(rk, lambda k: b.icmp_signed("==", k, kv), skip))
+        with ordered:
+            seen = f.var(i64, zero, "seen")
+            splat = b.insert_element(ir.Constant(vec(rk.kt, L), None), kv, const(i32, 0))
+            splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, L), [0] * L))
+            full = b.and_(rk.n, const(i64, -L))
+            start = f.var(i64, full, "start")
+            mask_t = ir.IntType(L)
+            with f.for_range(zero, full, step=L, name="occv") as j:
+                bits = b.bitcast(b.icmp_signed("==", f.load_vec(rk.kt, L, K, j), splat), mask_t)
+                cnt = b.zext(f.call_intrinsic(f"llvm.ctpop.i{L}", mask_t, [bits]), i64)
+                with f.if_(b.icmp_signed(">", b.add(seen.get(), cnt), skip)):
+                    start.set(j)
+                    f.break_()
+                seen.set(b.add(seen.get(), cnt))
+            with f.for_range(start.get(), rk.n, name="occ") as j:
+                with f.if_(b.icmp_signed("==", f.load(rk.kt, K, j), kv)):
+                    with f.if_(b.icmp_signed("==", seen.get(), skip)):
+                        found.set(j)
+                        f.break_()
+                    seen.set(b.add(seen.get(), one))
+    return found.get()
 
 
 def _first_match(rk: RowKernel, pred, skip):
@@ -197,23 +262,9 @@ def emit_median_dim(rk: RowKernel, nan_ignoring: bool):
         m = b.sdiv(b.sub(b.sub(rk.n, nnan), one), two)
     else:
         m = b.sdiv(b.sub(rk.n, one), two)
-    b.call(rk.algos().nth_element(), [K, I, zero, m, rk.n])
-    kv = f.load(rk.kt, K, m)
-    less = f.var(i64, zero, "less")
-    same = f.var(i64, zero, "same")
-    with f.for_range(zero, rk.n, name="count") as j:
-        key = f.load(rk.kt, K, j)
-        less.set(b.add(less.get(), b.zext(b.icmp_signed("<", key, kv), i64)))
-        same.set(b.add(same.get(), b.zext(b.icmp_signed("==", key, kv), i64)))
-    # a median key that occurs once has its index fixed whatever the selection did (as in
-    # kthvalue); a tied one is the (m - less)-th occurrence in index order, found by a scan
-    # (branchy, half the row on average: it took as long as the selection itself)
-    with f.if_else(b.icmp_signed("==", same.get(), one)) as (unique, tied):
-        with unique:
-            rk.write(zero, b.sext(f.load(i32, I, m), i64))
-        with tied:
-            rk.write(zero, _first_match(rk, lambda k: b.icmp_signed("==", k, kv),
-                                        b.sub(m, less.get())))
+    # the median is the (m - less)-th occurrence of its key in index order
+    kv, less, _ = _select(rk, K, I, m)
+    rk.write(zero, _nth_occurrence(rk, K, kv, b.sub(m, less)))
 
 
 def emit_median_all(rk: RowKernel, nan_ignoring: bool):
