@@ -63,14 +63,17 @@ def emit_sort(rk: RowKernel):
 # (flagged ranges reach nearly every level), so its radix sort would be wasted time
 TIES_PER_ROW = 1024
 SAMPLE = 32  # keys sampled across a row to spot tie-heavy data before the radix sort
+# shorter rows run introsort throughout: the radix sort's 6144 counters cost more than it saves
+PRESORT_MIN_ROW = 512
 
 
 def _emit_presorted(rk: RowKernel):
     """std::sort of 32-bit keys, from a radix-sorted copy where keys do not tie
     (sort_presorted.py): a row without ties is its radix sort; with a few, the packed words of
     tied keys are flagged and introsort copies every range without a flag from the sorted words.
-    Rows with many ties (a tie among a few sampled keys, or more than one tied pair per
-    TIES_PER_ROW elements) and a long row shared between threads run introsort throughout."""
+    Short rows, rows with many ties (a tie among a few sampled keys, or more than one tied pair
+    per TIES_PER_ROW elements) and a long row shared between threads run introsort
+    throughout."""
     f, b = rk.f, rk.f.b
     zero, one = const(i64, 0), const(i64, 1)
     P, = rk.scratch_arrays(["P"])
@@ -78,8 +81,12 @@ def _emit_presorted(rk: RowKernel):
     algos = rk.algos(packed=True, presorted=True)
     rk.fill_packed(W)
     sorted_words = f.var(ptr, ir.Constant(ptr, None), "sorted")  # null: introsort throughout
-    serial = b.icmp_signed("<=", rk.a["p0"], one)
-    with f.if_(b.and_(serial, b.not_(_sample_has_tie(rk)))):
+    serial = b.and_(b.icmp_signed("<=", rk.a["p0"], one),
+                    b.icmp_signed(">=", rk.n, const(i64, PRESORT_MIN_ROW)))
+    distinct = f.var(i1, const(i1, 0), "distinct")
+    with f.if_(serial):
+        distinct.set(b.not_(_sample_has_tie(rk)))
+    with f.if_(distinct.get()):
         radix = emit_radix_sort_packed(rk.m, f"{rk.spec.symbol}.radix")
         R = b.call(radix, [W, P, S, H, rk.n])
         last = b.sub(rk.n, one)
