@@ -72,8 +72,8 @@ def _emit_presorted(rk: RowKernel):
     (sort_presorted.py): a row without ties is its radix sort; with a few, the packed words of
     tied keys are flagged and introsort copies every range without a flag from the sorted words.
     Short rows, rows with many ties (a tie among a few sampled keys, or more than one tied pair
-    per TIES_PER_ROW elements) and a long row shared between threads run introsort
-    throughout."""
+    per TIES_PER_ROW elements), a long row shared between threads, and every row when the
+    caller's switch (p2, measured per CPU by ops.thresholds) is 0 run introsort throughout."""
     f, b = rk.f, rk.f.b
     zero, one = const(i64, 0), const(i64, 1)
     P, = rk.scratch_arrays(["P"])
@@ -83,6 +83,7 @@ def _emit_presorted(rk: RowKernel):
     sorted_words = f.var(ptr, ir.Constant(ptr, None), "sorted")  # null: introsort throughout
     serial = b.and_(b.icmp_signed("<=", rk.a["p0"], one),
                     b.icmp_signed(">=", rk.n, const(i64, PRESORT_MIN_ROW)))
+    serial = b.and_(serial, b.icmp_signed("!=", rk.a["p2"], zero))  # the caller's switch
     distinct = f.var(i1, const(i1, 0), "distinct")
     with f.if_(serial):
         distinct.set(b.not_(_sample_has_tie(rk)))

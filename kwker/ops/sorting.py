@@ -26,6 +26,10 @@ MIN_NUMEL = {"topk": 8192, "sort": 8192, "stable": 1024, "kthvalue": 12288, "med
 MIN_ROW = {"topk": 1000, "sort": 0, "stable": 512, "kthvalue": 512, "median": 256,
            "median_all": 0, "mode": 256, "quantile": 0}
 SPLIT_ROW = 100_000  # a single row at least this long sorts on several threads
+# Algorithm switches of the kernels, measured on this CPU by ``thresholds.calibrate``:
+# presort: unstable sorts of 32-bit keys radix-sort the row first and run introsort only where
+# keys tie (codegen/sort_presorted.py); off: introsort throughout (same answers either way)
+SWITCHES = {"presort": True}
 
 
 def _dtype_name(x: torch.Tensor) -> str | None:
@@ -85,7 +89,7 @@ def fast_sort(x, stable=False, dim=-1, descending=False):
     inner = torch.get_num_threads() if rows == 1 and n >= SPLIT_ROW and not spec.stable else 1
     levels = min(3, (inner - 1).bit_length())  # enough partition levels for one range a thread
     run(spec, x2, rs, rows, n, OutRows(values, d, rows, n), OutRows(indices, d, rows, n),
-        (inner, levels, 0, 0))
+        (inner, levels, int(SWITCHES["presort"]), 0))
     return values, indices
 
 

@@ -7,7 +7,8 @@ Kwker and ATen times on a grid of shapes (1-64 rows of 32-32768 elements, float3
 thresholds under which the chosen side is fastest over the grid, and records them
 (``runtime/tuning.py``: per CPU identity, thread count and Kwker version). ``apply`` puts the
 record of this machine, if any, into the thresholds; ``kwker-cache prewarm`` calibrates.
-Either side gives ATen's exact answer, so thresholds only ever change speed.
+The same record holds the kernels' algorithm switches (``sorting.SWITCHES``), each measured
+both ways. Either side gives ATen's exact answer, so thresholds only ever change speed.
 """
 from __future__ import annotations
 
@@ -92,17 +93,42 @@ def fit(points, default: tuple[int, int]) -> tuple[int, int]:
     return best
 
 
+def measure_presort() -> tuple[float, float]:
+    """(seconds with the presort switch on, off) of the unstable sort of random float32 rows
+    long enough to take it: which of the two is faster depends on the CPU (the radix sort's
+    scattered stores against introsort's partitions)."""
+    x = torch.randn(8, 8192)
+    saved = S.SWITCHES["presort"]
+
+    def with_switch(on):
+        def call():
+            S.SWITCHES["presort"] = on
+            return S.fast_sort(x)
+        return call
+    try:
+        on, off = tuning.best_times([with_switch(True), with_switch(False)], [],
+                                    budget=BUDGET_S)
+    finally:
+        S.SWITCHES["presort"] = saved
+    return on, off
+
+
 def calibrate() -> dict:
-    """Measure every family on this machine, record the thresholds and apply them."""
+    """Measure every family on this machine, record the thresholds and switches and apply
+    them."""
     result = {}
     for family in FAMILIES:
         points = measure(family)
         if points:
             result[family] = list(fit(points, (_DEFAULTS[family])))
+    on, off = measure_presort()
+    switches = {"presort": on <= off}
     body = tuning.store(PROBLEM, host_target(), torch.get_num_threads(),
                         {"choice": "measured", "op": "drop-in thresholds",
-                         "thresholds": result})
-    _set(body["thresholds"])
+                         "thresholds": result, "switches": switches,
+                         "times_us": {"presort": round(on * 1e6, 1),
+                                      "introsort": round(off * 1e6, 1)}})
+    _set(body["thresholds"], body["switches"])
     return result
 
 
@@ -111,10 +137,13 @@ _applied = threading.Lock()
 _state = {"done": False}
 
 
-def _set(thresholds: dict) -> None:
+def _set(thresholds: dict, switches: dict | None = None) -> None:
     for family, (numel_min, row_min) in thresholds.items():
         if family in S.MIN_NUMEL:
             S.MIN_NUMEL[family], S.MIN_ROW[family] = int(numel_min), int(row_min)
+    for name, on in (switches or {}).items():
+        if name in S.SWITCHES and isinstance(on, bool):
+            S.SWITCHES[name] = on
 
 
 def apply() -> dict | None:
@@ -129,6 +158,7 @@ def apply() -> dict | None:
         record = tuning.load(PROBLEM, host_target(), torch.get_num_threads())
         if record is None or not isinstance(record.get("thresholds"), dict):
             return None
-        _set(record["thresholds"])
+        switches = record.get("switches")
+        _set(record["thresholds"], switches if isinstance(switches, dict) else None)
         _state["thresholds"] = record["thresholds"]
         return record["thresholds"]

@@ -360,13 +360,18 @@ def test_drop_in_thresholds_are_measured_recorded_and_applied(tuned, monkeypatch
     for family in ("topk", "sort"):  # restored after the test
         monkeypatch.setitem(S.MIN_NUMEL, family, S.MIN_NUMEL[family])
         monkeypatch.setitem(S.MIN_ROW, family, S.MIN_ROW[family])
+    monkeypatch.setitem(S.SWITCHES, "presort", S.SWITCHES["presort"])
     measured = T.calibrate()
     assert set(measured) == {"topk", "sort"}
     (record,) = [r for r in _records() if r["op"] == "drop-in thresholds"]
     assert record["thresholds"] == {f: list(v) for f, v in measured.items()}
+    times = record["times_us"]  # the presort switch: measured both ways, the faster kept
+    assert record["switches"] == {"presort": times["presort"] <= times["introsort"]}
     S.MIN_NUMEL["topk"] = S.MIN_ROW["topk"] = -1
+    S.SWITCHES["presort"] = not record["switches"]["presort"]
     assert T.apply() == record["thresholds"]  # a new process: the record, not the defaults
     assert [S.MIN_NUMEL["topk"], S.MIN_ROW["topk"]] == record["thresholds"]["topk"]
+    assert S.SWITCHES == record["switches"]
     torch.manual_seed(0)
     for shape in [(1, 32), (8, 512), (1, 8192), (64, 512)]:  # either side: ATen's answer
         x = torch.randint(0, 5, shape).float()

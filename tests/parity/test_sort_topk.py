@@ -148,11 +148,14 @@ def _planted(n: int, pairs: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("presort", (True, False), ids=("presort", "introsort"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.int32, torch.float16), ids=str)
-def test_rows_sorted_first_where_no_key_ties(dtype, kernels_everywhere):
+def test_rows_sorted_first_where_no_key_ties(dtype, presort, kernels_everywhere, monkeypatch):
     """Unstable sorts of 32-bit keys radix-sort the row first; introsort runs exactly only on
     ranges holding a tied key (sort_presorted.py): rows with no, one or a few ties, on one
-    thread and one long row split over threads."""
+    thread and one long row split over threads; and with the switch off, introsort alone."""
+    from kwker.ops import sorting
+    monkeypatch.setitem(sorting.SWITCHES, "presort", presort)
     n = 2048 if dtype == torch.float16 else 20000  # float16 holds 2048 integers exactly
     for pairs in (0, 1, 3, 12):
         x = torch.stack([_planted(n, pairs, dtype, seed) for seed in range(3)])
