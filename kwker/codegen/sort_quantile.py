@@ -20,7 +20,8 @@ def emit_quantile(rk: RowKernel, nan_ignoring: bool):
     arithmetic in the dtype.
 
     Tie order changes only the sign of a zero and which NaN (payload) is picked, so each
-    position's key is selected from buckets of the top key bits, without a sort, in every row
+    position's key is selected from buckets of the top key bits (every bucket a quantile reads
+    gathered in one pass over the row), without a sort, in every row
     except short ones and those holding both zeros, or NaNs of different bit patterns where a
     NaN is picked (quantile with any NaN; nanquantile of an all-NaN row): those take the exact
     std::sort emulation.
@@ -58,34 +59,14 @@ def emit_quantile(rk: RowKernel, nan_ignoring: bool):
     # short rows: sorting costs less than clearing and scanning the bucket table
     exact = b.or_(exact, b.icmp_signed("<=", rk.n, const(i64, SHORT_QUANTILE_ROW)))
     state = f.array(i64, 2, "bucket_cache")  # (bucket gathered into K2, its size)
-    with f.if_else(exact) as (slow, fast):
-        with slow:
-            b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
-        with fast:
-            bucket_starts(rk, K, H, state)
-    select = emit_bucket_select(rk)
-    zero_bits = b.select(pz.get(), const(ity, 0), const(ity, -(1 << (ity.width - 1))))
-
-    def S(pos):
-        """The value at sorted position ``pos``: read through the exact sort's indices, or
-        selected by key (keys map back to bits exactly; ±0 and NaN as the row holds them)."""
-        out = f.var(T, ir.Constant(T, 0.0), "S")
-        with f.if_else(exact) as (slow, fast):
-            with slow:
-                out.set(f.load(T, rk.src, b.sext(f.load(i32, I, pos), i64)))
-            with fast:
-                k = b.call(select, [K, K2, I2, H, rk.n, pos, state])
-                maxpos = const(ity, (1 << (ity.width - 1)) - 1)
-                bits = b.xor(k, b.and_(b.ashr(k, const(ity, ity.width - 1)), maxpos))
-                bits = b.select(b.icmp_signed("==", k, const(ity, 0)), zero_bits, bits)
-                bits = b.select(b.icmp_signed("==", k, rk.nan_key()), nan_lo.get(), bits)
-                out.set(b.bitcast(bits, T))
-        return out.get()
     n_t = b.sitofp(b.sub(rk.n, one), T)
     c_t = b.sitofp(b.sub(b.sub(rk.n, nnan.get()), one), T)
     has_nan = b.icmp_signed(">", nnan.get(), zero)
     tys = {f32: "f32", f64: "f64"}[T]
-    with f.for_range(zero, nq, name="q") as qi:
+
+    def ranks(qi):
+        """(rank, its floor/ceil/nearest as the interpolation picks, the position read first,
+        the position read second when interpolating) of quantile ``qi``: ATen's arithmetic."""
         q = f.load(T, q_ptr, qi)
         if nan_ignoring:
             rank = b.fmul(q, c_t)
@@ -99,14 +80,49 @@ def emit_quantile(rk: RowKernel, nan_ignoring: bool):
         sel = b.select(b.icmp_signed("==", interp, const(i64, 1)), r_floor, rank)
         sel = b.select(b.icmp_signed("==", interp, const(i64, 2)), r_ceil, sel)
         sel = b.select(b.icmp_signed("==", interp, const(i64, 4)), r_near, sel)
-        lo = b.fptosi(sel, i64)
+        return rank, b.fptosi(sel, i64), b.fptosi(r_ceil, i64)
+
+    def every_position(use):
+        with f.for_range(zero, nq, name="qpos") as qi:
+            _, lo, hi = ranks(qi)
+            use(lo)
+            use(hi)
+    with f.if_else(exact) as (slow, fast):
+        with slow:
+            b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
+        with fast:
+            bucket_starts(rk, K, H, state)
+            _gather_buckets(rk, K, K2, H, every_position)
+    bucket_of = _emit_bucket_of(rk)
+    nth = rk.algos().nth_element()
+    zero_bits = b.select(pz.get(), const(ity, 0), const(ity, -(1 << (ity.width - 1))))
+
+    def S(pos):
+        """The value at sorted position ``pos``: read through the exact sort's indices, or
+        selected by key (keys map back to bits exactly; ±0 and NaN as the row holds them)."""
+        out = f.var(T, ir.Constant(T, 0.0), "S")
+        with f.if_else(exact) as (slow, fast):
+            with slow:
+                out.set(f.load(T, rk.src, b.sext(f.load(i32, I, pos), i64)))
+            with fast:  # introselect within the gathered bucket
+                bk = b.call(bucket_of, [H, pos])
+                b.call(nth, [K2, I2, f.load(i64, H, bk), pos,
+                             f.load(i64, H, b.add(bk, one))])
+                k = f.load(ity, K2, pos)
+                maxpos = const(ity, (1 << (ity.width - 1)) - 1)
+                bits = b.xor(k, b.and_(b.ashr(k, const(ity, ity.width - 1)), maxpos))
+                bits = b.select(b.icmp_signed("==", k, const(ity, 0)), zero_bits, bits)
+                bits = b.select(b.icmp_signed("==", k, rk.nan_key()), nan_lo.get(), bits)
+                out.set(b.bitcast(bits, T))
+        return out.get()
+    with f.for_range(zero, nq, name="q") as qi:
+        rank, lo, hi = ranks(qi)
         out = f.var(T, S(lo), "out")
         lerp = b.or_(b.icmp_signed("==", interp, const(i64, 0)),
                      b.icmp_signed("==", interp, const(i64, 3)))
         with f.if_(lerp):
             w = b.select(b.icmp_signed("==", interp, const(i64, 3)), ir.Constant(T, 0.5),
                          b.fsub(rank, b.sitofp(lo, T)))
-            hi = b.fptosi(r_ceil, i64)
             s, e = out.get(), S(hi)
             d = b.fsub(e, s)
             small = b.fcmp_ordered("<", f.call_intrinsic(f"llvm.fabs.{tys}", T, [w]),
@@ -140,6 +156,52 @@ def _bucket(rk: RowKernel, key):
     return b.zext(d, i64) if kt.width < 64 else d
 
 
+def _emit_bucket_of(rk: RowKernel) -> ir.Function:
+    """bucket_of(starts, pos) -> the bucket holding sorted position ``pos`` (the last bucket
+    starting at or before it, which is not empty)."""
+    name = f"{rk.spec.symbol}.bucket_of"
+    if name in {fn.name for fn in rk.m.functions}:
+        return rk.m.get_global(name)
+    f = Fn(rk.m, name, i64, [ptr, i64], ["starts", "pos"])
+    H, pos = f.args
+    b = f.b
+    one = const(i64, 1)
+    lo, hi = f.var(i64, const(i64, 0), "lo"), f.var(i64, const(i64, SELECT_BUCKETS), "hi")
+    with f.while_(lambda: b.icmp_signed(">", b.sub(hi.get(), lo.get()), one)):
+        mid = b.sdiv(b.add(lo.get(), hi.get()), const(i64, 2))
+        with f.if_else(b.icmp_signed("<=", f.load(i64, H, mid), pos)) as (up, down):
+            with up:
+                lo.set(mid)
+            with down:
+                hi.set(mid)
+    f.ret(lo.get())
+    return f.finish()
+
+
+def _gather_buckets(rk: RowKernel, K, C, H, positions):
+    """One pass over K puts the keys of every bucket holding one of ``positions`` (a function
+    emitting a loop that calls its argument with each position) at that bucket's own sorted
+    range of C, so ``C[starts[b]:starts[b + 1]]`` holds bucket b: one pass for all of a row's
+    quantiles instead of one per bucket. The cursors live past the starts in H."""
+    f, b = rk.f, rk.f.b
+    cursor = f.gep(H, const(i64, SELECT_BUCKETS + 1), i64)
+    with f.for_range(0, SELECT_BUCKETS, name="cz") as z:
+        f.store(const(i64, -1), cursor, z)
+    bucket_of = _emit_bucket_of(rk)
+
+    def want(pos):
+        bk = b.call(bucket_of, [H, pos])
+        f.store(f.load(i64, H, bk), cursor, bk)
+    positions(want)
+    with f.for_range(const(i64, 0), rk.n, name="gather") as j:
+        k = f.load(rk.kt, K, j)
+        bk = _bucket(rk, k)
+        c = f.load(i64, cursor, bk)
+        with f.if_(b.icmp_signed(">=", c, const(i64, 0))):
+            f.store(k, C, c)
+            f.store(b.add(c, const(i64, 1)), cursor, bk)
+
+
 def emit_bucket_select(rk: RowKernel) -> ir.Function:
     """select(K, C, D, starts, n, pos, cache) -> the key at sorted position ``pos``.
 
@@ -155,15 +217,7 @@ def emit_bucket_select(rk: RowKernel) -> ir.Function:
     K, C, D, H, n, pos, cache = f.args
     b = f.b
     zero, one = const(i64, 0), const(i64, 1)
-    lo, hi = f.var(i64, zero, "lo"), f.var(i64, const(i64, SELECT_BUCKETS), "hi")
-    with f.while_(lambda: b.icmp_signed(">", b.sub(hi.get(), lo.get()), one)):
-        mid = b.sdiv(b.add(lo.get(), hi.get()), const(i64, 2))
-        with f.if_else(b.icmp_signed("<=", f.load(i64, H, mid), pos)) as (up, down):
-            with up:
-                lo.set(mid)
-            with down:
-                hi.set(mid)
-    bucket = lo.get()
+    bucket = b.call(_emit_bucket_of(rk), [H, pos])
     with f.if_(b.icmp_signed("!=", f.load(i64, cache, zero), bucket)):
         m = f.var(i64, zero, "m")
         rk.f = f  # _bucket emits into this function

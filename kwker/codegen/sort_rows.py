@@ -49,8 +49,8 @@ def key_type(dtype: str) -> ir.IntType:
 
 
 def hist_bytes(kt: ir.IntType) -> int:
-    """Counters for the radix sort, or the quantile selection's bucket starts."""
-    return max(radix_hist_bytes(kt), (SELECT_BUCKETS + 1) * 8)
+    """Counters for the radix sort, or the quantile selection's bucket starts and cursors."""
+    return max(radix_hist_bytes(kt), 2 * (SELECT_BUCKETS + 1) * 8)  # starts and cursors
 
 
 def _align(nbytes: int) -> int:
