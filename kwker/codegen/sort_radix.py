@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from contextlib import contextmanager
+
 from .irutil import Fn, const, i1, i32, i64, ptr
 
 
@@ -20,6 +22,49 @@ def radix_hist_bytes(key_type: ir.IntType) -> int:
     return sum(1 << bits for _, bits in radix_digits(key_type)) * 8
 
 
+def _bases(digits) -> tuple[list[int], int]:
+    """Each pass's first counter in the histogram block, and the block's counter count."""
+    bases, total = [], 0
+    for _, bits in digits:
+        bases.append(total)
+        total += 1 << bits
+    return bases, total
+
+
+def _histograms(f: Fn, H, n, total: int, passes: int, load, digit):
+    """Every pass's digit counts in one read of the n elements (``load(i)``; ``digit(x, p)``
+    the counter slot of element x in pass p)."""
+    b = f.b
+    with f.for_range(0, total, name="z") as z:
+        f.store(const(i64, 0), H, z)
+    with f.for_range(const(i64, 0), n, name="h") as i:
+        x = load(i)
+        for p in range(passes):
+            slot = digit(x, p)
+            f.store(b.add(f.load(i64, H, slot), const(i64, 1)), H, slot)
+
+
+def _take(f: Fn, H, slot):
+    """The next free position of bucket ``slot`` (its counter advanced)."""
+    pos = f.load(i64, H, slot)
+    f.store(f.b.add(pos, const(i64, 1)), H, slot)
+    return pos
+
+
+@contextmanager
+def _pass_needed(f: Fn, H, n, first_digit, start: int, bits: int):
+    """Context of a pass whose digit is not the same for every key (``first_digit``: the
+    first key's slot; its bucket would hold all n), its counters turned into bucket starts."""
+    b = f.b
+    with f.if_(b.icmp_signed("!=", f.load(i64, H, first_digit), n)):
+        run = f.var(i64, const(i64, 0), "run")
+        with f.for_range(start, start + (1 << bits), name="pre") as slot:
+            c = f.load(i64, H, slot)
+            f.store(run.get(), H, slot)
+            run.set(b.add(run.get(), c))
+        yield
+
+
 def emit_radix_sort(module: ir.Module, key_type: ir.IntType, name: str) -> ir.Function:
     """Stable ascending sort of signed integer keys with their i32 indices (LSD radix).
 
@@ -28,10 +73,7 @@ def emit_radix_sort(module: ir.Module, key_type: ir.IntType, name: str) -> ir.Fu
     skipped.
     """
     digits = radix_digits(key_type)
-    bases, total = [], 0
-    for _, bits in digits:
-        bases.append(total)
-        total += 1 << bits
+    bases, total = _bases(digits)
     f = Fn(module, name, i1, [ptr, ptr, ptr, ptr, ptr, i64], ["K", "I", "K2", "I2", "H", "n"])
     K, I, K2, I2, H, n = f.args
     b = f.b
@@ -43,31 +85,16 @@ def emit_radix_sort(module: ir.Module, key_type: ir.IntType, name: str) -> ir.Fu
         shift, bits = digits[p]
         d = b.and_(b.lshr(b.xor(key, sign), const(kt, shift)), const(kt, (1 << bits) - 1))
         return b.add(b.zext(d, i64) if kt.width < 64 else d, const(i64, bases[p]))
-    with f.for_range(0, total, name="z") as z:
-        f.store(zero, H, z)
-    with f.for_range(zero, n, name="h") as i:
-        key = f.load(kt, K, i)
-        for p in range(len(digits)):
-            slot = digit(key, p)
-            f.store(b.add(f.load(i64, H, slot), const(i64, 1)), H, slot)
+    _histograms(f, H, n, total, len(digits), lambda i: f.load(kt, K, i), digit)
     src_k, src_i = f.var(ptr, K, "sk"), f.var(ptr, I, "si")
     dst_k, dst_i = f.var(ptr, K2, "dk"), f.var(ptr, I2, "di")
     flipped = f.var(i1, const(i1, 0), "flipped")
     for p, (_, bits) in enumerate(digits):
-        # skip a pass whose digit is constant: its bucket holds every key
-        d0 = digit(f.load(kt, src_k.get(), zero), p)
-        with f.if_(b.icmp_signed("!=", f.load(i64, H, d0), n)):
-            run = f.var(i64, zero, "run")
-            with f.for_range(bases[p], bases[p] + (1 << bits), name="pre") as slot:
-                c = f.load(i64, H, slot)
-                f.store(run.get(), H, slot)
-                run.set(b.add(run.get(), c))
+        with _pass_needed(f, H, n, digit(f.load(kt, src_k.get(), zero), p), bases[p], bits):
             sk, si, dk, di = src_k.get(), src_i.get(), dst_k.get(), dst_i.get()
             with f.for_range(zero, n, name="scatter") as i:
                 key = f.load(kt, sk, i)
-                slot = digit(key, p)
-                pos = f.load(i64, H, slot)
-                f.store(b.add(pos, const(i64, 1)), H, slot)
+                pos = _take(f, H, digit(key, p))
                 f.store(key, dk, pos)
                 f.store(f.load(i32, si, i), di, pos)
             src_k.set(dk)
@@ -90,10 +117,7 @@ def emit_radix_sort_packed(module: ir.Module, name: str) -> ir.Function:
     skipped.
     """
     digits = radix_digits(ir.IntType(32))
-    bases, total = [], 0
-    for _, bits in digits:
-        bases.append(total)
-        total += 1 << bits
+    bases, total = _bases(digits)
     f = Fn(module, name, ptr, [ptr, ptr, ptr, ptr, i64], ["src", "A", "B", "H", "n"])
     src, A, B, H, n = f.args
     b = f.b
@@ -104,30 +128,15 @@ def emit_radix_sort_packed(module: ir.Module, name: str) -> ir.Function:
         shift, bits = digits[p]
         d = b.and_(b.lshr(b.xor(word, sign), const(i64, 32 + shift)), const(i64, (1 << bits) - 1))
         return b.add(d, const(i64, bases[p]))
-    with f.for_range(0, total, name="z") as z:
-        f.store(zero, H, z)
-    with f.for_range(zero, n, name="h") as i:
-        word = f.load(i64, src, i)
-        for p in range(len(digits)):
-            slot = digit(word, p)
-            f.store(b.add(f.load(i64, H, slot), const(i64, 1)), H, slot)
+    _histograms(f, H, n, total, len(digits), lambda i: f.load(i64, src, i), digit)
     cur = f.var(ptr, src, "cur")
     for p, (_, bits) in enumerate(digits):
-        d0 = digit(f.load(i64, cur.get(), zero), p)
-        with f.if_(b.icmp_signed("!=", f.load(i64, H, d0), n)):
-            run = f.var(i64, zero, "run")
-            with f.for_range(bases[p], bases[p] + (1 << bits), name="pre") as slot:
-                c = f.load(i64, H, slot)
-                f.store(run.get(), H, slot)
-                run.set(b.add(run.get(), c))
+        with _pass_needed(f, H, n, digit(f.load(i64, cur.get(), zero), p), bases[p], bits):
             s = cur.get()
             dst = b.select(b.icmp_unsigned("==", s, A), B, A)
             with f.for_range(zero, n, name="scatter") as i:
                 word = f.load(i64, s, i)
-                slot = digit(word, p)
-                pos = f.load(i64, H, slot)
-                f.store(b.add(pos, const(i64, 1)), H, slot)
-                f.store(word, dst, pos)
+                f.store(word, dst, _take(f, H, digit(word, p)))
             cur.set(dst)
     f.ret(cur.get())
     return f.finish()

@@ -56,11 +56,7 @@ def emit_topk(rk: RowKernel):
                 splat = b.insert_element(ir.Constant(vec(rk.kt, L), None), root, const(i32, 0))
                 splat = b.shuffle_vector(splat, splat, ir.Constant(vec(i32, L), [0] * L))
                 m = b.zext(b.bitcast(b.icmp_signed("<", keys, splat), ir.IntType(L)), i64)
-                mask = f.var(i64, m, "mask")
-                with f.while_(lambda: b.icmp_unsigned("!=", mask.get(), zero)):
-                    t = f.call_intrinsic("llvm.cttz.i64", i64, [mask.get(), const(i1, 0)])
-                    offer(b.add(j.get(), t))
-                    mask.set(b.and_(mask.get(), b.sub(mask.get(), const(i64, 1))))
+                _offer_set_bits(rk, m, j.get(), offer)
                 j.set(b.add(j.get(), const(i64, L)))
             with f.for_range(j.get(), rk.n, name="tail") as t:
                 offer(t)
@@ -106,12 +102,19 @@ def _float_prefilter(rk: RowKernel, algos: SortAlgos, K, j, offer):
             v = f.load_vec(f32, L, rk.src, b.add(j.get(), const(i64, u * L)))
             bits = b.zext(b.bitcast(b.fcmp_unordered(pred, v, splat), ir.IntType(L)), i64)
             mask = b.or_(mask, b.shl(bits, const(i64, u * L)) if u else bits)
-        m = f.var(i64, mask, "fmask")
-        with f.while_(lambda: b.icmp_unsigned("!=", m.get(), zero)):
-            t = f.call_intrinsic("llvm.cttz.i64", i64, [m.get(), const(i1, 0)])
-            offer(b.add(j.get(), t))
-            m.set(b.and_(m.get(), b.sub(m.get(), const(i64, 1))))
+        _offer_set_bits(rk, mask, j.get(), offer)
         j.set(b.add(j.get(), const(i64, width)))
+
+
+def _offer_set_bits(rk: RowKernel, mask, base, offer):
+    """offer(base + t) for every set bit t of the i64 ``mask``, lowest first (index order)."""
+    f, b = rk.f, rk.f.b
+    zero = const(i64, 0)
+    m = f.var(i64, mask, "mask")
+    with f.while_(lambda: b.icmp_unsigned("!=", m.get(), zero)):
+        t = f.call_intrinsic("llvm.cttz.i64", i64, [m.get(), const(i1, 0)])
+        offer(b.add(base, t))
+        m.set(b.and_(m.get(), b.sub(m.get(), const(i64, 1))))
 
 
 def emit_kthvalue(rk: RowKernel):
