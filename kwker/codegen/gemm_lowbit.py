@@ -17,12 +17,14 @@ Weights, by ``bits``:
   thread reads its rows as one sequential stream, prefetched ``AHEAD`` bytes ahead. A
   nibble becomes its weight through a 16-entry table per row and group,
   ``table[u] = (u - 8 - zp) * scale``, looked up with one ``vpermps`` (AVX-512: the index is
-  the word's low 4 bits, so a shift exposes each nibble); on AVX2 the nibble is masked,
-  converted and scaled. The weight is then exactly torchao's float32 dequantised value.
+  the word's low 4 bits, so a shift exposes each nibble): exactly torchao's float32 dequantised
+  weight. AVX2 has no such lookup: there the nibbles are summed against x as they are and the
+  zero-point term is taken off per unit (``_Tile._int4_folded``), with the exact form kept for
+  x holding inf, NaN or values near overflow.
 
-Both forms cost three vector instructions per 16 weights (widen or shift, convert or look up,
-FMA), and are bound by them where the weights come from cache (Emerald Rapids, 2 threads, 1024 x
-1024 warm: int8 29 G weights/s). With ``spec.vnni`` (int8 per output channel on a CPU with
+Both forms cost three vector instructions per 16 weights on AVX-512 (widen or shift, convert or
+look up, FMA), and are bound by them where the weights come from cache (Emerald Rapids, 2 threads,
+1024 x 1024 warm: int8 29 G weights/s). With ``spec.vnni`` (int8 per output channel on a CPU with
 AVX512_VNNI) the int8 form runs instead on ``vpdpbusd`` over x split into byte planes,
 3 instructions per 64 weights and exact to float32 (gemm_lowbit_vnni.py): 40 G weights/s there.
 
@@ -32,7 +34,11 @@ AVX512_VNNI) the int8 form runs instead on ``vpdpbusd`` over x split into byte p
 Schedule: x (``m`` rows, or ``rows`` at run time for ``m == 0``) is widened once per thread into a
 float32 buffer padded with zeros to whole vectors. Threads split the W rows into contiguous ranges
 of ``rr``-row blocks; per block the x rows go by tiles of ``mr`` (the block's weights stay in L1
-across the tiles), keeping ``mr * rr`` vector accumulators. Each (x row, W row) sum is reduced
+across the tiles), keeping ``mr * rr`` vector accumulators; a lone x row reads int8 rows one
+after another (``_Tile._int8_rows``). Weights are prefetched non-temporally where they are read
+once: streamed through the caches as usual, 124 MB of GPT-2 weights a token evicted everything
+the interpreter and the other ops use (a 768-wide LayerNorm after the int8 head: 6 -> 45-140 us
+on Zen 3). Each (x row, W row) sum is reduced
 across lanes into a float32 scratch row, then the epilogue runs as vectors over the thread's
 columns: ``act(sum + bias) + residual``, rounded once to bf16 for a bf16 model.
 
@@ -63,7 +69,9 @@ from .irutil import (
 
 GRAIN = 1 << 16     # weights per thread before a second thread pays for its fork (~2 us)
 LINE = 64           # bytes
-AHEAD = 4096        # bytes of int4 weights a thread's reads are prefetched ahead
+AHEAD = 4096        # bytes of weights a thread's reads are prefetched ahead
+FOLD_LIMIT = 2.0 ** 64  # |x| the folded int4 tiles take (15 * |x| * K stays finite)
+CHAINS = 8          # accumulators of one x row and W row (an FMA's latency x its ports)
 
 
 def chunk(bits: int, lanes: int) -> int:
@@ -96,11 +104,11 @@ def _check(spec, lanes: int) -> None:
         raise ValueError(f"kwker gemm_lowbit: int4 group {g} does not tile chunks of {c}")
 
 
-def _prefetch(f: Fn, addr) -> None:
+def _prefetch(f: Fn, addr, keep: bool = True) -> None:
     """Ask for the line at ``addr`` ahead of its use: an int8 W row read in place is only a few
     lines long, too short a stream for the hardware prefetchers to follow (int8 GPT-2 decode:
     63 -> 73 tokens/s on Emerald Rapids)."""
-    f.call_intrinsic("llvm.prefetch.p0", void, [addr, const(i32, 0), const(i32, 3),
+    f.call_intrinsic("llvm.prefetch.p0", void, [addr, const(i32, 0), const(i32, 3 if keep else 0),
                                                  const(i32, 1)])
 
 
@@ -113,25 +121,39 @@ class _Tile:
         self.avx512 = self.L == 16
         self.kp = padded_k(spec, self.L)
         self.ng = groups(spec, self.L)
-        self.xstride = -(-self.kp // self.L) * self.L     # float32 x row, padded with zeros
+        self.xpad = -(-self.kp // self.L) * self.L        # float32 x row, padded with zeros
+        # int4 without a 16-float table (AVX2): each x row is followed by its sums per unit of
+        # ``unit`` weights (lane by lane), for the zero-point term of _int4_folded
+        self.fold = spec.bits == 4 and not self.avx512
+        self.unit = min(spec.group, chunk(4, self.L))
+        units = self.kp // self.unit if self.fold else 0
+        self.xstride = self.xpad + units * self.L
         self._made: dict = {}
 
-    def get(self, mr: int, rr: int) -> ir.Function:
+    def get(self, mr: int, rr: int, exact: bool = False) -> ir.Function:
         """``tile(xbuf, w_rows, scale_rows, zp_rows, sums)``: ``sums[i * rr + r]`` = the dot of
-        x row ``i`` with dequantised W row ``r`` (float32 scalars)."""
-        key = (mr, rr)
+        x row ``i`` with dequantised W row ``r`` (float32 scalars). ``exact``: without
+        folding (for x the folded int4 tile cannot take)."""
+        key = (mr, rr, exact)
         if key not in self._made and mr == "vnni":
             self._made[key] = gemm_lowbit_vnni.emit_tile(self.module, self.s, rr, _prefetch)
         if key not in self._made:
-            f = Fn(self.module, f"{self.s.symbol}.tile{mr}x{rr}", void, [ptr] * 5,
-                   ["x", "w", "scale", "zp", "sums"])
-            (self._int8 if self.s.bits == 8 else self._int4)(f, mr, rr)
+            f = Fn(self.module, f"{self.s.symbol}.tile{mr}x{rr}{'e' if exact else ''}", void,
+                   [ptr] * 5, ["x", "w", "scale", "zp", "sums"])
+            if self.s.bits == 8:
+                self._int8(f, mr, rr)
+            elif self.fold and not exact:
+                self._int4_folded(f, mr, rr)
+            else:
+                self._int4(f, mr, rr)
             f.finish()
             self._made[key] = f.fn
         return self._made[key]
 
     # ------------------------------------------------------------------------------ int8
     def _int8(self, f: Fn, mr: int, rr: int) -> None:
+        if mr == 1:
+            return self._int8_rows(f, rr)
         b, L, s = f.b, self.L, self.s
         x, w, scale, zp, sums = f.args
         vt, it = simd.vty(L), simd.vty(L, i32)
@@ -201,12 +223,79 @@ class _Tile:
             close_group(gi)
         self._store_sums(f, total, sums, mr, rr)
 
+    def _int8_rows(self, f: Fn, rr: int) -> None:
+        """One x row: the block's W rows one after another, each read as one sequential stream
+        into ``CHAINS`` accumulators, prefetched ``AHEAD`` bytes on. The thread's rows are
+        contiguous, so its reads are a single stream. Reading a line of each of the block's
+        rows in turn (as several x rows must, to reuse each line) is ``rr`` streams a thread,
+        which the prefetchers followed at half the memory's speed. Zen 3, 2 threads, in one process:
+        GPT-2's 48 int8 layer linears (85 MB from memory) 9.7 -> 12.0 GB/s, against a streaming
+        read's 17-24; its int8 decode 33-45 -> 42-58 tokens/s."""
+        b, L, s = f.b, self.L, self.s
+        x, w, scale, zp, sums = f.args
+        vt, it = simd.vty(L), simd.vty(L, i32)
+        zero = vmath.splat(vt, 0.0)
+        k = s.k
+        g = min(s.group, k)
+        chains = max(1, min(CHAINS, g // L))
+        acc = [f.var(vt, zero, f"a{c}") for c in range(chains)]
+        total = f.var(vt, zero, "t")
+        with f.for_range(0, rr, name="r") as r:
+            row = simd.gep(b, w, b.mul(r, const(i64, k)), i8)
+            groups_at = b.mul(r, const(i64, self.ng))
+            total.set(zero)
+            zp_vec = [None]
+
+            def step(at, active, c):
+                qi = b.sext(self._load_i8(b, row, at, active), it)
+                if s.zero_point:
+                    qi = b.sub(qi, zp_vec[0])
+                xv = simd.load_vec(b, x, at, L)
+                acc[c].set(vmath.fma(b, xv, b.sitofp(qi, vt), acc[c].get()))
+
+            def group(gi, base, vectors: int, tail: int):
+                """``vectors`` whole vectors of k from ``base`` (then ``tail`` lanes)."""
+                if s.zero_point:
+                    zp_vec[0] = simd.broadcast(b, b.sext(simd.load_scalar(
+                        b, zp, b.add(groups_at, gi), i8), i32), L)
+                u = min(vectors, max(chains, LINE // L))     # vectors an iteration
+                if vectors // u:
+                    with f.for_range(0, vectors // u, name="v") as v:
+                        at = b.add(base, b.mul(v, const(i64, u * L)))
+                        for line in range(0, u * L, LINE):
+                            _prefetch(f, simd.gep(b, row, b.add(at, const(i64, AHEAD + line)),
+                                                  i8), keep=False)
+                        for j in range(u):
+                            step(b.add(at, const(i64, j * L)), L, j % chains)
+                for j in range(vectors // u * u, vectors):
+                    step(b.add(base, const(i64, j * L)), L, j % chains)
+                if tail:
+                    step(b.add(base, const(i64, vectors * L)), tail, 0)
+                part = acc[0].get()
+                for c in range(1, chains):
+                    part = b.fadd(part, acc[c].get())
+                sv = simd.broadcast(b, simd.load_scalar(b, scale, b.add(groups_at, gi)), L)
+                total.set(vmath.fma(b, part, sv, total.get()))
+                for a in acc:
+                    a.set(zero)
+
+            full = k // g if g % L == 0 else 0
+            if full:
+                with f.for_range(0, full, name="g") as gi:
+                    group(gi, b.mul(gi, const(i64, g)), g // L, 0)
+            rest = k - full * g
+            if rest:
+                group(const(i64, full), const(i64, full * g), rest // L, rest % L)
+            simd.store_scalar(b, simd.hsum(b, total.get()), sums, r)
+
     def _load_i8(self, b, w, at, active: int):
         """``active`` int8 of a W row at byte ``at`` (the rest 0): only real bytes are read."""
         return simd.load_any(b, w, at, self.L, active, elem=i8)
 
     # ------------------------------------------------------------------------------ int4
     def _int4(self, f: Fn, mr: int, rr: int) -> None:
+        """Each nibble made torchao's float32 weight (a table lookup on AVX-512), then an FMA;
+        on AVX2 the rows _int4_folded cannot take."""
         b, L, s = f.b, self.L, self.s
         x, w, scale, zp, sums = f.args
         vt, it = simd.vty(L), simd.vty(L, i32)
@@ -263,7 +352,56 @@ class _Tile:
                         total[i][r].set(vmath.fma(b, xv, wv, total[i][r].get()))
         self._store_sums(f, total, sums, mr, rr)
 
-    def _prefetch_int4(self, f: Fn, w, scale, ci, chunk_bytes: int) -> None:
+    def _int4_folded(self, f: Fn, mr: int, rr: int) -> None:
+        """int4 where no one-instruction 16-float lookup exists (AVX2): the nibbles ``u`` are
+        summed against x as they are, and each unit's ``(8 + zp) * sum(x)`` term is taken off
+        once before its scale: ``sum x (u - 8 - zp) s = s (sum x u - (8 + zp) sum x)``, lane by
+        lane, with the x sums made once per call (_widen_x). 3-4 instructions per 8 weights
+        instead of 6-7; the products round differently from torchao's dequantised weights, within
+        float32 accumulation error. One W row at a time, so that only its unit's sums are live
+        beside the totals. Zen 3, 2 threads, in one process: GPT-2's 48 int4 layer linears
+        (groups of 32) 7.7 -> 9.0-10.3 GB/s; its int4 decode 47 -> 52-59 tokens/s."""
+        b, L, s = f.b, self.L, self.s
+        x, w, scale, zp, sums = f.args
+        vt, it = simd.vty(L), simd.vty(L, i32)
+        zero = vmath.splat(vt, 0.0)
+        total = [[f.var(vt, zero, f"t{i}_{r}") for r in range(rr)] for i in range(mr)]
+        c, unit = chunk(4, L), self.unit
+        per_unit = unit // L                           # vectors a unit
+        stride = s.rr * L                              # words a chunk of the block's rows
+        with f.for_range(0, self.kp // c, name="c") as ci:
+            at = b.mul(ci, const(i64, stride))
+            self._prefetch_int4(f, w, scale, ci, stride * 4, keep=False)
+            k0 = b.mul(ci, const(i64, c))
+            for r in range(rr):
+                word = b.load(simd.gep(b, w, b.add(at, const(i64, r * L)), i32), typ=it, align=4)
+                acc = [None] * mr
+                for j in range(8):
+                    u = b.lshr(word, ir.Constant(it, [4 * j] * L)) if j else word
+                    u = b.sitofp(b.and_(u, ir.Constant(it, [15] * L)) if j < 7 else u, vt)
+                    for i in range(mr):
+                        xv = simd.load_vec(b, x, b.add(k0, const(i64, i * self.xstride + j * L)),
+                                           L)
+                        acc[i] = b.fmul(xv, u) if acc[i] is None else vmath.fma(b, xv, u, acc[i])
+                    if (j + 1) % per_unit:
+                        continue
+                    ui = b.add(b.mul(ci, const(i64, c // unit)), const(i64, j * L // unit))
+                    gi = ui if unit == s.group else b.udiv(k0, const(i64, s.group))
+                    at_g = b.add(gi, const(i64, r * self.ng))
+                    sv = simd.broadcast(b, simd.load_scalar(b, scale, at_g), L)
+                    off = vmath.splat(vt, -8.0)
+                    if s.zero_point:
+                        zf = b.sitofp(simd.load_scalar(b, zp, at_g, i8), f32)
+                        off = b.fsub(off, simd.broadcast(b, zf, L))
+                    for i in range(mr):
+                        xs = simd.load_vec(b, x, b.add(b.mul(ui, const(i64, L)), const(
+                            i64, i * self.xstride + self.xpad)), L)
+                        d = vmath.fma(b, off, xs, acc[i])
+                        total[i][r].set(vmath.fma(b, d, sv, total[i][r].get()))
+                        acc[i] = None
+        self._store_sums(f, total, sums, mr, rr)
+
+    def _prefetch_int4(self, f: Fn, w, scale, ci, chunk_bytes: int, keep: bool = True) -> None:
         """Ask for the weights and scales ``AHEAD`` bytes of weights past chunk ``ci`` of the
         block. The thread's blocks are one sequential stream, but the hardware prefetchers alone
         left its reads waiting on memory: GPT-2's 49 int4 linears (groups of 32, Emerald
@@ -271,7 +409,7 @@ class _Tile:
         b, s = f.b, self.s
         wat = b.add(b.mul(ci, const(i64, chunk_bytes)), const(i64, AHEAD))
         for line in range(0, chunk_bytes, LINE):
-            _prefetch(f, simd.gep(b, w, b.add(wat, const(i64, line)), i8))
+            _prefetch(f, simd.gep(b, w, b.add(wat, const(i64, line)), i8), keep)
         scale_bytes = chunk_bytes * 2 // s.group * 4     # the chunk's scales (4 B per group)
         sat = b.add(b.mul(ci, const(i64, scale_bytes)), const(i64, AHEAD * 8 // s.group))
         for line in range(0, scale_bytes, LINE):
@@ -285,22 +423,46 @@ class _Tile:
                                   const(i64, i * rr + r))
 
 
-def _widen_x(f: Fn, spec, lanes: int, x, xbuf, rows, kp: int, xstride: int) -> None:
-    """x rows (float32 or bf16, K a row) -> float32 rows of ``xstride``, zero past K."""
-    b, L, k = f.b, lanes, spec.k
-    zero = vmath.splat(simd.vty(L), 0.0)
+def _widen_x(f: Fn, spec, tiles: _Tile, x, xbuf, rows):
+    """x rows (float32 or bf16, K a row) -> float32 rows of ``tiles.xstride``, zero past K.
+    With ``tiles.fold``, then the row's sums per unit (a vector each), and the answer whether
+    the folded tiles may take x (i1): every |x| below ``FOLD_LIMIT`` (no inf, no NaN: their
+    ``(8 + zp) * sum(x)`` term would be inf - inf, and no product near overflow)."""
+    b, L, k, xstride = f.b, tiles.L, spec.k, tiles.xstride
+    vt = simd.vty(L)
+    zero = vmath.splat(vt, 0.0)
+    bad = f.var(i64, const(i64, 0), "bad")
+
+    def put(v, dst, at):
+        simd.store_vec(b, v, dst, at)
+        if tiles.fold:  # NaN compares unordered: counted as too large
+            size = f.call_intrinsic(f"llvm.fabs.v{L}f32", vt, [v])
+            big = b.fcmp_unordered(">=", size, vmath.splat(vt, FOLD_LIMIT))
+            bits = b.zext(b.bitcast(big, ir.IntType(L)), i64)
+            bad.set(b.or_(bad.get(), bits))
+
     with f.for_range(0, rows, name="xr") as r:
         src = simd.gep(b, x, b.mul(r, const(i64, k)), i16 if spec.dtype == "bf16" else f32)
         dst = simd.gep(b, xbuf, b.mul(r, const(i64, xstride)))
         if k // L:
             with f.for_range(0, k // L, name="xv") as v:
                 at = b.mul(v, const(i64, L))
-                simd.store_vec(b, bf16.load_as(b, spec.dtype, src, at, L), dst, at)
+                put(bf16.load_as(b, spec.dtype, src, at, L), dst, at)
         if k % L:
             at = const(i64, k // L * L)
-            simd.store_vec(b, bf16.load_as(b, spec.dtype, src, at, L, k % L), dst, at)
-        for v in range(-(-k // L), xstride // L):
+            put(bf16.load_as(b, spec.dtype, src, at, L, k % L), dst, at)
+        for v in range(-(-k // L), tiles.xpad // L):
             simd.store_vec(b, zero, dst, const(i64, v * L))
+        if tiles.fold:
+            per_unit = tiles.unit // L
+            with f.for_range(0, tiles.kp // tiles.unit, name="xu") as u:
+                at = b.mul(u, const(i64, tiles.unit))
+                total = simd.load_vec(b, dst, at, L)
+                for v in range(1, per_unit):
+                    total = b.fadd(total, simd.load_vec(b, dst, b.add(at, const(i64, v * L)), L))
+                simd.store_vec(b, total, dst, b.add(b.mul(u, const(i64, L)),
+                                                    const(i64, tiles.xpad)))
+    return b.icmp_unsigned("==", bad.get(), const(i64, 0)) if tiles.fold else None
 
 
 def _epilogue(f: Fn, spec, lanes: int, sums, rows, n0, n1, bias, res, out) -> None:
@@ -329,8 +491,6 @@ def _start(spec, target):
 
 
 def emit(spec, target) -> ir.Module:
-    if spec.family == "lowbit_unpack":
-        return emit_unpack(spec, target)
     L, module, tiles, body, ctx = _start(spec, target)
     if spec.vnni and not gemm_lowbit_vnni.usable(spec, L):
         raise ValueError(f"kwker gemm_lowbit: the vpdpbusd path takes int8 per output channel, "
@@ -348,7 +508,7 @@ def emit(spec, target) -> ir.Module:
         xraw, xbuf = aligned_malloc(body, b.mul(rows, const(i64, tiles.xstride * 4)))
         sraw, sums = aligned_malloc(body, b.mul(b.mul(rows, b.sub(n1, n0)), const(i64, 4)))
         tsums = body.array(f32, mr * rr, "tile_sums")
-        _widen_x(body, spec, L, x, xbuf, rows, tiles.kp, tiles.xstride)
+        foldable = _widen_x(body, spec, tiles, x, xbuf, rows)
         planes = heads = None
         if spec.vnni:
             praw, planes = aligned_malloc(body, b.mul(rows, const(
@@ -360,7 +520,7 @@ def emit(spec, target) -> ir.Module:
         with body.for_range(begin, end, name="blk") as blk:
             r0 = b.mul(blk, const(i64, rr))
             _block(body, spec, tiles, xbuf, (planes, heads), w, scale, zp, sums, tsums, rows,
-                   r0, n0, n1, wrow)
+                   r0, n0, n1, wrow, foldable)
         _epilogue(body, spec, L, sums, rows, n0, n1, bias, res, out)
         free = intrinsic(module, "free", void, [ptr])
         b.call(free, [xraw])
@@ -375,9 +535,10 @@ def emit(spec, target) -> ir.Module:
 
 
 def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, rows, r0, n0,
-           n1, wrow: int) -> None:
+           n1, wrow: int, foldable) -> None:
     """W rows ``r0 .. r0 + rr`` (fewer in the last block) against every x row tile (with
-    ``spec.vnni``: every x row, on its planes unless it must take the float path)."""
+    ``spec.vnni``: every x row, on its planes unless it must take the float path; with
+    ``tiles.fold``: on the folded tiles where ``foldable``, else the exact ones)."""
     b, rr, mr, n = f.b, spec.rr, spec.mr, spec.n
     wp = simd.gep(b, w, b.mul(r0, const(i64, wrow)), i8)
     sp = simd.gep(b, scale, b.mul(r0, const(i64, tiles.ng)))
@@ -391,8 +552,8 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
                          i8),
                 simd.gep(b, planes[1], b.mul(i, const(i64, gemm_lowbit_vnni.HEAD)), i8))
 
-    def run(rows_here: int, w_rows: int, i0, kind=None):
-        fn = tiles.get(kind or rows_here, w_rows)
+    def run(rows_here: int, w_rows: int, i0, kind=None, exact=False):
+        fn = tiles.get(kind or rows_here, w_rows, exact)
         if kind:
             f.call(fn, *_planes_of(i0), wp, sp, simd.gep(b, zp, r0, i32), tsums)
         else:
@@ -405,6 +566,16 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
                 simd.store_scalar(b, v, sums, b.add(dst, const(i64, r)))
 
     def by_rows(w_rows: int):
+        if tiles.fold and foldable is not None:
+            with f.if_else(foldable, likely=True) as (folded, unfolded):
+                with folded:
+                    by_rows_of(w_rows, False)
+                with unfolded:
+                    by_rows_of(w_rows, True)
+        else:
+            by_rows_of(w_rows, False)
+
+    def by_rows_of(w_rows: int, exact: bool):
         if spec.vnni:
             with f.for_range(0, rows, name="xi") as i:
                 ready = gemm_lowbit_vnni.is_ready(b, _planes_of(i)[1])
@@ -416,14 +587,14 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
             return
         full = b.udiv(rows, const(i64, mr))
         with f.for_range(0, full, name="xt") as t:
-            run(mr, w_rows, b.mul(t, const(i64, mr)))
+            run(mr, w_rows, b.mul(t, const(i64, mr)), exact=exact)
         left = b.urem(rows, const(i64, mr))
         i0 = b.mul(full, const(i64, mr))
         for count in range(1, mr):
             if spec.m and spec.m % mr != count:
                 continue
             with f.if_(b.icmp_unsigned("==", left, const(i64, count))):
-                run(count, w_rows, i0)
+                run(count, w_rows, i0, exact=exact)
 
     edge = n % rr
     if edge:
@@ -435,96 +606,3 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
                 by_rows(rr)
     else:
         by_rows(rr)
-
-
-# ---------------------------------------------------------------------------------- unpack
-def emit_unpack(spec, target) -> ir.Module:
-    """``sym(w, scale, zp, dst, nthreads)``: the dequantised weights, row-major (N, ``ld``)
-    float32 or bf16 (rounded once): the B operand of the prefill GEMM (``A @ B.T``), built per
-    call and dropped after it, so the process holds no float copy between calls."""
-    L, module, tiles, body, ctx = _start(spec, target)
-    b = body.b
-    w, scale, zp, dst = (ctx.ptr(slot) for slot in range(4))
-    begin, end = omp.split(body, spec.n, body.args[1], body.args[2])
-    wrow = tiles.kp if spec.bits == 8 else tiles.kp // 2
-    elem = i16 if spec.dtype == "bf16" else f32
-    with body.for_range(begin, end, name="row") as n:
-        if spec.bits == 8:
-            wr = simd.gep(b, w, b.mul(n, const(i64, wrow)), i8)
-        else:  # blocks of rr rows, chunk-interleaved (see the module doc)
-            rr = const(i64, spec.rr)
-            first = b.mul(b.udiv(n, rr), const(i64, spec.rr * wrow))
-            wr = simd.gep(b, w, b.add(first, b.mul(b.urem(n, rr), const(i64, 4 * L))), i8)
-        _unpack_row(body, spec, tiles, wr,
-                    simd.gep(b, scale, b.mul(n, const(i64, tiles.ng))),
-                    simd.gep(b, zp, b.mul(n, const(i64, tiles.ng)), i8),
-                    simd.gep(b, dst, b.mul(n, const(i64, spec.ld)), elem))
-    body.finish()
-    omp.emit_parallel(module, spec.symbol, [ptr] * 4, body.fn,
-                      max_threads=max(1, spec.n * spec.k // GRAIN))
-    return module
-
-
-def _unpack_row(f: Fn, spec, tiles: _Tile, w, scale, zp, out) -> None:
-    b, L, k = f.b, tiles.L, spec.k
-    vt, it = simd.vty(L), simd.vty(L, i32)
-
-    def put(v, at: ir.Value, first: int):
-        """Store vector ``v`` of k ``first ..`` (compile-time when known) at ``at``."""
-        active = L if first is None or first + L <= k else k - first
-        if active > 0:
-            bf16.store_as(b, spec.dtype, v, out, at, active)
-
-    def scale_of(gi):
-        return simd.broadcast(b, simd.load_scalar(b, scale, gi), L)
-
-    def zp_of(gi):
-        return b.sext(simd.load_scalar(b, zp, gi, i8), i32)
-
-    if spec.bits == 8:
-        full = k // L
-        if full:
-            with f.for_range(0, full, name="v") as v:
-                at = b.mul(v, const(i64, L))
-                gi = b.udiv(at, const(i64, spec.group))
-                q = b.sext(tiles._load_i8(b, w, at, L), it)
-                if spec.zero_point:
-                    q = b.sub(q, simd.broadcast(b, zp_of(gi), L))
-                put(b.fmul(b.sitofp(q, vt), scale_of(gi)), at, None)
-        if k % L:
-            at = const(i64, full * L)
-            gi = b.udiv(at, const(i64, spec.group))
-            q = b.sext(tiles._load_i8(b, w, at, k % L), it)
-            if spec.zero_point:
-                q = b.sub(q, simd.broadcast(b, zp_of(gi), L))
-            put(b.fmul(b.sitofp(q, vt), scale_of(gi)), at, full * L)
-        return
-    c = chunk(4, L)
-    full = k // c          # whole chunks inside K; the chunk holding K's end is stored masked
-    for part in (("loop", full), ("tail", 1 if k % c else 0)):
-        kind, count = part
-        if not count:
-            continue
-
-        def one_chunk(ci, k0_known):
-            word = b.load(simd.gep(b, w, b.mul(ci, const(i64, spec.rr * L)), i32), typ=it,
-                          align=4)
-            k0 = b.mul(ci, const(i64, c))
-            for j in range(8):
-                first = None if k0_known is None else k0_known + j * L
-                if first is not None and first >= k:
-                    break
-                gi = b.udiv(b.add(k0, const(i64, j * L)), const(i64, spec.group))
-                u = b.and_(b.lshr(word, ir.Constant(it, [4 * j] * L)) if j else word,
-                           ir.Constant(it, [15] * L))
-                q = b.sub(u, ir.Constant(it, [8] * L))
-                if spec.zero_point:
-                    q = b.sub(q, simd.broadcast(b, zp_of(gi), L))
-                put(b.fmul(b.sitofp(q, vt), scale_of(gi)), b.add(k0, const(i64, j * L)),
-                    first)
-
-        if kind == "loop":
-            with f.for_range(0, count, name="c") as ci:
-                one_chunk(ci, None)
-        else:
-            one_chunk(const(i64, full), full * c)

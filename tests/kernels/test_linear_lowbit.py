@@ -142,6 +142,21 @@ def test_nan_and_inf_activations(fmt, rows):
         assert_close(y[finite], ref[finite], torch.float32, fmt)
 
 
+@pytest.mark.parametrize("fmt", ["int4-group32", "int4-group64-asym", "int4-axis"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_activations_near_overflow(fmt, rows):
+    """Finite x whose products with the raw nibbles (up to 15 x) overflow float32: the int4 tiles
+    that fold the zero-point term out (AVX2) must not take them."""
+    n, k = shape_for(fmt)
+    lin = quantized(fmt, n, k)
+    x = torch.randn(rows, k)
+    x[rows - 1, 7] = 3e37
+    y = make_linear_lowbit(lin.weight, lin.bias.detach(), rows)(x)
+    ref = reference(lin, x)
+    assert ref.abs().max() < 3e38 and torch.isfinite(y).all()
+    assert_close(y, ref, torch.float32, fmt)
+
+
 def test_int8_weights_are_read_in_place():
     """int8 values stay torchao's (no copy); int4 ones are repacked at half their bytes."""
     lin8 = quantized("int8-group32", 64, 256)
@@ -229,6 +244,28 @@ def test_int8_channel_vnni_kernel_holds_vpdpbusd():
     spec = LowbitGemmSpec(1, 100, 300, 8, 300, bias=True, vnni=True)
     _, asm = compile_assembly(str(emit(spec, target)), target)
     assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm)
+
+
+@pytest.mark.parametrize("cpu, lanes", [("haswell", 8), ("znver4", 16)])
+def test_decode_kernels_compile_for_each_isa(cpu, lanes):
+    """The decode kernels' assembly for an AVX2 and an AVX-512 target, whatever this host: a
+    lone x row streams int8 weights with non-temporal prefetches; int4 is looked up in a
+    16-float table with vpermps on AVX-512, and folded (no table) on AVX2."""
+    import re
+
+    from kwker.kernels.specs import LowbitGemmSpec
+    from kwker.runtime.compiler import compile_assembly
+    from kwker.runtime.kernel import emit
+    from kwker.runtime.target import make_target
+    target = make_target(cpu, "")
+    reg = "zmm" if lanes == 16 else "ymm"
+    int8 = LowbitGemmSpec(1, 100, 320, 8, 32, zero_point=True, bias=True, lanes=lanes)
+    _, asm = compile_assembly(str(emit(int8, target)), target)
+    assert "prefetchnta" in asm and re.search(rf"vcvtdq2ps\s[^\n]*%{reg}", asm)
+    int4 = LowbitGemmSpec(0, 100, 320, 4, 32, zero_point=True, lanes=lanes, mr=3, rr=4)
+    _, asm = compile_assembly(str(emit(int4, target)), target)
+    assert bool(re.search(r"vpermps\s[^\n]*%zmm", asm)) == (lanes == 16)
+    assert "prefetchnta" in asm or lanes == 16
 
 
 PLANES_CHECK = """
