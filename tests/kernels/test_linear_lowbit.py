@@ -180,6 +180,13 @@ def test_unsupported_formats_say_why():
         fn(torch.randn(3, 64))
     with pytest.raises(ValueError, match="expected shape"):
         fn(torch.randn(2, 65))
+    x = torch.randn(64, 2).t()           # not contiguous: read as a contiguous copy
+    assert torch.equal(fn(x), fn(x.contiguous()))
+    with_res = make_linear_lowbit(lin.weight, None, 2, residual=True)
+    with pytest.raises(ValueError, match="expected shape"):
+        with_res(torch.randn(2, 64), torch.randn(2, 31))
+    res = torch.randn(32, 2).t()
+    assert torch.equal(with_res(x, res), with_res(x.contiguous(), res.contiguous()))
 
 
 @pytest.mark.parametrize("rr", [3, 4, 8])
