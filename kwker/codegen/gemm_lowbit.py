@@ -161,7 +161,6 @@ class _Tile:
         total = [[f.var(vt, zero, f"t{i}_{r}") for r in range(rr)] for i in range(mr)]
         part = [[f.var(vt, zero, f"p{i}_{r}") for r in range(rr)] for i in range(mr)]
         k = s.k
-        g = min(s.group, k)
         zp_vec = [None] * rr      # the group's zero points, per W row
 
         def step(at, active):
@@ -205,23 +204,30 @@ class _Tile:
             for j in range(vectors // u * u, vectors):
                 step(b.add(base, const(i64, j * L)), L)
 
+        def group(gi, base, vectors: int, tail: int):
+            open_group(gi)
+            if vectors:
+                sweep(base, vectors)
+            if tail:
+                step(b.add(base, const(i64, vectors * L)), tail)
+            close_group(gi)
+
+        self._each_group(f, group)
+        self._store_sums(f, total, sums, mr, rr)
+
+    def _each_group(self, f: Fn, group) -> None:
+        """``group(gi, base, vectors, tail)`` for each scale group of a W row: its index and
+        first k (i64), its whole vectors, then the lanes of a last masked vector (the last, or
+        only, group may end inside a vector)."""
+        b, L, k = f.b, self.L, self.s.k
+        g = min(self.s.group, k)
         full = k // g if g % L == 0 else 0
         if full:
             with f.for_range(0, full, name="g") as gi:
-                open_group(gi)
-                sweep(b.mul(gi, const(i64, g)), g // L)
-                close_group(gi)
+                group(gi, b.mul(gi, const(i64, g)), g // L, 0)
         rest = k - full * g
-        if rest:  # the last (or only) group: whole vectors, then one masked vector
-            gi = const(i64, full)
-            open_group(gi)
-            base = full * g
-            if rest // L:
-                sweep(const(i64, base), rest // L)
-            if rest % L:
-                step(const(i64, base + rest // L * L), rest % L)
-            close_group(gi)
-        self._store_sums(f, total, sums, mr, rr)
+        if rest:
+            group(const(i64, full), const(i64, full * g), rest // L, rest % L)
 
     def _int8_rows(self, f: Fn, rr: int) -> None:
         """One x row: the block's W rows one after another, each read as one sequential stream
@@ -258,7 +264,7 @@ class _Tile:
                 if s.zero_point:
                     zp_vec[0] = simd.broadcast(b, b.sext(simd.load_scalar(
                         b, zp, b.add(groups_at, gi), i8), i32), L)
-                u = min(vectors, max(chains, LINE // L))     # vectors an iteration
+                u = max(1, min(vectors, max(chains, LINE // L)))  # vectors an iteration
                 if vectors // u:
                     with f.for_range(0, vectors // u, name="v") as v:
                         at = b.add(base, b.mul(v, const(i64, u * L)))
@@ -279,13 +285,7 @@ class _Tile:
                 for a in acc:
                     a.set(zero)
 
-            full = k // g if g % L == 0 else 0
-            if full:
-                with f.for_range(0, full, name="g") as gi:
-                    group(gi, b.mul(gi, const(i64, g)), g // L, 0)
-            rest = k - full * g
-            if rest:
-                group(const(i64, full), const(i64, full * g), rest // L, rest % L)
+            self._each_group(f, group)
             simd.store_scalar(b, simd.hsum(b, total.get()), sums, r)
 
     def _load_i8(self, b, w, at, active: int):
@@ -431,7 +431,7 @@ def _widen_x(f: Fn, spec, tiles: _Tile, x, xbuf, rows):
     b, L, k, xstride = f.b, tiles.L, spec.k, tiles.xstride
     vt = simd.vty(L)
     zero = vmath.splat(vt, 0.0)
-    bad = f.var(i64, const(i64, 0), "bad")
+    bad = f.var(i64, const(i64, 0), "bad") if tiles.fold else None
 
     def put(v, dst, at):
         simd.store_vec(b, v, dst, at)
@@ -566,7 +566,7 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
                 simd.store_scalar(b, v, sums, b.add(dst, const(i64, r)))
 
     def by_rows(w_rows: int):
-        if tiles.fold and foldable is not None:
+        if foldable is not None:
             with f.if_else(foldable, likely=True) as (folded, unfolded):
                 with folded:
                     by_rows_of(w_rows, False)

@@ -58,7 +58,6 @@ def emit_quantile(rk: RowKernel, nan_ignoring: bool):
     exact = b.or_(b.and_(nan_picked, mixed_nans), b.and_(pz.get(), nz.get()))
     # short rows: sorting costs less than clearing and scanning the bucket table
     exact = b.or_(exact, b.icmp_signed("<=", rk.n, const(i64, SHORT_QUANTILE_ROW)))
-    state = f.array(i64, 2, "bucket_cache")  # (bucket gathered into K2, its size)
     n_t = b.sitofp(b.sub(rk.n, one), T)
     c_t = b.sitofp(b.sub(b.sub(rk.n, nnan.get()), one), T)
     has_nan = b.icmp_signed(">", nnan.get(), zero)
@@ -91,7 +90,7 @@ def emit_quantile(rk: RowKernel, nan_ignoring: bool):
         with slow:
             b.call(rk.algos().std_sort(), [K, I, zero, rk.n])
         with fast:
-            bucket_starts(rk, K, H, state)
+            bucket_starts(rk, K, H)
             _gather_buckets(rk, K, K2, H, every_position)
     bucket_of = _emit_bucket_of(rk)
     nth = rk.algos().nth_element()
@@ -135,9 +134,9 @@ def emit_quantile(rk: RowKernel, nan_ignoring: bool):
         f.store(out.get(), rk.a["out_v"], pos)
 
 
-def bucket_starts(rk: RowKernel, K, H, state):
-    """H[b] = the first sorted position of bucket b (the top 11 key bits) of the keys in K, for
-    ``emit_bucket_select``; ``state`` (2 x i64) marks no bucket gathered yet."""
+def bucket_starts(rk: RowKernel, K, H, state=None):
+    """H[b] = the first sorted position of bucket b (the top 11 key bits) of the keys in K. With
+    ``state`` (2 x i64, ``emit_bucket_select``'s cache), marks no bucket gathered yet."""
     f, b = rk.f, rk.f.b
     zero, one = const(i64, 0), const(i64, 1)
     with f.for_range(0, SELECT_BUCKETS + 1, name="hz") as z:
@@ -147,7 +146,8 @@ def bucket_starts(rk: RowKernel, K, H, state):
         f.store(b.add(f.load(i64, H, slot), one), H, slot)
     with f.for_range(1, SELECT_BUCKETS + 1, name="starts") as z:
         f.store(b.add(f.load(i64, H, z), f.load(i64, H, b.sub(z, one))), H, z)
-    f.store(const(i64, -1), state, zero)
+    if state is not None:
+        f.store(const(i64, -1), state, zero)
 
 
 def _bucket(rk: RowKernel, key):

@@ -4,9 +4,9 @@ Any stable sort gives the one stable order, so no libstdc++ step needs emulating
 """
 from __future__ import annotations
 
-from llvmlite import ir
-
 from contextlib import contextmanager
+
+from llvmlite import ir
 
 from .irutil import Fn, const, i1, i32, i64, ptr
 

@@ -157,6 +157,16 @@ def test_activations_near_overflow(fmt, rows):
     assert_close(y, ref, torch.float32, fmt)
 
 
+@pytest.mark.parametrize("fmt", ["int8-channel", "intx8-axis", "int4-axis"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_k_shorter_than_a_vector(fmt, rows):
+    """K of 5: the only group ends inside the first vector (no whole vector to sweep)."""
+    lin = quantized(fmt, 9, 5)
+    x = torch.randn(rows, 5)
+    assert_close(make_linear_lowbit(lin.weight, lin.bias.detach(), rows)(x), reference(lin, x),
+                 torch.float32, fmt)
+
+
 def test_int8_weights_are_read_in_place():
     """int8 values stay torchao's (no copy); int4 ones are repacked at half their bytes."""
     lin8 = quantized("int8-group32", 64, 256)
