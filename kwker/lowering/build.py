@@ -74,7 +74,7 @@ def generic(fn) -> bool:
     return bool(getattr(fn, "kwker_generic", False))
 
 
-def _mark(fn, is_generic: bool):
+def mark_generic(fn, is_generic: bool):
     if fn is not None:
         fn.kwker_generic = is_generic
     return fn
@@ -244,11 +244,11 @@ def _linear(m: Match, metas, consts):
         fn, why = _make(maker, w, bias, None, epilogue=m.params["epilogue"],
                         residual=res is not None, dtype=xm.dtype, **extra)
         if fn is None or len(lead) == 1:
-            return _mark(fn, True), why
+            return mark_generic(fn, True), why
         if res is None:
-            return _mark(lambda x: fn(x.reshape(-1, k_in)).view(*x.shape[:-1], n_out),
+            return mark_generic(lambda x: fn(x.reshape(-1, k_in)).view(*x.shape[:-1], n_out),
                          True), None
-        return _mark(lambda x, r: fn(x.reshape(-1, k_in), r.reshape(-1, n_out))
+        return mark_generic(lambda x, r: fn(x.reshape(-1, k_in), r.reshape(-1, n_out))
                      .view(*x.shape[:-1], n_out), True), None
     rows = _prod(lead)
     if rows == 0 or k_in == 0:
@@ -284,13 +284,13 @@ def _linear_topk(m: Match, metas, consts):
                                              largest=m.params["largest"], dtype=xm.dtype)[0])
 
         if len(lead) == 1:  # no reshape or views: each costs 1-2 us, the kernel 23 at one row
-            return _mark(lambda x: wrap(fn(x)), True), None
+            return mark_generic(lambda x: wrap(fn(x)), True), None
 
         def run_generic(x):
             v, i = fn(x.reshape(-1, k_in))
             shape = (*x.shape[:-1], k)
             return wrap((v.view(shape), i.view(shape)))
-        return _mark(run_generic, True), None
+        return mark_generic(run_generic, True), None
     rows = _prod(lead)
     if rows == 0:
         return None, "empty input"
@@ -323,7 +323,7 @@ def _single_row_first(fn, one):
 
     def run(x, *rest):
         return one(x, *rest) if x.shape[0] == 1 else fn(x, *rest)
-    return _mark(run, True)
+    return mark_generic(run, True)
 
 
 def _transposed_contiguous(meta: TensorMeta) -> bool:
@@ -399,7 +399,7 @@ def _matmul_generic(am, bm, k: int, n: int, bt: bool | None):
             c = fn(a.reshape(-1, *a.shape[-2:]),
                    b.mT.reshape(-1, n, k) if bt else b.reshape(-1, k, n))
             return c.view(*a.shape[:-1], n)
-    return _mark(run, True), None
+    return mark_generic(run, True), None
 
 
 # Above this many elements ATen's own vectorised erf makes a standalone erf GELU faster than
@@ -423,7 +423,7 @@ def _gelu(m: Match, metas, consts):
             if (erf and x.numel() > limit) or not x.is_contiguous():
                 return gelu(x, approximate=approximate)
             return fn(x)
-        return _mark(run, True), None
+        return mark_generic(run, True), None
     if not xm.contiguous or xm.numel == 0:
         return None, "non-contiguous or empty input"
     if approximate == "none" and xm.numel > limit:
@@ -446,7 +446,7 @@ def _silu_mul(m: Match, metas, consts):
         # rows a stride apart (the two halves of a fused gate/up projection's chunk): the
         # row kernel, one for every size (inputs that are not rows of a stride go to ATen)
         fn, why = _make("make_silu_mul_rows", dtype=xm.dtype)
-        return (_mark(fn, True), None) if fn is not None else (None, why)
+        return (mark_generic(fn, True), None) if fn is not None else (None, why)
     if not known(*xm.shape):
         fn, why = _make("make_silu_mul", None, dtype=xm.dtype)
         if fn is None:
@@ -456,7 +456,7 @@ def _silu_mul(m: Match, metas, consts):
             if x.is_contiguous() and y.is_contiguous():
                 return fn(x, y)
             return silu(x) * y
-        return _mark(run, True), None
+        return mark_generic(run, True), None
     if xm.numel == 0:
         return None, "empty input"
     return _make("make_silu_mul", xm.numel, dtype=xm.dtype)
@@ -498,7 +498,7 @@ def _layer_norm(m: Match, metas, consts):
 
         def run(x):  # a strided input: ATen's, which reads any layout
             return fn(x) if x.is_contiguous() else aten(x)
-        return _mark(run, True), None
+        return mark_generic(run, True), None
     if not xm.contiguous or xm.numel == 0:
         return None, "non-contiguous or empty input"
     return _make("make_layer_norm", d, w, b, eps, _prod(lead), dtype=xm.dtype, norm=norm,
@@ -636,12 +636,12 @@ def _sdpa_generic(m: Match, metas, three: bool, h: int, hk: int, e: int, ev: int
         return mask.reshape(*lead, *mask.shape)
     if three:
         if pattern is None:
-            return _mark(lambda q, k, v: fn(q[None], k[None], v[None])[0], True), None
-        return _mark(lambda q, k, v, mask: fn(q[None], k[None], v[None], as4d(mask))[0],
+            return mark_generic(lambda q, k, v: fn(q[None], k[None], v[None])[0], True), None
+        return mark_generic(lambda q, k, v, mask: fn(q[None], k[None], v[None], as4d(mask))[0],
                      True), None
     if pattern is None:
-        return _mark(fn, True), None
-    return _mark(lambda q, k, v, mask: fn(q, k, v, as4d(mask)), True), None
+        return mark_generic(fn, True), None
+    return mark_generic(lambda q, k, v, mask: fn(q, k, v, as4d(mask)), True), None
 
 
 def _sorting(m: Match, metas, consts):
@@ -665,7 +665,7 @@ def _rope(m: Match, metas, consts):
     (and a layout it does not take runs the ATen composition), so it serves every size."""
     x_dtype, dtype = metas[m.inputs["x"]].dtype, metas[m.inputs["cos"]].dtype
     fn, why = _make("make_rope", m.params["d"], dtype=dtype, x_dtype=x_dtype)
-    return _mark(fn, True), why
+    return mark_generic(fn, True), why
 
 
 _BUILDERS = {"linear": _linear, "linear_topk": _linear_topk, "matmul": _matmul, "gelu": _gelu,

@@ -52,6 +52,7 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], dict]] = {
     "transpose": (("input", "dim0", "dim1"), {}),
     "dropout": (("input", "p", "training", "inplace"),
                 {"p": 0.5, "training": True, "inplace": False}),
+    "cat": (("tensors", "dim"), {"dim": 0}),
 }
 
 _FUNCTIONS = {
@@ -70,6 +71,7 @@ _FUNCTIONS = {
     torch.nanquantile: "nanquantile", torch.argsort: "argsort", torch.msort: "msort",
     torch.t: "t", torch.transpose: "transpose",
     F.dropout: "dropout", torch.dropout: "dropout",
+    torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat",
 }
 
 # the same operations as ATen overloads, as ``torch.export`` records them (packages)
@@ -89,7 +91,7 @@ _FUNCTIONS.update({
     _aten.nanquantile.default: "nanquantile", _aten.nanquantile.scalar: "nanquantile",
     _aten.argsort.default: "argsort", _aten.argsort.stable: "argsort",
     _aten.msort.default: "msort", _aten.t.default: "t", _aten.transpose.int: "transpose",
-    _aten.dropout.default: "dropout",
+    _aten.dropout.default: "dropout", _aten.cat.default: "cat",
 })
 
 _METHODS = {

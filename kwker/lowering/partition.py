@@ -18,10 +18,11 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import build as B
-from .fold import fold_constants
-from .autocast import make_explicit
 from . import sorting as S
 from . import tune
+from .autocast import make_explicit
+from .fold import fold_constants
+from .kv_append import append_matches, build_append
 from .ops import is_inplace, is_view
 from .patterns import Matcher, why_not
 from .report import Report, fill, kernel_dtype, publish
@@ -168,6 +169,10 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
 
     for m in matches:
         lower(m)
+    claimed = {c for m in matches for c in m.covers}
+    for m in append_matches(nodes, metas, claimed):  # KV caches: no sizes to fit, no tuning
+        steps.append(KernelStep(build_append(m), [m.inputs["past"], m.inputs["new"]],
+                                m.output, m.covers, m.name))
     covered = {c for s in steps for c in s.covers}
     for n in nodes:
         if n not in failures and n not in covered:

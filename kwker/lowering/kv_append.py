@@ -1,0 +1,74 @@
+"""KV caches appended in place: ``cat([past, new], dim)`` whose result leaves the graph.
+
+A decoder with a cache (transformers' ``DynamicCache``) concatenates each layer's past keys and
+values with the step's new ones; dynamo's graph returns the result, which the cache keeps and
+the next step passes back in. ``kernels/kv_cache.make_kv_append`` returns the same values as a
+view into a buffer with spare room and writes the next step's rows after it, so the past is not
+copied every token.
+
+Its views have the buffer's strides, not the contiguous ones ``cat`` gives, so the match is
+taken only where every reader of the result reads any strides: the graph's output (the caller)
+and attention's keys and values (ATen's, or Kwker's attention kernels, which read strides or
+copy). Only the flat program (``inner="eager"``) takes it: Inductor's code assumes the layouts
+it was compiled for.
+"""
+from __future__ import annotations
+
+from torch.fx import Node
+
+from ..kernels.kv_cache import make_kv_append
+from .build import mark_generic
+from .ops import bind, canon
+from .patterns import Match
+from .shapes import TensorMeta
+
+
+def _reads_any_strides(user: Node, cat: Node) -> bool:
+    if user.op == "output":
+        return True
+    if canon(user) != "sdpa":
+        return False
+    b = bind(user)
+    return b is not None and b["query"] is not cat and b["attn_mask"] is not cat
+
+
+def append_matches(nodes: list, metas: dict, claimed: set) -> list[Match]:
+    """A match per ``cat`` of a graph input (the past) and a tensor of its dtype, that the graph
+    returns and that only attention reads besides (nodes in ``claimed`` belong to other
+    kernels)."""
+    found = []
+    for n in nodes:
+        if n in claimed or canon(n) != "cat":
+            continue
+        b = bind(n)
+        if b is None or not isinstance(b["dim"], int) or not isinstance(b["tensors"], (list,
+                                                                                      tuple)):
+            continue
+        parts = b["tensors"]
+        if len(parts) != 2 or not all(isinstance(p, Node) for p in parts):
+            continue
+        out, past, new = (metas.get(x) for x in (n, *parts))
+        if not all(isinstance(m, TensorMeta) for m in (out, past, new)) or \
+                not out.dtype == past.dtype == new.dtype:
+            continue
+        # the past comes from the caller (a tensor made in the graph is never a buffer's view),
+        # or is the empty 1-D tensor a cache starts from (folded to a constant), which cat skips
+        start = tuple(past.shape) == (0,)
+        if not (parts[0].op == "placeholder" or start and parts[0].op == "get_attr") or \
+                len(past.shape) != len(new.shape) and not start:
+            continue
+        rank = len(out.shape)
+        if not -rank <= b["dim"] < rank:
+            continue
+        users = list(n.users)
+        if not any(u.op == "output" for u in users) or \
+                not all(_reads_any_strides(u, n) for u in users):
+            continue
+        found.append(Match("kv_append", n, [n], {"past": parts[0], "new": parts[1]},
+                           {"dim": b["dim"] % rank}))
+    return found
+
+
+def build_append(m: Match):
+    """The append for ``m``: one callable serves every size."""
+    return mark_generic(make_kv_append(m.params["dim"]), True)
