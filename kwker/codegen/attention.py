@@ -39,7 +39,7 @@ from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
 from .attention_args import DIRECT_MAX_LQ, align64, emit_copy_rows, emit_generic, icdiv, imul, \
-    load_dims, round_up, scratch, static_dims, thread_items
+    kv_bytes_per_key, load_dims, round_up, scratch, static_dims, thread_cap, thread_items
 from .attention_bf16 import emit_pack_k_pairs, emit_pack_v_pairs, emit_pair_rows, emit_widen, \
     pair_rows_padded, splat_bit
 from .attention_softmax import NEG_INF, SoftmaxRows
@@ -68,7 +68,8 @@ def emit(spec, target) -> ir.Module:
     body = _Emitter(module, spec, L, target.has("avx512f"), dpbf16, tiles=target.tiles).body()
     flops = 4 * spec.batch * spec.heads * spec.lq * spec.lk * max(spec.e, spec.ev)
     items = spec.batch * spec.heads * _cdiv(spec.lq, spec.bq)
-    max_threads = max(1, min(items, flops // (1 << 18)))  # ~2.5 us of FMAs per fork
+    kv_bytes = spec.batch * spec.lk * kv_bytes_per_key(spec)
+    max_threads = max(1, min(items, thread_cap(flops, kv_bytes)))
     omp.emit_parallel(module, spec.symbol, [ptr] * 5, body, max_threads=max_threads)
     return module
 

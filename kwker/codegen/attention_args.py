@@ -31,6 +31,21 @@ SLOT_TABLE, SLOT_BATCH, SLOT_LQ, SLOT_LK = 5, 6, 7, 8
 
 
 DIRECT_MAX_LQ = 4  # packing K costs ~0.4 op per element, more than a few dot products save
+# A thread is worth its fork for ~2.5 us of work: 2**18 flops of FMAs, or 2**15 bytes of K and V
+# read from L3 or memory. The bytes decide a decoder's step (one query row: few flops, a whole
+# KV cache to read): GPT-2's 12 heads x 160 keys ran on one thread in 86-98 us when the weights
+# just streamed had evicted the cache, against ATen's 57-63 on two.
+FLOPS_PER_THREAD, KV_BYTES_PER_THREAD = 18, 15
+
+
+def kv_bytes_per_key(s) -> int:
+    """Bytes of K and V per key position, over all kv heads of one batch entry."""
+    return (s.kv_heads or s.heads) * (s.e + s.ev) * (2 if s.dtype == "bf16" else 4)
+
+
+def thread_cap(flops: int, kv_bytes: int) -> int:
+    """Threads the work pays for (static kernels; the generic one computes the same in IR)."""
+    return max(flops >> FLOPS_PER_THREAD, kv_bytes >> KV_BYTES_PER_THREAD)
 
 
 @dataclass
@@ -143,7 +158,7 @@ def emit_copy_rows(module: ir.Module, cols: int, size: int) -> ir.Function:
 def emit_generic(module: ir.Module, s, direct: ir.Function, blocked: ir.Function,
                  direct_max_lq: int) -> None:
     """Export the generic kernel: the body picks the schedule by lq; the team is capped as the
-    static kernel's is at compile time (~2.5 us of FMAs per thread, no more than work items)."""
+    static kernel's is at compile time (``thread_cap``, no more than work items)."""
     f = omp.body_fn(module, f"{s.symbol}.body")
     b = f.b
     lq = omp.Context(f, f.args[0]).i64(SLOT_LQ)
@@ -157,8 +172,11 @@ def emit_generic(module: ir.Module, s, direct: ir.Function, blocked: ir.Function
         batch, lq, lk = args[SLOT_BATCH:SLOT_LK + 1]
         heads = b.mul(batch, const(i64, s.heads))
         flops = b.mul(b.mul(heads, b.mul(lq, lk)), const(i64, 4 * max(s.e, s.ev)))
+        kv = b.mul(b.mul(batch, lk), const(i64, kv_bytes_per_key(s)))
         items = b.mul(heads, icdiv(b, lq, s.bq))
-        cap = b.ashr(flops, const(i64, 18))
+        by_flops = b.ashr(flops, const(i64, FLOPS_PER_THREAD))
+        by_bytes = b.ashr(kv, const(i64, KV_BYTES_PER_THREAD))
+        cap = b.select(b.icmp_signed(">", by_flops, by_bytes), by_flops, by_bytes)
         return b.select(b.icmp_signed("<", items, cap), items, cap)
 
     omp.emit_parallel(module, s.symbol, ARGS, f.finish(), max_threads=max_threads)

@@ -48,6 +48,23 @@ def test_column_split_by_work_shares_panels(nthreads, dtype):
             torch.testing.assert_close(got.float(), ref, **tol)
 
 
+@pytest.mark.parametrize("nthreads", [2, 3])
+def test_decode_attention_splits_heads_by_bytes(nthreads):
+    """One query row against a long KV cache: few flops, but K and V worth reading on every
+    thread, so the heads are split across the team (GQA too, and strided caches as the in-place
+    KV append makes them); the answer is ATen's at every team size."""
+    torch.set_num_threads(nthreads)
+    torch.manual_seed(nthreads)
+    for heads, kv_heads, lk in [(12, 12, 160), (12, 4, 301), (5, 5, 999)]:
+        q = torch.randn(1, heads, 1, 64)
+        k, v = (torch.randn(1, kv_heads, lk + 37, 64)[:, :, :lk] for _ in range(2))
+        gqa = {} if kv_heads == heads else {"kv_heads": kv_heads}
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=bool(gqa))
+        for fn in (make_sdpa(1, heads, 1, lk, 64, 64, **gqa),
+                   make_sdpa(None, heads, None, None, 64, 64, **gqa)):
+            torch.testing.assert_close(fn(q, k, v), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_concurrent_calls_from_python_threads():
     torch.manual_seed(0)
     w, b = torch.randn(300, 200), torch.randn(300)
