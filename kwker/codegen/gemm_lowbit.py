@@ -19,8 +19,8 @@ Weights, by ``bits``:
   ``table[u] = (u - 8 - zp) * scale``, looked up with one ``vpermps`` (AVX-512: the index is
   the word's low 4 bits, so a shift exposes each nibble): exactly torchao's float32 dequantised
   weight. AVX2 has no such lookup: there the nibbles are summed against x as they are and the
-  zero-point term is taken off per unit (``_Tile._int4_folded``), with the exact form kept for
-  x holding inf, NaN or values near overflow.
+  zero-point term is taken off per unit (``gemm_lowbit_fold``, blocks of one row), with the
+  exact form kept for x holding inf, NaN, values near overflow or tiny ones.
 
 Both forms cost three vector instructions per 16 weights on AVX-512 (widen or shift, convert or
 look up, FMA), and are bound by them where the weights come from cache (Emerald Rapids, 2 threads,
@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import bf16, gemm_lowbit_vnni, omp, simd, vmath
+from . import bf16, gemm_lowbit_fold, gemm_lowbit_vnni, omp, simd, vmath
 from .gemm_micro import epilogue_masked
 from .irutil import (
     Fn,
@@ -70,7 +70,6 @@ from .irutil import (
 GRAIN = 1 << 16     # weights per thread before a second thread pays for its fork (~2 us)
 LINE = 64           # bytes
 AHEAD = 4096        # bytes of weights a thread's reads are prefetched ahead
-FOLD_LIMIT = 2.0 ** 64  # |x| the folded int4 tiles take (15 * |x| * K stays finite)
 CHAINS = 4          # accumulators of one x row and W row (8 measured 1-8% slower, Zen 3)
 
 
@@ -124,7 +123,8 @@ class _Tile:
         self.xpad = -(-self.kp // self.L) * self.L        # float32 x row, padded with zeros
         # int4 without a 16-float table (AVX2): each x row is followed by its sums per unit of
         # ``unit`` weights (lane by lane), for the zero-point term of _int4_folded
-        self.fold = spec.bits == 4 and not self.avx512
+        self.fold = gemm_lowbit_fold.folds(spec.bits, self.L)
+        self.chunk = chunk(spec.bits, self.L)
         self.unit = min(spec.group, chunk(4, self.L))
         units = self.kp // self.unit if self.fold else 0
         self.xstride = self.xpad + units * self.L
@@ -143,7 +143,7 @@ class _Tile:
             if self.s.bits == 8:
                 self._int8(f, mr, rr)
             elif self.fold and not exact:
-                self._int4_folded(f, mr, rr)
+                gemm_lowbit_fold.emit_tile(self, f, mr, rr)
             else:
                 self._int4(f, mr, rr)
             f.finish()
@@ -295,7 +295,7 @@ class _Tile:
     # ------------------------------------------------------------------------------ int4
     def _int4(self, f: Fn, mr: int, rr: int) -> None:
         """Each nibble made torchao's float32 weight (a table lookup on AVX-512), then an FMA;
-        on AVX2 the rows _int4_folded cannot take."""
+        on AVX2 the rows the folded tiles cannot take."""
         b, L, s = f.b, self.L, self.s
         x, w, scale, zp, sums = f.args
         vt, it = simd.vty(L), simd.vty(L, i32)
@@ -336,7 +336,7 @@ class _Tile:
             at = b.mul(ci, const(i64, stride))
             vals = [b.load(simd.gep(b, w, b.add(at, const(i64, r * L)), i32), typ=it, align=4)
                     for r in range(rr)]
-            self._prefetch_int4(f, w, scale, ci, stride * 4)
+            self.prefetch_int4(f, w, scale, ci, stride * 4)
             k0 = b.mul(ci, const(i64, c))
             for j in range(8):
                 if (j * L) % s.group == 0:
@@ -352,56 +352,7 @@ class _Tile:
                         total[i][r].set(vmath.fma(b, xv, wv, total[i][r].get()))
         self._store_sums(f, total, sums, mr, rr)
 
-    def _int4_folded(self, f: Fn, mr: int, rr: int) -> None:
-        """int4 where no one-instruction 16-float lookup exists (AVX2): the nibbles ``u`` are
-        summed against x as they are, and each unit's ``(8 + zp) * sum(x)`` term is taken off
-        once before its scale: ``sum x (u - 8 - zp) s = s (sum x u - (8 + zp) sum x)``, lane by
-        lane, with the x sums made once per call (_widen_x). 3-4 instructions per 8 weights
-        instead of 6-7; the products round differently from torchao's dequantised weights, within
-        float32 accumulation error. One W row at a time, so that only its unit's sums are live
-        beside the totals. Zen 3, 2 threads, in one process: GPT-2's 48 int4 layer linears
-        (groups of 32) 7.7 -> 9.0-10.3 GB/s; its int4 decode 47 -> 52-59 tokens/s."""
-        b, L, s = f.b, self.L, self.s
-        x, w, scale, zp, sums = f.args
-        vt, it = simd.vty(L), simd.vty(L, i32)
-        zero = vmath.splat(vt, 0.0)
-        total = [[f.var(vt, zero, f"t{i}_{r}") for r in range(rr)] for i in range(mr)]
-        c, unit = chunk(4, L), self.unit
-        per_unit = unit // L                           # vectors a unit
-        stride = s.rr * L                              # words a chunk of the block's rows
-        with f.for_range(0, self.kp // c, name="c") as ci:
-            at = b.mul(ci, const(i64, stride))
-            self._prefetch_int4(f, w, scale, ci, stride * 4, keep=False)
-            k0 = b.mul(ci, const(i64, c))
-            for r in range(rr):
-                word = b.load(simd.gep(b, w, b.add(at, const(i64, r * L)), i32), typ=it, align=4)
-                acc = [None] * mr
-                for j in range(8):
-                    u = b.lshr(word, ir.Constant(it, [4 * j] * L)) if j else word
-                    u = b.sitofp(b.and_(u, ir.Constant(it, [15] * L)) if j < 7 else u, vt)
-                    for i in range(mr):
-                        xv = simd.load_vec(b, x, b.add(k0, const(i64, i * self.xstride + j * L)),
-                                           L)
-                        acc[i] = b.fmul(xv, u) if acc[i] is None else vmath.fma(b, xv, u, acc[i])
-                    if (j + 1) % per_unit:
-                        continue
-                    ui = b.add(b.mul(ci, const(i64, c // unit)), const(i64, j * L // unit))
-                    gi = ui if unit == s.group else b.udiv(k0, const(i64, s.group))
-                    at_g = b.add(gi, const(i64, r * self.ng))
-                    sv = simd.broadcast(b, simd.load_scalar(b, scale, at_g), L)
-                    off = vmath.splat(vt, -8.0)
-                    if s.zero_point:
-                        zf = b.sitofp(simd.load_scalar(b, zp, at_g, i8), f32)
-                        off = b.fsub(off, simd.broadcast(b, zf, L))
-                    for i in range(mr):
-                        xs = simd.load_vec(b, x, b.add(b.mul(ui, const(i64, L)), const(
-                            i64, i * self.xstride + self.xpad)), L)
-                        d = vmath.fma(b, off, xs, acc[i])
-                        total[i][r].set(vmath.fma(b, d, sv, total[i][r].get()))
-                        acc[i] = None
-        self._store_sums(f, total, sums, mr, rr)
-
-    def _prefetch_int4(self, f: Fn, w, scale, ci, chunk_bytes: int, keep: bool = True) -> None:
+    def prefetch_int4(self, f: Fn, w, scale, ci, chunk_bytes: int, keep: bool = True) -> None:
         """Ask for the weights and scales ``AHEAD`` bytes of weights past chunk ``ci`` of the
         block. The thread's blocks are one sequential stream, but the hardware prefetchers alone
         left its reads waiting on memory: GPT-2's 49 int4 linears (groups of 32, Emerald
@@ -425,9 +376,8 @@ class _Tile:
 
 def _widen_x(f: Fn, spec, tiles: _Tile, x, xbuf, rows):
     """x rows (float32 or bf16, K a row) -> float32 rows of ``tiles.xstride``, zero past K.
-    With ``tiles.fold``, then the row's sums per unit (a vector each), and the answer whether
-    the folded tiles may take x (i1): every |x| below ``FOLD_LIMIT`` (no inf, no NaN: their
-    ``(8 + zp) * sum(x)`` term would be inf - inf, and no product near overflow)."""
+    With ``tiles.fold``, then the row's sums per unit, and the answer whether the folded tiles
+    may take x (i1; gemm_lowbit_fold), x then scaled for them."""
     b, L, k, xstride = f.b, tiles.L, spec.k, tiles.xstride
     vt = simd.vty(L)
     zero = vmath.splat(vt, 0.0)
@@ -435,11 +385,8 @@ def _widen_x(f: Fn, spec, tiles: _Tile, x, xbuf, rows):
 
     def put(v, dst, at):
         simd.store_vec(b, v, dst, at)
-        if tiles.fold:  # NaN compares unordered: counted as too large
-            size = f.call_intrinsic(f"llvm.fabs.v{L}f32", vt, [v])
-            big = b.fcmp_unordered(">=", size, vmath.splat(vt, FOLD_LIMIT))
-            bits = b.zext(b.bitcast(big, ir.IntType(L)), i64)
-            bad.set(b.or_(bad.get(), bits))
+        if tiles.fold:
+            gemm_lowbit_fold.screen_x(f, v, bad)
 
     with f.for_range(0, rows, name="xr") as r:
         src = simd.gep(b, x, b.mul(r, const(i64, k)), i16 if spec.dtype == "bf16" else f32)
@@ -454,15 +401,8 @@ def _widen_x(f: Fn, spec, tiles: _Tile, x, xbuf, rows):
         for v in range(-(-k // L), tiles.xpad // L):
             simd.store_vec(b, zero, dst, const(i64, v * L))
         if tiles.fold:
-            per_unit = tiles.unit // L
-            with f.for_range(0, tiles.kp // tiles.unit, name="xu") as u:
-                at = b.mul(u, const(i64, tiles.unit))
-                total = simd.load_vec(b, dst, at, L)
-                for v in range(1, per_unit):
-                    total = b.fadd(total, simd.load_vec(b, dst, b.add(at, const(i64, v * L)), L))
-                simd.store_vec(b, total, dst, b.add(b.mul(u, const(i64, L)),
-                                                    const(i64, tiles.xpad)))
-    return b.icmp_unsigned("==", bad.get(), const(i64, 0)) if tiles.fold else None
+            gemm_lowbit_fold.unit_sums(f, tiles, dst)
+    return gemm_lowbit_fold.prepare_x(f, tiles, xbuf, rows, bad) if tiles.fold else None
 
 
 def _epilogue(f: Fn, spec, lanes: int, sums, rows, n0, n1, bias, res, out) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..codegen import gemm_lowbit, gemm_lowbit_planes, gemm_lowbit_vnni, simd
+from ..codegen import gemm_lowbit, gemm_lowbit_fold, gemm_lowbit_planes, gemm_lowbit_vnni, simd
 from ..runtime.target import host_target
 from . import blocking
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function
@@ -204,13 +204,17 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     group = lw.group
     if lw.bits == 4 and group >= k:  # one group a row: it spans the row's padding too
         group = -(-k // gemm_lowbit.chunk(4, lanes)) * gemm_lowbit.chunk(4, lanes)
+    # int4 on AVX2 (folded tiles) takes one W row at a time: blocks of one row, read in order,
+    # and one packed copy for every row count (blocks of 8 / 4 rows gave decode and the generic
+    # kernels two)
+    folded = gemm_lowbit_fold.folds(lw.bits, lanes)
     spec = LowbitGemmSpec(m or 0, n, k, lw.bits, group, lw.zero_point is not None,
                           bias is not None, epilogue, residual, dt, lanes, rows,
-                          ROWS_PER_BLOCK[rows])
+                          1 if folded else ROWS_PER_BLOCK[rows])
     if _vnni(spec, lanes):  # one x row at a time, 3 accumulators a W row
         spec = replace(spec, vnni=True, mr=1, rr=ROWS_PER_BLOCK[1])
     elif m is not None and m >= PREFILL_ROWS:  # no decode tile: int4 packed as decode packs it
-        spec = replace(spec, mr=1, rr=ROWS_PER_BLOCK[1])
+        spec = replace(spec, mr=1, rr=1 if folded else ROWS_PER_BLOCK[1])
     try:
         gemm_lowbit._check(spec, lanes)
     except ValueError as e:

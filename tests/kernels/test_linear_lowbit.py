@@ -157,6 +157,20 @@ def test_activations_near_overflow(fmt, rows):
     assert_close(y, ref, torch.float32, fmt)
 
 
+@pytest.mark.parametrize("fmt", ["int4-group32", "int4-group64-asym"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_tiny_activations(fmt, rows):
+    """x of about 1e-36 (normal floats): the folded int4 tiles (AVX2) scale x by up to 16**-6,
+    which would make such x subnormal and lose its digits, so they must not take them."""
+    n, k = shape_for(fmt)
+    lin = quantized(fmt, n, k)
+    with torch.no_grad():
+        lin.bias.zero_()
+    x = torch.randn(rows, k) * 1e-36
+    y = make_linear_lowbit(lin.weight, None, rows)(x)
+    assert_close(y, reference(lin, x), torch.float32, fmt)
+
+
 @pytest.mark.parametrize("fmt", ["int8-channel", "intx8-axis", "int4-axis"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_k_shorter_than_a_vector(fmt, rows):
@@ -314,6 +328,50 @@ for n, k in ((70, 77), (100, 256), (33, 1000)):
                 assert err < 1e-5, (n, k, m, i, float(err))
 print("planes ok")
 """
+
+
+FOLDED_CHECK = """
+import torch
+from kwker.kernels.linear_lowbit import LowbitTensor, dequantized, make_linear_lowbit
+from kwker.runtime.target import host_target
+assert host_target().vector_bits == 256, host_target().describe()
+torch.manual_seed(2)
+for n, k, group, asym in ((70, 77, 77, False), (100, 256, 32, False), (33, 960, 64, True)):
+    groups = -(-k // group)
+    w = LowbitTensor(torch.randint(-8, 8, (n, k), dtype=torch.int8),
+                     torch.rand(n, groups) * 0.01 + 1e-3,
+                     torch.randint(-3, 4, (n, groups), dtype=torch.int8) if asym else None,
+                     group, 4, torch.float32)
+    fns = {m: make_linear_lowbit(w, None, m) for m in (1, 3, None, 20)}  # no bias: x's digits
+    assert len({f.buffers.w.data_ptr() for f in fns.values()}) == 1, "one packed copy"
+    for m, fn in fns.items():
+        rows = m or 5
+        for scale in (1.0, 1e-36, 1e30):
+            x = torch.randn(rows, k) * scale
+            if scale == 1.0 and rows > 2:
+                x[1, 3], x[2] = float("nan"), 0.0
+            ref = x.double() @ dequantized(w).double().T
+            y = fn(x)
+            assert torch.equal(y.isnan(), ref.isnan()), (n, k, m, scale)
+            fin = ref.isfinite().all(1)
+            err = (y[fin].double() - ref[fin]).abs().max() / ref[fin].abs().max()
+            assert err < 1e-5, (n, k, m, scale, float(err))
+print("folded ok")
+"""
+
+
+def test_int4_folded_tiles_on_avx2(tmp_path):
+    """The AVX2 int4 tiles (raw nibbles in place against x scaled per nibble, the zero-point
+    term folded out), run on any x86-64 host through KWKER_CPU=haswell: decode rows 1 and 3,
+    generic and prefill against the float64 reference, with zero, NaN, tiny (1e-36: must take
+    the exact tiles) and large x; one packed copy of the weight for every row count."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, KWKER_CPU="haswell", KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", FOLDED_CHECK], env=env, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0 and "folded ok" in r.stdout, r.stdout + r.stderr
 
 
 def test_int8_prefill_on_byte_planes_emulated(tmp_path):
