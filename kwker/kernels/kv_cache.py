@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-# the attribute on a buffer's UntypedStorage: [rows handed out, the buffer's shape, strides]
+# the attribute on a buffer's UntypedStorage: [the shape of the latest view handed out (its rows
+# along dim are the rows committed), the buffer's strides, its rows along dim]
 STATE = "_kwker_kv"
 MIN_ROWS = 64
 
@@ -54,28 +55,25 @@ def make_kv_append(dim: int):
         buf = new.new_empty(shape)
         out = buf.narrow(dim, 0, rows)
         cat(parts, dim, out=out)  # ATen's shape checks and messages
-        setattr(buf.untyped_storage(), STATE, [rows, tuple(shape), buf.stride()])
+        setattr(buf.untyped_storage(), STATE, [tuple(out.shape), buf.stride(), shape[dim]])
         return out
 
     def append(past, new):
         state = getattr(past.untyped_storage(), STATE, None)
         if state is None:
             return fresh(past, new)
-        rows, shape, stride = state
-        n = new.shape[dim] if new.dim() > dim else -1
-        if past.shape[dim] != rows or rows + n > shape[dim] or n < 0 or \
-                past.stride() != stride or past.storage_offset() != 0 or \
-                past.dtype != new.dtype or past.requires_grad or new.requires_grad or \
+        shape, stride, rows_max = state   # the latest view's shape, the buffer's strides
+        rows = shape[dim]
+        n = new.shape[dim] if new.dim() == len(shape) else -1
+        if past.shape != shape or rows + n > rows_max or n < 0 or past.stride() != stride or \
+                past.storage_offset() != 0 or new.shape[:dim] != shape[:dim] or \
+                new.shape[dim + 1:] != shape[dim + 1:] or past.dtype != new.dtype or \
+                past.requires_grad or new.requires_grad or \
                 (past.is_inference() and not inference_mode()):
             return fresh(past, new)
-        size = list(shape)
-        size[dim] = rows + n
-        if list(past.shape) != size[:dim] + [rows] + size[dim + 1:] or \
-                list(new.shape) != size[:dim] + [n] + size[dim + 1:]:
-            return fresh(past, new)
-        out = past.as_strided(size, stride)
-        out.narrow(dim, rows, n).copy_(new)
-        state[0] = rows + n
-        return out
+        size = shape[:dim] + (rows + n,) + shape[dim + 1:]
+        past.as_strided(new.shape, stride, rows * stride[dim]).copy_(new)
+        state[0] = size
+        return past.as_strided(size, stride)
 
     return append

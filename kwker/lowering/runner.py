@@ -133,9 +133,23 @@ def make_step(fn: Callable, args: tuple, kwargs: dict, out: int, slot_of: dict) 
     return step
 
 
+# Python wrappers whose C method takes the same arguments: the wrapper only adds its frame
+# (``Tensor.split``: 6.1 -> 3.7 us a call; 12 a GPT-2 decode step)
+_C_METHODS = {"split": torch._C.TensorBase.split}
+# size arithmetic: the program runs on concrete ints (``torch.sym_sum``: 0.9 -> 0.15 us)
+_CONCRETE = {torch.sym_sum: sum}
+
+
+def _concrete(target) -> Callable:
+    try:
+        return _CONCRETE.get(target, target)
+    except TypeError:  # unhashable
+        return target
+
+
 def _method(name: str, self_is_tensor: bool) -> Callable:
     if self_is_tensor and hasattr(torch.Tensor, name):
-        return getattr(torch.Tensor, name)
+        return _C_METHODS.get(name) or getattr(torch.Tensor, name)
     return lambda self, *a, **k: getattr(self, name)(*a, **k)
 
 
@@ -188,7 +202,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             step.kernel = k.name
             reads = [a for a in k.args if isinstance(a, Node)]
         elif n.op == "call_function":
-            step = make_step(n.target, n.args, n.kwargs, slot_of[n], slot_of)
+            step = make_step(_concrete(n.target), n.args, n.kwargs, slot_of[n], slot_of)
             reads = n.all_input_nodes
         elif n.op == "call_method":
             fn = _method(n.target, _is_tensor_node(n.args[0], metas))
