@@ -247,9 +247,9 @@ def _linear(m: Match, metas, consts):
             return mark_generic(fn, True), why
         if res is None:
             return mark_generic(lambda x: fn(x.reshape(-1, k_in)).view(*x.shape[:-1], n_out),
-                         True), None
+                                True), None
         return mark_generic(lambda x, r: fn(x.reshape(-1, k_in), r.reshape(-1, n_out))
-                     .view(*x.shape[:-1], n_out), True), None
+                            .view(*x.shape[:-1], n_out), True), None
     rows = _prod(lead)
     if rows == 0 or k_in == 0:
         return None, "empty input"
@@ -638,7 +638,7 @@ def _sdpa_generic(m: Match, metas, three: bool, h: int, hk: int, e: int, ev: int
         if pattern is None:
             return mark_generic(lambda q, k, v: fn(q[None], k[None], v[None])[0], True), None
         return mark_generic(lambda q, k, v, mask: fn(q[None], k[None], v[None], as4d(mask))[0],
-                     True), None
+                            True), None
     if pattern is None:
         return mark_generic(fn, True), None
     return mark_generic(lambda q, k, v, mask: fn(q, k, v, as4d(mask)), True), None

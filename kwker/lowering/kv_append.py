@@ -32,10 +32,10 @@ def _reads_any_strides(user: Node, cat: Node) -> bool:
     return b is not None and b["query"] is not cat and b["attn_mask"] is not cat
 
 
-def append_matches(nodes: list, metas: dict, claimed: set) -> list[Match]:
-    """A match per ``cat`` of a graph input (the past) and a tensor of its dtype, that the graph
-    returns and that only attention reads besides (nodes in ``claimed`` belong to other
-    kernels)."""
+def append_matches(nodes: list, metas: dict, consts: set, claimed: set) -> list[Match]:
+    """A match per ``cat`` of a graph input (the past; not a parameter in ``consts``) and a
+    tensor of its dtype, that the graph returns and that only attention reads besides (nodes in
+    ``claimed`` belong to other kernels)."""
     found = []
     for n in nodes:
         if n in claimed or canon(n) != "cat":
@@ -54,7 +54,8 @@ def append_matches(nodes: list, metas: dict, claimed: set) -> list[Match]:
         # the past comes from the caller (a tensor made in the graph is never a buffer's view),
         # or is the empty 1-D tensor a cache starts from (folded to a constant), which cat skips
         start = tuple(past.shape) == (0,)
-        if not (parts[0].op == "placeholder" or start and parts[0].op == "get_attr") or \
+        if not (parts[0].op == "placeholder" and parts[0] not in consts or
+                start and parts[0].op == "get_attr") or \
                 len(past.shape) != len(new.shape) and not start:
             continue
         rank = len(out.shape)

@@ -170,7 +170,8 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
     for m in matches:
         lower(m)
     claimed = {c for m in matches for c in m.covers}
-    for m in append_matches(nodes, metas, claimed):  # KV caches: no sizes to fit, no tuning
+    # KV caches: nothing to fit to sizes, nothing to tune
+    for m in append_matches(nodes, metas, set(consts), claimed):
         steps.append(KernelStep(build_append(m), [m.inputs["past"], m.inputs["new"]],
                                 m.output, m.covers, m.name))
     covered = {c for s in steps for c in s.covers}
