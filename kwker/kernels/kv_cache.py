@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 # the attribute on a buffer's UntypedStorage: [the shape of the latest view handed out (its rows
-# along dim are the rows committed), the buffer's strides, its rows along dim]
+# along dim are the rows committed), the buffer's strides, its rows along dim, dim]
 STATE = "_kwker_kv"
 MIN_ROWS = 64
 
@@ -55,14 +55,14 @@ def make_kv_append(dim: int):
         buf = new.new_empty(shape)
         out = buf.narrow(dim, 0, rows)
         cat(parts, dim, out=out)  # ATen's shape checks and messages
-        setattr(buf.untyped_storage(), STATE, [tuple(out.shape), buf.stride(), shape[dim]])
+        setattr(buf.untyped_storage(), STATE, [tuple(out.shape), buf.stride(), shape[dim], dim])
         return out
 
     def append(past, new):
         state = getattr(past.untyped_storage(), STATE, None)
-        if state is None:
+        if state is None or state[3] != dim:  # not a buffer, or one grown along another dim
             return fresh(past, new)
-        shape, stride, rows_max = state   # the latest view's shape, the buffer's strides
+        shape, stride, rows_max, _ = state  # the latest view's shape, the buffer's strides
         rows = shape[dim]
         n = new.shape[dim] if new.dim() == len(shape) else -1
         if past.shape != shape or rows + n > rows_max or n < 0 or past.stride() != stride or \

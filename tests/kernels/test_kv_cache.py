@@ -83,6 +83,18 @@ def test_dtypes_grad_and_inference_mode_as_cat():
     assert torch.equal(out, torch.cat([inf, new], 1)) and not out.is_inference()
 
 
+def test_a_buffer_appended_along_another_dim_is_copied():
+    """Two appends of different dims (each a cache of its own) never write into each other's
+    buffers: one grown along dim 2 has no spare room along dim 1."""
+    torch.manual_seed(4)
+    along2, along1 = make_kv_append(2), make_kv_append(1)
+    past = along2(torch.empty(0), torch.randn(1, 3, 5, 4))
+    keep = past.clone()
+    new = torch.randn(1, 1, 5, 4)
+    out = along1(past, new)
+    assert torch.equal(out, torch.cat([keep, new], 1)) and torch.equal(past, keep)
+
+
 def test_bad_shapes_raise_what_cat_raises():
     append = make_kv_append(2)
     past = append(torch.empty(0), torch.randn(1, 2, 4, 8))
