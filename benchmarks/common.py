@@ -136,6 +136,13 @@ def _sample(side: Side, number: int, settle: float = 0.0) -> float:
         return (time.perf_counter() - t0) / number
 
 
+# A comparison spends at most about this long sampling (beyond warm-up), with at least MIN_REPS
+# samples a side, and a call this slow is warmed up once: eager bf16 of a 12-layer encoder on a
+# CPU without AVX512_BF16 takes 9.7 s a call (Zen 3), and 3 rounds of 20 samples of it alone
+# took bench_models past 25 minutes
+ROUND_BUDGET, MIN_REPS, SLOW_CALL = 30.0, 3, 1.0
+
+
 def calibrate(sides: Sequence[Side], warmup: int = 3, min_sample: float = 2e-3) -> int:
     """Warm every side up; return how many back-to-back calls make one sample.
 
@@ -145,14 +152,16 @@ def calibrate(sides: Sequence[Side], warmup: int = 3, min_sample: float = 2e-3) 
     for side in sides:
         side.samples.clear()
         for _ in range(warmup):
-            _sample(side, 1)
-    one = min(min(_sample(s, 1) for _ in range(2)) for s in sides)
+            if _sample(side, 1) > SLOW_CALL:
+                break
+    one = min(_sample(s, 1) for s in sides)
     return max(1, min(10_000, math.ceil(min_sample / max(one, 1e-7))))
 
 
 def sample_round(sides: Sequence[Side], reps: int, number: int, budget: float = 0.0,
-                 max_factor: int = 4, settle: float = 0.0) -> None:
-    """At least ``reps`` samples of every side, interleaved, the order alternating each time.
+                 max_factor: int = 4, settle: float = 0.0) -> float:
+    """``reps`` samples of every side, interleaved, the order alternating each time (fewer,
+    down to ``MIN_REPS``, once ``ROUND_BUDGET`` seconds have gone); the seconds spent.
 
     Cheap calls get more samples (until ``budget`` seconds have been spent, at most
     ``max_factor * reps``): on a loaded machine a short sample is more likely to fall in a quiet
@@ -160,29 +169,40 @@ def sample_round(sides: Sequence[Side], reps: int, number: int, budget: float = 
     """
     t0, r = time.perf_counter(), 0
     while r < reps or (r < max_factor * reps and time.perf_counter() - t0 < budget):
+        if r >= MIN_REPS and time.perf_counter() - t0 > ROUND_BUDGET:
+            break
         for side in (sides if r % 2 == 0 else reversed(sides)):
             side.samples.append(_sample(side, number, settle))
         r += 1
+    return time.perf_counter() - t0
 
 
 def compare(sides: Sequence[Side], reps: int = 20, warmup: int = 3,
             min_sample: float = 2e-3, settle: float = 0.0) -> list[float]:
     """Best seconds per call of each side over ``reps`` interleaved samples after warm-up
     (``settle``: see ``_sample``)."""
-    sample_round(sides, reps, calibrate(sides, warmup, min_sample), settle=settle)
-    return [s.best for s in sides]
+    return _compare_timed(sides, reps, warmup, settle, min_sample)[0]
+
+
+def _compare_timed(sides, reps, warmup, settle, min_sample=2e-3) -> tuple[list[float], float]:
+    """``compare`` and the seconds its sampling took."""
+    spent = sample_round(sides, reps, calibrate(sides, warmup, min_sample), settle=settle)
+    return [s.best for s in sides], spent
 
 
 def best_of_rounds(sides: Sequence[Side], reps: int, rounds: int,
                    settle: float = 0.0) -> list[float]:
     """Best seconds per call of each side over a few interleaved rounds (``compare``), a second
-    apart (on a shared machine one round can be disturbed)."""
+    apart (on a shared machine one round can be disturbed); one round where it ran past
+    ``ROUND_BUDGET``."""
     best = [float("inf")] * len(sides)
     for r in range(rounds):
         if r:
             time.sleep(1.0)
-        best = [min(b, t) for b, t in zip(best, compare(sides, reps=reps, warmup=3,
-                                                         settle=settle))]
+        times, spent = _compare_timed(sides, reps, 3, settle)
+        best = [min(b, t) for b, t in zip(best, times)]
+        if spent > ROUND_BUDGET:  # a slow row: more rounds would cost minutes each
+            break
     return best
 
 
