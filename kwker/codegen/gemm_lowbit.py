@@ -122,7 +122,7 @@ class _Tile:
         self.ng = groups(spec, self.L)
         self.xpad = -(-self.kp // self.L) * self.L        # float32 x row, padded with zeros
         # int4 without a 16-float table (AVX2): each x row is followed by its sums per unit of
-        # ``unit`` weights (lane by lane), for the zero-point term of _int4_folded
+        # ``unit`` weights (lane by lane), for the zero-point term (gemm_lowbit_fold)
         self.fold = gemm_lowbit_fold.folds(spec.bits, self.L)
         self.chunk = chunk(spec.bits, self.L)
         self.unit = min(spec.group, chunk(4, self.L))
