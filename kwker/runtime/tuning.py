@@ -89,23 +89,36 @@ def best_times(fns: list, args: list, budget: float = BUDGET_S) -> list[float]:
     return best
 
 
-def decide(problem: str, op: str, candidates: dict, inputs) -> tuple[dict, dict]:
+def choose(times_us: dict, handicap: dict | None = None) -> str:
+    """The winner of measured times: the fastest once each candidate's time is multiplied by
+    its handicap (1 if none); ties go to the earlier candidate."""
+    handicap = handicap or {}
+    return min(times_us, key=lambda name: times_us[name] * handicap.get(name, 1.0))
+
+
+def decide(problem: str, op: str, candidates: dict, inputs,
+           handicap: dict | None = None) -> tuple[dict, dict]:
     """(record, built): the record of ``problem`` on this machine (``candidates``: name ->
     builder of a callable, the built-in choice first), measured now when there is none or
-    ``KWKER_TUNE=force``: every candidate built, timed on ``inputs()``, the fastest recorded;
-    ``built`` holds the callables built for that (empty when the record was read)."""
+    ``KWKER_TUNE=force``: every candidate built, timed on ``inputs()``, the winner by
+    ``choose(times, handicap)`` recorded; ``built`` holds the callables built for that (empty
+    when the record was read). A record's choice is re-derived from its times, so a changed
+    handicap applies to records measured before it."""
     import torch  # the runtime's other modules do without it; only measuring needs it
     target, threads = host_target(), torch.get_num_threads()
     record = None if mode() == "force" else load(problem, target, threads)
     if record is not None and record.get("choice") in candidates:
+        times = record.get("times_us")
+        if isinstance(times, dict) and set(times) == set(candidates) and all(
+                isinstance(t, (int, float)) and t > 0 for t in times.values()):
+            record = {**record, "choice": choose(times, handicap)}
         return record, {}
     built = {name: build() for name, build in candidates.items()}
     with torch.no_grad():
         times = best_times(list(built.values()), inputs())
-    choice = min(zip(times, built), key=lambda tn: tn[0])[1]
+    times_us = {name: round(t * 1e6, 2) for name, t in zip(built, times)}
     return store(problem, target, threads, {
-        "choice": choice, "op": op,
-        "times_us": {name: round(t * 1e6, 2) for name, t in zip(built, times)}}), built
+        "choice": choose(times_us, handicap), "op": op, "times_us": times_us}), built
 
 
 @functools.cache

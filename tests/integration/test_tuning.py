@@ -111,6 +111,43 @@ def test_a_slower_kernel_leaves_its_nodes_on_aten(tuned, monkeypatch):
     assert {r["choice"] for r in _records()} == {"aten"}
 
 
+@pytest.mark.parametrize("speedup, kept", [(1.05, False), (1.25, True)])
+def test_a_kernel_must_beat_aten_by_the_margin(tuned, monkeypatch, speedup, kept):
+    """Measurements where the kernel is ``speedup`` x ATen alone (the timer replaced): a
+    near-tie stays on ATen, with the ratio and the margin in the report; a clear win is kept."""
+    def timed(fns, args, budget=tuning.BUDGET_S):
+        return [20e-6 / speedup, 20e-6]  # candidates in order: the kernel, ATen
+    monkeypatch.setattr(tuning, "best_times", timed)
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(16, 64)
+    expected, got, reports = compile_run(model, (x,), "eager")
+    assert_close(got, expected)
+    report = reports[-1]
+    assert bool(report.kernels) == kept
+    if not kept:
+        reasons = [why for _, _, why in report.missed]
+        assert reasons and all(f"only {speedup:.2f}x ATen" in why and
+                               f"{tune.KERNEL_MARGIN}x" in why for why in reasons), report
+    assert {r["choice"] for r in _records()} == {"kwker" if kept else "aten"}
+
+
+def test_a_record_follows_the_current_margin(tuned):
+    """A record stored with the kernel chosen at a near-tie (as before the margin existed) is
+    read back as ATen's, without measuring again; a clear win stays the kernel's."""
+    target, threads = host_target(), torch.get_num_threads()
+    for problem, kw in (("near tie", 16.7), ("clear win", 10.0)):
+        tuning.store(problem, target, threads,
+                     {"choice": "kwker", "op": "bmm", "times_us": {"kwker": kw, "aten": 17.23}})
+
+    def never():
+        raise AssertionError("a recorded problem was measured again")
+    candidates = {"kwker": never, "aten": never}
+    handicap = {"kwker": tune.KERNEL_MARGIN}
+    assert tuning.decide("near tie", "bmm", candidates, never, handicap)[0]["choice"] == "aten"
+    assert tuning.decide("clear win", "bmm", candidates, never, handicap)[0]["choice"] == "kwker"
+    assert tuning.decide("near tie", "bmm", candidates, never)[0]["choice"] == "kwker"
+
+
 def test_the_reference_computes_what_the_kernel_computes(tuned):
     """The ATen side of a measurement runs the replaced nodes: for each match of a model with a
     fused epilogue, a residual and attention, on the same random inputs, both agree."""
@@ -351,9 +388,9 @@ def test_threshold_fit_takes_the_faster_side_everywhere():
 
 
 def test_drop_in_thresholds_are_measured_recorded_and_applied(tuned, monkeypatch):
+    import kwker.torch_ops as kto
     from kwker.ops import sorting as S
     from kwker.ops import thresholds as T
-    import kwker.torch_ops as kto
     monkeypatch.setattr(T, "FAMILIES", ("topk", "sort"))
     monkeypatch.setattr(T, "LENGTHS", (32, 512, 8192))
     monkeypatch.setattr(T, "_state", {"done": False})
