@@ -112,6 +112,7 @@ class Side:
     fn: Callable[[], object]
     context: Callable[[], AbstractContextManager] = contextlib.nullcontext
     samples: list[float] = field(default_factory=list)  # seconds per call
+    prime: bool = False  # each sample's first call, right after entering context(), untimed
 
     @property
     def best(self) -> float:
@@ -124,11 +125,13 @@ def _sample(side: Side, number: int, settle: float = 0.0) -> float:
     ``settle`` > 0: first sleep that long, then make one untimed call. Sides running their own
     thread pools (ONNX Runtime's workers spin ~30 ms after a call, OpenMP's a few ms) would
     otherwise steal a core from the side timed next; after the pause they are idle, and the
-    untimed call wakes this side's own threads.
+    untimed call wakes this side's own threads. ``side.prime``: one untimed call too (the
+    first call after entering the context is then not what a sample measures).
     """
     with side.context():
         if settle:
             time.sleep(settle)
+        if settle or side.prime:
             side.fn()
         t0 = time.perf_counter()
         for _ in range(number):
