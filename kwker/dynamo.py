@@ -23,6 +23,7 @@ import logging
 import torch
 
 from .lowering.report import Report, all_reports, clear_reports, last_report, new_graph_id, publish
+from .runtime.memory import release_free_heap
 
 log = logging.getLogger("kwker")
 
@@ -86,16 +87,20 @@ def backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = Non
     original = gm
     gm, decomposed = decompose(gm)
     dump = opts.get("dump_dir")
-    if inner == "eager":
-        from .lowering.partition import EagerCompiled
-        compiled = EagerCompiled(gm, list(example_inputs), graph_id, inner, dump, decomposed)
-        if compiled.report.status == "lowered" and not compiled.report.kernels:
-            # nothing became a kernel (none fits, or ATen measured faster): the graph as
-            # dynamo gave it, at exactly the cost of backend="eager"
-            return original.forward
-        return compiled
-    from .lowering.inductor import compile_inductor
-    return compile_inductor(gm, list(example_inputs), graph_id, mode, dump, decomposed)
+    try:
+        if inner == "eager":
+            from .lowering.partition import EagerCompiled
+            compiled = EagerCompiled(gm, list(example_inputs), graph_id, inner, dump,
+                                     decomposed)
+            if compiled.report.status == "lowered" and not compiled.report.kernels:
+                # nothing became a kernel (none fits, or ATen measured faster): the graph as
+                # dynamo gave it, at exactly the cost of backend="eager"
+                return original.forward
+            return compiled
+        from .lowering.inductor import compile_inductor
+        return compile_inductor(gm, list(example_inputs), graph_id, mode, dump, decomposed)
+    finally:
+        release_free_heap()
 
 
 def _inner(gm, example_inputs, inner: str, mode: str | None):
