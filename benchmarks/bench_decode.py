@@ -27,6 +27,7 @@ bf16.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 import warnings
@@ -37,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import probes
+
+from kwker.runtime.memory import release_free_heap
 
 PROMPT, NEW = 128, 64
 ROWS = [  # (label, activation dtype, quantisation, how it runs)
@@ -161,9 +164,14 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
             continue
         torch._dynamo.reset()
         _, model = build(cfg, dtype, quant, how)
+        gc.collect()
+        release_free_heap()  # what earlier rows and the quantisation freed leaves the RSS
+        rss = common.rss_mb()
         t = time.perf_counter()
         generate(model, prompt, 4)                   # compiles (prefill and decode graphs)
         first = time.perf_counter() - t
+        gc.collect()
+        rss = common.rss_mb() - rss
         best_prefill, best_tps = float("inf"), 0.0
         for _ in range(reps):
             tokens, prefill, tps = generate(model, prompt, steps)
@@ -186,11 +194,12 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
                                                             if dtype == "bf16" else "")
         row = {"row": label, "dtype": dtype, "weights": quant or dtype, "how": how,
                "tok_s": best_tps, "prefill_ms": best_prefill * 1e3, "first_s": first,
+               "rss_mb": rss,
                "weight_mb": nbytes / 1e6, "gbps": gbps, "stream_gbps": bandwidth[nbytes],
                "roofline": gbps / bandwidth[nbytes], "check": check}
         print(f"{label:<24} {best_tps:6.1f} tok/s  prefill {best_prefill * 1e3:6.1f} ms  "
               f"{gbps:5.1f} GB/s of {bandwidth[nbytes]:.1f} ({row['roofline']:.0%})  "
-              f"first call {first:.1f} s  {check}", flush=True)
+              f"first call {first:.1f} s  RSS +{rss:.0f} MB  {check}", flush=True)
         rows.append(row)
     return rows, {**describe(cfg),
                   "prompt": PROMPT, "new_tokens": steps}
@@ -237,13 +246,17 @@ def render(rows: list[dict], model: dict, info: dict) -> str:
              "linear-weight bytes per token x tok/s; roofline: that against a streaming read of "
              "as many bytes, measured in the same run (stream GB/s). Targets (issue 20): int8 "
              ">= 2x eager bf16, int4 >= 3x; both >= 2x eager torchao, >= 1.5x torchao + "
-             "Inductor, >= 75% of the roofline; prefill no slower than eager bf16."), ""]
+             "Inductor, >= 75% of the roofline; prefill no slower than eager bf16. RSS +MB: "
+             "growth of the resident set over the first call (compile, prefill, 3 tokens), "
+             "from after the model was built (heap freed before that returned to the OS); "
+             "target: <= 1.3x the packed weights plus activations."), ""]
     lines.append(common.md_table(
         ["row", "tok/s", "prefill ms", "weights MB", "GB/s", "stream GB/s", "roofline",
-         "first call s", "check"],
+         "first call s", "RSS +MB", "check"],
         [[r["row"], f"{r['tok_s']:.1f}", f"{r['prefill_ms']:.1f}", f"{r['weight_mb']:.0f}",
           f"{r['gbps']:.1f}", f"{r['stream_gbps']:.1f}", f"{r['roofline']:.0%}",
-          f"{r['first_s']:.1f}", r["check"]] for r in rows]))
+          f"{r['first_s']:.1f}", f"{r['rss_mb']:.0f}" if "rss_mb" in r else "",
+          r["check"]] for r in rows]))
     lines += ["", ("Kwker's decode against the alternatives (tok/s ratios), and its prefill "
                    "against eager bf16's:"), ""]
     lines.append(common.md_table(["Kwker row", "vs eager bf16", "vs eager torchao",

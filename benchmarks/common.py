@@ -307,3 +307,12 @@ def save_plot(fig, path: Path, title: str) -> bool:
     import matplotlib.pyplot as plt
     plt.close(fig)
     return True
+
+
+def rss_mb() -> float:
+    """Resident set size of this process (VmRSS), MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")

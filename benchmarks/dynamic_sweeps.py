@@ -227,15 +227,6 @@ def run_gpt(mode, quick, log):
             "graphs": d["dynamo_graphs"]}
 
 
-def rss_mb() -> float:
-    """Resident set size of this process (VmRSS), MB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def run_memory(mode, quick, log):
     model = mlp_model(1024, 4096)
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
@@ -244,7 +235,7 @@ def run_memory(mode, quick, log):
     for b in sizes("memory", quick):
         fn(torch.randn(b, 1024))
         gc.collect()
-        rss.append(rss_mb())
+        rss.append(common.rss_mb())
         log(f"{mode} batch {b}: RSS {rss[-1]:.1f} MB")
     return {"sizes": sizes("memory", quick), "rss_mb": rss, "weights_mb": weights,
             "growth_mb": rss[-1] - rss[0], "peak_growth_mb": max(rss) - rss[0]}
