@@ -35,11 +35,11 @@ def emit_sort(rk: RowKernel):
     b = rk.f.b
     if rk.spec.stable:
         algos = rk.algos(packed=True) if rk.kt == i32 else None
-        if algos is not None and algos.distinct_max:
+        if algos is not None and algos.network_max:
             # a short row's packed words (key << 32 | index) are all different: one network
             # sorts them in the stable order, where the radix sort's histograms would dominate
             f = rk.f
-            short = b.icmp_signed("<=", rk.n, const(i64, algos.distinct_max))
+            short = b.icmp_signed("<=", rk.n, const(i64, algos.network_max))
             with f.if_else(short) as (network, radix):
                 with network:
                     P, = rk.scratch_arrays(["P"])

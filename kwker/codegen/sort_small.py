@@ -125,7 +125,7 @@ class SmallSortAlgos(SortAlgosBase):
                 self._network(f, K, first, m, THRESHOLD)
 
     def network_sort(self, f: Fn, K, first, m):
-        """Sort K[first:first+m] (m <= distinct_max packed words) by key, stably, inline in f:
+        """Sort K[first:first+m] (m <= network_max packed words) by key, stably, inline in f:
         the narrowest network that holds m."""
         def emit(widths):
             if len(widths) == 1:
@@ -136,17 +136,43 @@ class SmallSortAlgos(SortAlgosBase):
                     self._network(f, K, first, m, widths[0])
                 with wide:
                     emit(widths[1:])
-        emit([w for w in (16, 32, 64) if w <= self.distinct_max])
+        emit([w for w in (16, 32, 64) if w <= self.network_max])
 
     def _network(self, f: Fn, K, first, m, W: int):
         pay, _, live = self._sorted_network(f, K, first, m, W)
-        self._store_words(f, K, first, pay, live)
+        self._store_words(f, K, first, m, pay, live)
 
-    def _store_words(self, f: Fn, K, first, words, live):
+    def _store_words(self, f: Fn, K, first, m, words, live):
+        """K[first:first+m] = the first m lanes of ``words`` (``live``: lane < m).
+
+        AVX-512 stores under a mask register. AVX2's masked store (vpmaskmovq) is slow on AMD
+        cores, and LLVM splits a wide one into one per 4 words; there the words go through a
+        stack copy, whole 4-word groups are stored plainly and only the last one under a
+        mask."""
         W = live.type.count
-        store = intrinsic(self.m, f"llvm.masked.store.v{W}i64.p0", void,
-                          [vec(i64, W), ptr, i32, vec(i1, W)])
-        f.b.call(store, [words, f.gep(K, first, i64), const(i32, 8), live])
+        b = f.b
+        if self.lanes >= 8 or W <= 4:
+            store = intrinsic(self.m, f"llvm.masked.store.v{W}i64.p0", void,
+                              [vec(i64, W), ptr, i32, vec(i1, W)])
+            b.call(store, [words, f.gep(K, first, i64), const(i32, 8), live])
+            return
+        buf = f.array(i64, W, "net_out")
+        b.store(words, buf, align=8)
+        whole = b.and_(m, const(i64, -4))
+        dst = f.gep(K, first, i64)
+        with f.for_range(const(i64, 0), whole, step=4, name="net_st") as j:
+            f.b.store(f.load_vec(i64, 4, buf, j), f.gep(dst, j, i64), align=8)
+        tail = b.sub(m, whole)
+        with f.if_(b.icmp_signed(">", tail, const(i64, 0))):
+            v4 = vec(i64, 4)
+            splat = b.shuffle_vector(b.insert_element(ir.Constant(v4, None), tail,
+                                                      const(i32, 0)),
+                                     ir.Constant(v4, None), ir.Constant(vec(i32, 4), [0] * 4))
+            store = intrinsic(self.m, "llvm.masked.store.v4i64.p0", void,
+                              [v4, ptr, i32, vec(i1, 4)])
+            b.call(store, [f.load_vec(i64, 4, buf, whole), f.gep(dst, whole, i64),
+                           const(i32, 8),
+                           b.icmp_signed("<", ir.Constant(v4, [0, 1, 2, 3]), splat)])
 
     def _sorted_network(self, f: Fn, K, first, m, W: int):
         """(sorted words, sorted composites, live lanes) of K[first:first+m], m <= W.
@@ -183,7 +209,11 @@ class SmallSortAlgos(SortAlgosBase):
         ptrs.type = vec(ptr, W)  # llvmlite types a vector GEP as a scalar pointer
         gather = intrinsic(self.m, f"llvm.masked.gather.v{W}i64.v{W}p0", vt,
                            [vec(ptr, W), i32, vec(i1, W), vt])
-        pay = b.call(gather, [ptrs, const(i32, 8), live, ir.Constant(vt, None)])
+        # Lanes past m sort last and keep their own position (< W), which the padded load
+        # above read already, so every lane may load. On AVX2 LLVM expands a gather into one
+        # load per lane; under a mask each also tests and branches.
+        mask = live if self.lanes >= 8 else ir.Constant(vec(i1, W), [1] * W)
+        pay = b.call(gather, [ptrs, const(i32, 8), mask, ir.Constant(vt, None)])
         return pay, comp, live
 
     def distinct_sort(self) -> ir.Function:
@@ -225,7 +255,7 @@ class SmallSortAlgos(SortAlgosBase):
                 tie = b.bitcast(b.and_(b.icmp_signed("==", keys, nxt), pairs), ir.IntType(W))
                 with f.if_(b.icmp_unsigned("!=", tie, const(ir.IntType(W), 0))):
                     f.ret(const(i1, 0))
-                self._store_words(f, K, first, pay, live)
+                self._store_words(f, K, first, m, pay, live)
                 f.ret(const(i1, 1))
             if len(widths) == 1:
                 attempt(widths[0])
