@@ -114,9 +114,7 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
         nr = nv * L
         nb = max(1, min(_cdiv(n, nr), (l2 // 2) // (nr * k * 4)))
         return Blocking(m, nr, k, m, nb, False, ksplit)
-    waste = [_padded(m, n, t[0], t[1] * L) for t in tiles]
-    # the first tile within 3% of the least padded one (measured: all reach ~90% of peak)
-    mr, nv = next(t for t, w in zip(tiles, waste) if w <= min(waste) + 0.03)
+    mr, nv = least_padded(m, n, tiles, L)
     nr = nv * L
     if b_layout != "packed" and _cdiv(n, nr) <= 2:
         # one or two panels: each A row is used once or twice, packing it would cost as much
@@ -165,8 +163,9 @@ def tile_blocking(n: int, k: int, l2: int | None = None) -> Blocking:
     Rapids, 1 thread, best of 80: 1024^3 at 460 GFLOP/s with 176-pair blocks that keep A in L1,
     1020 with K whole; 2 threads, K = 4096 in 2 blocks of 1024 pairs instead of 3 of 688:
     64 x 1024 x 4096 1008 -> 1356 GFLOP/s, 1024 x 1024 x 4096 1.63x faster, level with oneDNN;
-    K = 2048 whole instead of 2 blocks: 4% faster). Chunks of ``mc`` rows keep their partial sums (np blocks of 4 KB per
-    row tile) in half of L2; B blocks of ``nb`` panels in half of L2."""
+    K = 2048 whole instead of 2 blocks: 4% faster). Chunks of ``mc`` rows keep their partial
+    sums (np blocks of 4 KB per row tile) in half of L2; B blocks of ``nb`` panels in half of
+    L2."""
     l2 = l2 or cache_sizes()[1]
     mr, nr = TILE_BLOCK
     blocks = _cdiv(k, TILE_KC)
@@ -176,6 +175,13 @@ def tile_blocking(n: int, k: int, l2: int | None = None) -> Blocking:
     if blocks > 1:
         tiles = max(1, min(tiles, (l2 // 2) // (_cdiv(n, nr) * mr * nr * 4)))
     return Blocking(mr, nr, kc, tiles * mr, nb, True, path="tile")
+
+
+def least_padded(m: int, n: int, tiles: list[tuple[int, int]], L: int) -> tuple[int, int]:
+    """The first (mr, vectors) tile of ``tiles`` within 3% of the least edge padding of an
+    m x n product (measured: all of them reach ~90% of peak)."""
+    waste = [_padded(m, n, t[0], t[1] * L) for t in tiles]
+    return next(t for t, w in zip(tiles, waste) if w <= min(waste) + 0.03)
 
 
 def _padded(m: int, n: int, mr: int, nr: int) -> float:
