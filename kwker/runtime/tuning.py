@@ -90,10 +90,14 @@ def best_times(fns: list, args: list, budget: float = BUDGET_S) -> list[float]:
 
 
 def choose(times_us: dict, handicap: dict | None = None) -> str:
-    """The winner of measured times: the fastest once each candidate's time is multiplied by
-    its handicap (1 if none); ties go to the earlier candidate."""
+    """The winner of measured times: the fastest once each candidate's time has its handicap,
+    ``(factor, extra us)``, applied (none if absent); ties go to the earlier candidate."""
     handicap = handicap or {}
-    return min(times_us, key=lambda name: times_us[name] * handicap.get(name, 1.0))
+
+    def judged(name):
+        factor, extra = handicap.get(name, (1.0, 0.0))
+        return times_us[name] * factor + extra
+    return min(times_us, key=judged)
 
 
 def decide(problem: str, op: str, candidates: dict, inputs,
