@@ -98,6 +98,34 @@ def lowbit(checks: dict) -> None:
                                                                               lin.bias)), 1e-5)
 
 
+def sorting(checks: dict) -> None:
+    """The drop-in sorts on this ISA's row kernels, identical to ATen (values, indices): the
+    radix-sorted copy with a few ties, tie-heavy and all-equal rows (introsort's exact
+    partitions, the small stable networks and their stores of every length), NaN and -0.0;
+    several threads on one long row."""
+    from kwker.ops import sorting as S
+    g = torch.Generator().manual_seed(1)
+    rows = {"randn": torch.randn(6, 3001, generator=g),
+            "4 values": torch.randint(0, 4, (6, 3001), generator=g).float(),
+            "500 values": torch.randint(0, 500, (6, 3001), generator=g).float(),
+            "equal": torch.zeros(6, 3001)}
+    special = torch.randn(6, 3001, generator=g)
+    special[:, ::7], special[:, 3::11] = float("nan"), -0.0
+    rows["nan, -0.0"] = special
+    for name, x in rows.items():
+        for stable in (False, True):
+            for desc in (False, True):
+                got = S.fast_sort(x, stable, -1, desc)
+                ref = torch.sort(x, dim=-1, descending=desc, stable=stable)
+                checks[f"sort {name} stable={stable} descending={desc}"] = (
+                    got is not NotImplemented and torch.equal(got[1], ref.indices) and
+                    torch.equal(got[0].view(torch.int32), ref.values.view(torch.int32)))
+    x = torch.randint(0, 50, (200_000,), generator=g).float()  # one row over several threads
+    got, ref = S.fast_sort(x), torch.sort(x)
+    checks["sort one long tie-heavy row"] = got is not NotImplemented and torch.equal(
+        got[1], ref.indices)
+
+
 def main() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(2)
@@ -131,11 +159,16 @@ def main() -> int:
     sdpa_generic(checks)
     layer_norm(checks)
     lowbit(checks)
+    sorting(checks)
     w = torch.randint(-2, 3, (2000, 16)).float()
     x = torch.randint(-2, 3, (9, 16)).float()
     vals, idx = make_linear_topk(w, 9, 20)(x)
     rv, ri = torch.topk(x @ w.t(), 20)
     checks["linear_topk ties"] = torch.equal(idx, ri) and torch.equal(vals, rv)
+    x8 = torch.randint(-2, 3, (8, 16)).float()  # 8 rows: 4-row tiles on AVX2
+    vals, idx = make_linear_topk(w, 8, 20)(x8)
+    rv, ri = torch.topk(x8 @ w.t(), 20)
+    checks["linear_topk ties, 8 rows"] = torch.equal(idx, ri) and torch.equal(vals, rv)
     g, x = make_gelu(None), torch.randn(5003) * 3  # generic kernels: every edge of this ISA's tiles
     checks["gelu generic"] = all(close(g(x[:n]), F.gelu(x[:n])) for n in (1, 3, 7, 9, 17, 5003))
     x = torch.randint(-2, 3, (25, 16)).float()
