@@ -62,6 +62,26 @@ def test_linear_large_k_blocks(threads):
     assert_close(f(x), F.gelu(F.linear(x, w, b)), k)
 
 
+@pytest.mark.parametrize("m,n,k,epilogue,residual", [
+    (2048, 64, 64, "none", False), (129, 257, 511, "gelu", True), (37, 33, 65, "relu", False),
+    (61, 100, 3000, "silu", True), (500, 10, 10, "none", False)])
+def test_every_blocking_variant(m, n, k, epilogue, residual, threads):
+    """Each blocking the tuner may pick (A packed per call or read in place) gives the answer,
+    whichever this host's built-in choice is; K = 3000 takes several K blocks."""
+    from kwker.kernels import blocking
+    from kwker.kernels import linear as L
+    torch.manual_seed(m + n + k)
+    w, b, x = torch.randn(n, k) / k ** 0.5, torch.randn(n), torch.randn(m, k)
+    res = torch.randn(m, n) if residual else None
+    options = blocking.variants(m, n, k)
+    assert {blk.a_pack for blk in options.values()} == {True, False}
+    for name, blk in options.items():
+        run = L._build(blk, w, b, m, n, k, k, epilogue, residual, torch.float32, None,
+                       torch.float32)
+        y = run(x, res) if residual else run(x)
+        assert_close(y, reference(x, w, b, epilogue, res), k)
+
+
 def test_linear_keeps_weights_and_noncontiguous_input():
     torch.manual_seed(4)
     w = torch.randn(33, 20)
