@@ -51,6 +51,12 @@ def _records() -> list[dict]:
     return [body for _, body in tuning.iter_records()]
 
 
+def _verdicts() -> list[dict]:
+    """The lowering's kernel-against-ATen records (not a family's variants, not thresholds)."""
+    return [r for r in _records() if not r["op"].endswith(" variant")
+            and r["op"] != "drop-in thresholds"]
+
+
 def _slow_factory(monkeypatch, name: str, delay_s: float):
     """The factory ``name`` with every kernel it makes busy-waiting ``delay_s`` per call."""
     real = B.factory(name)
@@ -74,8 +80,12 @@ def test_records_are_written_then_reused(tuned, inner, monkeypatch):
     model, x = Mlp().eval(), torch.randn(16, 64)
     expected, got, reports = compile_run(model, (x,), inner)
     assert_close(got, expected)
-    records = _records()
+    records = _verdicts()
     assert len(records) == 2 and {r["op"] for r in records} == {"linear_gelu", "linear"}
+    # and each float32 linear's blocking (A packed per call or read in place) was measured
+    variants = [r for r in _records() if r["op"] == "linear variant"]
+    assert len(variants) == 2 and all(r["choice"] in ("vector", "vector, A in place")
+                                       for r in variants)
     for r in records:
         assert r["choice"] in ("kwker", "aten") and r["times_us"]["kwker"] > 0
         assert r["target"]["cpu"] == host_target().cpu
@@ -108,7 +118,7 @@ def test_a_slower_kernel_leaves_its_nodes_on_aten(tuned, monkeypatch):
     reasons = [why for _, op, why in report.missed if op == "linear"]
     assert reasons and all("faster on this CPU" in why for why in reasons), report
     assert report.specs == []  # the kernels built for the measurement are not listed
-    assert {r["choice"] for r in _records()} == {"aten"}
+    assert {r["choice"] for r in _verdicts()} == {"aten"}
 
 
 @pytest.mark.parametrize("aten_us, speedup, kept", [
@@ -133,7 +143,7 @@ def test_a_kernel_must_beat_aten_by_the_margin(tuned, monkeypatch, aten_us, spee
         reasons = [why for _, _, why in report.missed]
         assert reasons and all(f"only {speedup:.2f}x ATen" in why and
                                f"{tune.MARGIN_US:g} us a call" in why for why in reasons), report
-    assert {r["choice"] for r in _records()} == {"kwker" if kept else "aten"}
+    assert {r["choice"] for r in _verdicts()} == {"kwker" if kept else "aten"}
 
 
 def test_a_record_follows_the_current_margin(tuned):
