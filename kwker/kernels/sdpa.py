@@ -33,10 +33,11 @@ def _blocking(lq: int | None, lk: int | None, e: int, ev: int, dtype: str = "f32
     nr = 2 * lanes
     ev_vecs = -(-ev // lanes)
     regs = 32 if lanes == 16 else 16
-    mro = max(1, min(12, (regs - 4) // (ev_vecs + 0) - 0)) if ev_vecs else 12
-    mro = max(1, min(mro, (regs - 2 - ev_vecs) // max(1, ev_vecs)))
     if lanes == 8:  # AVX2: the output product goes by panels of 2 vectors (attention.o_panels)
         mro = 6
+    else:
+        mro = max(1, min(12, (regs - 4) // ev_vecs)) if ev_vecs else 12
+        mro = max(1, min(mro, (regs - 2 - ev_vecs) // max(1, ev_vecs)))
     mrs = 12 if lanes == 16 else 6
     bq = mrs * 2
     bk = 256 if lk is None else min(256, -(-lk // nr) * nr)
