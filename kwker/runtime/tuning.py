@@ -90,13 +90,15 @@ def best_times(fns: list, args: list, budget: float = BUDGET_S) -> list[float]:
 
 
 def choose(times_us: dict, handicap: dict | None = None) -> str:
-    """The winner of measured times: the fastest once each candidate's time has its handicap,
-    ``(factor, extra us)``, applied (none if absent); ties go to the earlier candidate."""
+    """The winner of measured times: the fastest once each candidate's time has its handicap
+    applied (none if absent); ties go to the earlier candidate. A handicap ``(factor, extra us,
+    share)`` judges a time ``t`` as ``t * factor + min(extra, share * t)``."""
     handicap = handicap or {}
 
     def judged(name):
-        factor, extra = handicap.get(name, (1.0, 0.0))
-        return times_us[name] * factor + extra
+        factor, extra, share = handicap.get(name, (1.0, 0.0, 0.0))
+        t = times_us[name]
+        return t * factor + min(extra, share * t)
     return min(times_us, key=judged)
 
 
