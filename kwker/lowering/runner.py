@@ -2,7 +2,8 @@
 
 Built once per specialisation. Every FX node becomes one step, a closure that reads its arguments
 from numbered slots and writes its result into its own slot; a group of nodes replaced by a Kwker
-kernel becomes a single step calling the kernel. A call fills the input slots and runs the steps
+kernel becomes a single step calling the kernel, and a chain of view ops one ``as_strided`` call
+(views.py). A call fills the input slots and runs the steps
 in order: no FX interpreter and no generated Python walks the graph. A slot is cleared after its
 last use, so intermediates die as early as they do in eager mode.
 """
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+
+from . import views
 
 
 @dataclass
@@ -140,6 +143,23 @@ _C_METHODS = {"split": torch._C.TensorBase.split}
 _CONCRETE = {torch.sym_sum: sum}
 
 
+# results nothing reads need not be computed when computing them has no effect: size arithmetic
+# dynamo leaves behind (a GPT-2 decode step's ``sym_sum`` and ``numel``, 5-10 us each there)
+_PURE_METHODS = {"numel", "size", "dim", "stride"}
+_PURE_FUNCTIONS = {torch.sym_sum, operator.add, operator.sub, operator.mul, operator.truediv,
+                   operator.floordiv, operator.mod, operator.neg, operator.getitem, operator.eq,
+                   operator.ne, operator.lt, operator.le, operator.gt, operator.ge}
+
+
+def _pure(n: Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _PURE_METHODS
+    try:
+        return n.op == "call_function" and n.target in _PURE_FUNCTIONS
+    except TypeError:  # unhashable
+        return False
+
+
 def _concrete(target) -> Callable:
     try:
         return _CONCRETE.get(target, target)
@@ -174,13 +194,18 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
     by_output = {k.output: k for k in kernels}
     covered = {n for k in kernels for n in k.covers} - set(by_output)
     nodes = list(gm.graph.nodes)
+    strided, no_step = views.collapse(nodes, metas, covered, set(by_output))
+    roots = {c.root for c in strided.values()}
+    for n in reversed(nodes):  # unused size arithmetic; a made view reads its chain's root
+        if n not in roots and _pure(n) and all(u in no_step for u in n.users):
+            no_step.add(n)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     slot_of: dict[Node, int] = {n: i for i, n in enumerate(placeholders)}
     template: list = [None] * len(placeholders)
     planned: list[tuple[Callable, list[Node]]] = []  # (step, nodes it reads)
     output_fn = None
     for n in nodes:
-        if n.op == "placeholder" or n in covered:
+        if n.op == "placeholder" or n in covered or n in no_step:
             continue
         if n.op == "get_attr":
             slot_of[n] = len(template)
@@ -194,7 +219,11 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
         slot_of[n] = len(template)
         template.append(None)
         k = by_output.get(n)
-        if k is not None:
+        if n in strided:
+            chain = strided[n]
+            step = views.make_step(chain, slot_of[chain.root], slot_of[n])
+            reads = [chain.root]
+        elif k is not None:
             for c in k.covers:
                 if c is not n and any(u not in k.covers for u in c.users):
                     raise ValueError(f"kernel {k.name} covers {c.name}, which is used outside it")
