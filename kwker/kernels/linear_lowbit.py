@@ -186,11 +186,16 @@ def pack_int4(q: torch.Tensor, lanes: int, kp: int, rr: int) -> torch.Tensor:
 
 def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None = None,
                        epilogue: str = "none", residual: bool = False,
-                       dtype: torch.dtype | None = None):
+                       dtype: torch.dtype | None = None, lead: tuple | None = None):
     """``callable(x (m, K)[, residual (m, N)]) -> (m, N)`` for a torchao quantised ``weight``.
 
     ``m=None``: any row count. ``dtype`` (default: the weight's) is the type of x, the residual
-    and the output (float32 or bfloat16; sums, bias and epilogue in float32, one rounding)."""
+    and the output (float32 or bfloat16; sums, bias and epilogue in float32, one rounding).
+    ``lead``: the leading dims of x, the residual and the output in place of ``(m,)`` (their
+    product ``m``), e.g. a decoder's (1, 1, K) token taken as it is."""
+    lead = tuple(int(d) for d in lead) if lead else None if m is None else (m,)
+    if lead is not None and (m is None or math.prod(lead) != m):
+        raise ValueError(f"make_linear_lowbit: leading dims {lead} for m={m}")
     lw = lowbit_weight(weight)
     dtype = dtype or lw.dtype
     dt = kernel_dtype(dtype, "make_linear_lowbit")
@@ -228,11 +233,12 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
         zp = _row_sums(lw.qdata)
     buffers = _Buffers(w, scale, zp, bias_c)
     if m is not None and m < PREFILL_ROWS:
-        return _decode_run(spec, buffers, dtype)
+        return _decode_run(spec, buffers, dtype, lead)
     make_prefill = _prefill_planes if _planes(spec) else _prefill
     prefill, specs = make_prefill(spec, buffers, dtype, m)
     if m is not None:
-        return _wrap(prefill, specs, buffers, n, k, m, residual, dtype)
+        return _leading(_wrap(prefill, specs, buffers, n, k, m, residual, dtype), lead, k, n,
+                        residual)
     gemv = _gemv(spec, buffers, dtype)
 
     def either(x, r):
@@ -324,7 +330,28 @@ def _gemv(spec: LowbitGemmSpec, buf: _Buffers, dtype):
     return call
 
 
-def _decode_run(spec: LowbitGemmSpec, buf: _Buffers, dtype):
+def _leading(run, lead: tuple, k: int, n: int, residual: bool):
+    """``run`` (on (m, K) rows) taking and giving tensors of leading dims ``lead``."""
+    m = math.prod(lead)
+    if lead == (m,):
+        return run
+
+    def rows(x, width, name):
+        if tuple(x.shape) != (*lead, width):
+            raise ValueError(f"low-bit linear {name}: expected shape {(*lead, width)}, got "
+                             f"{tuple(x.shape)}")
+        return x.reshape(m, width)
+    if residual:
+        def shaped(x, r):
+            return run(rows(x, k, "input"), rows(r, n, "residual")).view(*lead, n)
+    else:
+        def shaped(x):
+            return run(rows(x, k, "input")).view(*lead, n)
+    shaped.__dict__.update(run.__dict__)
+    return shaped
+
+
+def _decode_run(spec: LowbitGemmSpec, buf: _Buffers, dtype, lead: tuple):
     """The factory's callable for a fixed decode row count: ``_wrap(_gemv(...))`` without their
     frames in the common call (x and residual as the kernel takes them, no profiler). A token
     runs ~50 of these after its weights have evicted the caches, where each frame and
@@ -332,10 +359,11 @@ def _decode_run(spec: LowbitGemmSpec, buf: _Buffers, dtype):
     fn = entry(spec, 7, 1)
     w_p, s_p, z_p, b_p = buf.ptrs()
     n, k, m = spec.n, spec.k, spec.m
-    x_shape, out_shape = (m, k), (m, n)
+    x_shape, out_shape = (*lead, k), (*lead, n)
     template, empty_like, threads = torch.empty(out_shape, dtype=dtype), torch.empty_like, \
         torch.get_num_threads
-    slow = _wrap(_gemv(spec, buf, dtype), [spec], buf, n, k, m, spec.residual, dtype)
+    slow = _leading(_wrap(_gemv(spec, buf, dtype), [spec], buf, n, k, m, spec.residual, dtype),
+                    lead, k, n, spec.residual)
 
     if spec.residual:
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:

@@ -253,16 +253,14 @@ def _linear(m: Match, metas, consts):
     rows = _prod(lead)
     if rows == 0 or k_in == 0:
         return None, "empty input"
+    # the kernel takes x, the residual and its output with their leading dims as they are
     fn, why = _make(maker, w, bias, rows, epilogue=m.params["epilogue"],
-                    residual=res is not None, dtype=xm.dtype, **extra)
+                    residual=res is not None, dtype=xm.dtype, lead=tuple(lead), **extra)
     if fn is None:
         return None, why
-    if len(lead) == 1:
+    if res is None or tuple(metas[res].shape) == out_shape:
         return fn, None
-    shape2, res2 = (rows, k_in), (rows, n_out)
-    if res is None:
-        return (lambda x: fn(x.reshape(shape2)).view(out_shape)), None
-    return (lambda x, r: fn(x.reshape(shape2), r.reshape(res2)).view(out_shape)), None
+    return (lambda x, r: fn(x, r.reshape(out_shape))), None
 
 
 def _linear_topk(m: Match, metas, consts):
@@ -375,6 +373,9 @@ def _matmul(m: Match, metas, consts):
         return None, why
     if bt:
         return (lambda a, b: fn(a.reshape(a_shape), b.mT.reshape(b_shape)).view(out_shape)), None
+    if tuple(am.shape) == a_shape and tuple(bm.shape) == b_shape and out_shape == (
+            batch, mm, nn):  # a bmm: the kernel takes the tensors as they are (two fewer calls)
+        return fn, None
     return (lambda a, b: fn(a.reshape(a_shape), b.reshape(b_shape)).view(out_shape)), None
 
 

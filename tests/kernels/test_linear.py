@@ -1,4 +1,6 @@
 """make_linear / make_matmul against ATen: primes, m=1, edge tiles, epilogues, residual."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,9 +79,25 @@ def test_every_blocking_variant(m, n, k, epilogue, residual, threads):
     assert {blk.a_pack for blk in options.values()} == {True, False}
     for name, blk in options.items():
         run = L._build(blk, w, b, m, n, k, k, epilogue, residual, torch.float32, None,
-                       torch.float32)
+                       torch.float32, (m,))
         y = run(x, res) if residual else run(x)
         assert_close(y, reference(x, w, b, epilogue, res), k)
+
+
+def test_leading_dims_taken_as_they_are():
+    """``lead``: x, the residual and the output with their leading dims, as the lowering hands
+    a (batch, seq, K) input over; another shape is refused with the one expected."""
+    torch.manual_seed(5)
+    w, b = torch.randn(24, 40) / 40 ** 0.5, torch.randn(24)
+    for lead in ((1, 1), (2, 3), (4, 1, 5)):
+        m = math.prod(lead)
+        x, res = torch.randn(*lead, 40), torch.randn(*lead, 24)
+        f = make_linear(w, b, m, "relu", True, lead=lead)
+        assert_close(f(x, res), reference(x, w, b, "relu", res), 40)
+        with pytest.raises(ValueError, match="expected shape"):
+            f(x.reshape(m, 40), res.reshape(m, 24))
+    with pytest.raises(ValueError, match="leading dims"):
+        make_linear(w, b, 5, lead=(2, 3))
 
 
 def test_linear_keeps_weights_and_noncontiguous_input():

@@ -94,6 +94,22 @@ def test_epilogues_and_residual(epilogue, dtype):
         assert_close(fn(x, res), reference(lin, x, epilogue, res, dtype), dtype, epilogue)
 
 
+@pytest.mark.parametrize("lead", [(1, 1), (2, 3), (3, PREFILL_ROWS)])
+def test_leading_dims_taken_as_they_are(lead):
+    """``lead``: a decoder's (1, 1, K) token, or a (batch, seq, K) prompt, in and out without a
+    reshape (decode and prefill kernels), a residual of the output's shape; another shape is
+    refused with the one expected."""
+    lin = quantized("int4-group32", 72, 128)
+    m = lead[0] * lead[1]
+    for residual in (False, True):
+        fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, "gelu", residual, lead=lead)
+        x, res = torch.randn(*lead, 128), torch.randn(*lead, 72)
+        y = fn(x, res) if residual else fn(x)
+        assert_close(y, reference(lin, x, "gelu", res if residual else None), torch.float32)
+        with pytest.raises(ValueError, match="expected shape"):
+            fn(x.reshape(m, 128), res.reshape(m, 72)) if residual else fn(x.reshape(m, 128))
+
+
 @pytest.mark.parametrize("fmt, dtype, k", [("int8-channel", torch.float32, 192),
                                             ("int4-group64-asym", torch.float32, 192),
                                             ("int8-channel", torch.bfloat16, 193),
