@@ -20,8 +20,8 @@ from . import build as B
 from . import custom_ops as C
 from . import sorting as S
 from . import tune
-from .fold import fold_constants
 from .autocast import make_explicit
+from .fold import fold_constants
 from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes
 from .ops import is_view
 from .partition import EagerCompiled, const_nodes
@@ -214,7 +214,11 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir,
     failures, kept, generic = {}, [], set()
 
     def lower(m) -> None:
-        why, is_generic = _prebuild(m, metas, consts, specs, report)
+        try:
+            why, is_generic = _prebuild(m, metas, consts, specs, report)
+        except Exception as e:  # noqa: BLE001 - one kernel that cannot be built leaves Inductor
+            log.warning("kwker: building %s for %s failed: %s", m.name, m.output.name, e)
+            why, is_generic = f"{type(e).__name__}: {e}", False
         if why is None:
             kept.append(m)
             if is_generic:

@@ -133,10 +133,28 @@ def reference(m, metas: dict, consts: dict, inputs: list):
                 env[a] = metas[a]
             else:
                 return None
-    for c in m.covers:
+    for c in _in_graph_order(m.covers, covered):
         env[c] = graph.node_copy(c, env.__getitem__)
     graph.output(env[m.output])
     return GraphModule(holder, graph).forward
+
+
+def _in_graph_order(nodes, covered: set) -> list:
+    """``nodes`` with each after the covered nodes it reads: a match lists its nodes as its
+    pattern found them (under autocast a weight's cast comes before the transpose it casts)."""
+    order, seen = [], set()
+
+    def visit(n):
+        if n in seen:
+            return
+        seen.add(n)
+        for a in n.all_input_nodes:
+            if a in covered:
+                visit(a)
+        order.append(n)
+    for n in nodes:
+        visit(n)
+    return order
 
 
 def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None, str]:

@@ -213,6 +213,34 @@ def test_the_reference_computes_what_the_kernel_computes(tuned):
     assert checked == len(matches)
 
 
+class Scorer(torch.nn.Module):
+    """The tutorial Ranker's shape: under autocast its scores' weight is cast after the
+    transpose that reads it, so the matched nodes come out of graph order."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = torch.nn.Linear(16, 32)
+        self.items = torch.nn.Parameter(torch.randn(300, 32))
+
+    def forward(self, x):
+        return torch.topk(self.query(x) @ self.items.t(), 5, dim=-1)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_autocast_matches_are_measured_and_kept(tuned, inner):
+    """Every match of an autocast graph gets an ATen side to be measured against (its nodes
+    copied in graph order) and none is missed or sends the graph to the inner compiler."""
+    torch.manual_seed(0)
+    model, x = Scorer().eval(), torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got, reports = compile_run(model, (x,), inner)
+    report = reports[-1]
+    assert report.status == "lowered" and not report.missed, str(report)
+    assert {k[0] for k in report.kernels} == {"linear", "linear_topk"}
+    assert {t[1] for t in report.tuned} == {"linear", "linear_topk"}
+    torch.testing.assert_close(got.values.float(), expected.values.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_records_of_another_machine_or_version_are_not_used(tuned, monkeypatch):
     target, threads = host_target(), torch.get_num_threads()
     problem = json.dumps({"kind": "test", "n": 1})
