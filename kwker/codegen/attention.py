@@ -38,10 +38,29 @@ import math
 from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
-from .attention_args import DIRECT_MAX_LQ, align64, emit_copy_rows, emit_generic, icdiv, imul, \
-    kv_bytes_per_key, load_dims, round_up, scratch, static_dims, thread_cap, thread_items
-from .attention_bf16 import emit_pack_k_pairs, emit_pack_v_pairs, emit_pair_rows, emit_widen, \
-    pair_rows_padded, splat_bit
+from .attention_args import (
+    DIRECT_MAX_LQ,
+    align64,
+    emit_copy_rows,
+    emit_generic,
+    icdiv,
+    imul,
+    kv_bytes_per_key,
+    load_dims,
+    round_up,
+    scratch,
+    static_dims,
+    thread_cap,
+    thread_items,
+)
+from .attention_bf16 import (
+    emit_pack_k_pairs,
+    emit_pack_v_pairs,
+    emit_pair_rows,
+    emit_widen,
+    pair_rows_padded,
+    splat_bit,
+)
 from .attention_softmax import NEG_INF, SoftmaxRows
 from .attention_tile import TileProducts
 from .gemm_micro import FIRST, LAST, Micro, emit_micro

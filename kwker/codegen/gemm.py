@@ -40,12 +40,19 @@ generic kernel serves decode-sized batches nearly as fast as a specialised one.
 (decode shapes: one tile holds all rows, the weights stream once at memory bandwidth, with
 ``ksplit`` accumulator sets for enough FMA chains) and for a runtime B only one or two panels
 wide (each A row is used once or twice: packing it would cost as much as the product).
+
+Low-bit B (``b_bits``: a transposed B on the vector path, as the weight-only int8 / int4 linears'
+prefill uses it): B is int8 or int4 W rows in gemm_lowbit.py's layout, its float32 scales and
+int8 zero points two more pointers after the five. Where a runtime B is packed (``ic``), each
+panel's rows are dequantised into an L1 buffer (gemm_lowbit_unpack.emit_slice) and packed from
+there as a transposed B, so the product never makes a float copy of the weights. int4 K blocks
+are whole chunks of the layout.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from . import gemm_tile, omp, simd
+from . import gemm_lowbit, gemm_lowbit_unpack, gemm_tile, omp, simd
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_cols, emit_pack_rows
 from .irutil import Fn, aligned_malloc, const, f32, i16, i64, intrinsic, new_module, ptr
@@ -65,20 +72,22 @@ class _Plan:
     """Compile-time facts the emitter needs, derived from the spec and the target."""
 
     def __init__(self, spec, target):
-        self.s = spec
+        self.s, self.target = spec, target
         self.lanes = simd.float_lanes(target)
         if spec.nr % self.lanes:
             raise ValueError(f"kwker gemm: nr={spec.nr} not a multiple of {self.lanes} lanes")
         self.bf16 = spec.dtype == "bf16"
         self.int8 = spec.dtype == "u8s8"   # tile path only: see gemm_tile.py
         per_word = {"f32": 1, "bf16": 2, "u8s8": 4}.get(spec.dtype)
-        if per_word is None or spec.k % per_word:
+        self.lowbit = spec.b_bits != 0
+        if per_word is None or spec.k % per_word and not (self.lowbit and self.bf16):
             raise ValueError(f"kwker gemm: dtype {spec.dtype!r} with k={spec.k} (bf16 needs "
                              "an even k, u8s8 a multiple of 4)")
+        self.per_word = per_word
         self.dot = "fma"
         if self.bf16:
             self.dot = "dpbf16" if self.lanes == 16 and target.has("avx512bf16") else "widen"
-        self.kw = spec.k // per_word  # k steps of A and B (32-bit words)
+        self.kw = -(-spec.k // per_word)  # k steps of A and B (32-bit words)
         self.tiles = spec.path == "tile"
         self.tile_mode = target.tiles
         if self.tiles and (spec.dtype == "f32" or target.tiles not in ("amx", "emulated")
@@ -109,6 +118,8 @@ class _Plan:
             self.mr_edge = spec.m - (self.mt - 1) * spec.mr
         self.nr_edge = spec.n - (self.np - 1) * spec.nr
         self.kc = self.kw if not spec.a_pack else min(spec.kc, self.kw)
+        self.weights = self._lowbit_weights(target) if self.lowbit else None
+        self.n_ptrs = 7 if self.lowbit else 5
         self.pack_b = spec.b_layout == "nk" or (spec.b_layout == "kn" and
                                                  (spec.a_pack or self.bf16))
         self.one_block = self.kc >= self.kw
@@ -117,6 +128,24 @@ class _Plan:
         # without packing a chunk is only a loop bound: 64 tiles when M is not known
         self.tiles_per_chunk = (max(1, spec.mc // spec.mr) if spec.a_pack else
                                 self.mt or 64)
+
+    def _lowbit_weights(self, target) -> gemm_lowbit_unpack.WeightFormat:
+        """The low-bit B's format (GemmSpec.b_bits), checked against what this nest can do."""
+        s = self.s
+        if s.b_layout != "nk" or self.tiles or self.int8 or s.batch != 1 or s.b_bits not in (4, 8):
+            raise ValueError(f"kwker gemm: low-bit weights (b_bits={s.b_bits}) are a "
+                             f"transposed B of one batch on the vector path, in f32 or bf16")
+        fmt = gemm_lowbit_unpack.WeightFormat(s.b_bits, s.k, s.b_group, s.b_zp, s.b_rr,
+                                              s.dtype)
+        gemm_lowbit.check_format(fmt, self.lanes)
+        c = gemm_lowbit.chunk(s.b_bits, self.lanes)
+        if s.b_bits == 4 and s.b_lanes != self.lanes:
+            raise ValueError(f"kwker gemm: int4 weights packed for {s.b_lanes} lanes, the "
+                             f"target has {self.lanes}")
+        if self.kc < self.kw and (self.kc * self.per_word) % c:
+            raise ValueError(f"kwker gemm: K blocks of {self.kc} words split the weights' "
+                             f"steps of {c}")
+        return fmt
 
     def edge_rows(self) -> list[int]:
         """Row counts that need their own micro-kernel variant."""
@@ -151,7 +180,7 @@ class _Plan:
     def sizes(self, f: Fn, ctx) -> tuple:
         """(M, batch, row tiles) as IR values: constants, or read from the call's arguments."""
         b, s = f.b, self.s
-        slot = 5
+        slot = self.n_ptrs
         if self.dyn_m:
             m = ctx.i64(slot)
             slot += 1
@@ -174,10 +203,10 @@ def emit(spec, target) -> ir.Module:
     p = _Plan(spec, target)
     module = new_module(spec.symbol)
     body = _emit_body(module, p)
-    args = [ptr] * 5 + [i64] * p.int_args
+    args = [ptr] * p.n_ptrs + [i64] * p.int_args
     if p.int_args:
         omp.emit_parallel(module, spec.symbol, args, body,
-                          max_threads=lambda b, a: _max_threads_at_run_time(b, p, a[5:]))
+                          max_threads=lambda b, a: _max_threads_at_run_time(b, p, a[p.n_ptrs:]))
         return module
     flops = 2 * spec.batch * spec.m * spec.n * spec.k
     units = spec.batch * max(p.mt, p.np)
@@ -235,6 +264,7 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
     tid, nt = f.args[1], f.args[2]
     b = f.b
     a_all, b_all, bias, res_all, c_all = (ctx.ptr(i) for i in range(5))
+    quant = (ctx.ptr(5), ctx.ptr(6)) if p.lowbit else None  # the low-bit B's scales, zps
     m_rows, n_batch, mt = p.sizes(f, ctx)
 
     # -- who does what: batch items, else row tiles or column panels -------------------------
@@ -296,6 +326,10 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
         if p.pack_b:
             raw, bp = aligned_malloc(f, s.nb * s.nr * p.kc * 4)
             raws.append(raw)
+        if p.lowbit:  # one panel's rows dequantised, before they are packed
+            raw, rows_buf = aligned_malloc(f, s.nr * p.kc * 4)
+            raws.append(raw)
+            quant = quant + (rows_buf,)
         if p.bf16:
             rows = s.mr if p.one_block else p.tiles_per_chunk * s.mr
             raw, acc = aligned_malloc(f, rows * (s.nr if p.one_block else s.n) * 4)
@@ -310,14 +344,16 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
     if p.tiles:
         gemm_tile.emit_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs)
     else:
-        _emit_vector_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs)
+        _emit_vector_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs, quant)
     for raw in raws:
         b.call(free, [raw])
     return f.finish()
 
 
-def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
-    """The BLIS loop nest around the register micro-kernels (module doc)."""
+def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs,
+                      quant=None) -> None:
+    """The BLIS loop nest around the register micro-kernels (module doc); ``quant``: a
+    low-bit B's (scales, zero points, row buffer)."""
     s, L, b, module = p.s, p.lanes, f.b, f.module
     a_all, b_all, bias, res_all, c_all = ptrs
     bt0, bt1, t0, t1, q0, q1, u0, u1 = split
@@ -328,7 +364,11 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs) -
             variants[rows, cols] = emit_micro(module, p.micro(rows, cols))
     kw = p.kw
     pack_a = emit_pack_rows(module, s.mr, kw, L) if s.a_pack else None
-    if s.b_layout == "nk":
+    if p.lowbit:  # rows of one panel dequantised into a buffer of kc words a row
+        pack_b = emit_pack_rows(module, s.nr, p.kc, L)
+        unpack = gemm_lowbit_unpack.emit_slice(module, p.weights, p.target,
+                                                   p.kc * p.per_word)
+    elif s.b_layout == "nk":
         pack_b = emit_pack_rows(module, s.nr, kw, L)
     elif p.pack_b:
         pack_b = emit_pack_cols(module, s.nr, s.n, L, pairs=p.bf16)
@@ -374,12 +414,16 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs) -
                         cols = b.sub(b.select(
                             b.icmp_signed("<", b.mul(qb1, const(i64, s.nr)), const(i64, s.n)),
                             b.mul(qb1, const(i64, s.nr)), const(i64, s.n)), col0)
-                        if s.b_layout == "nk":
+                        if p.lowbit:
+                            _pack_lowbit(f, p, b_all, quant, unpack, pack_b, qb0, qb1, k0, kcl,
+                                         bp)
+                        elif s.b_layout == "nk":
                             src = simd.gep(b, b_mat, b.add(b.mul(col0, const(i64, kw)), k0))
                         else:  # bf16: rows 2 k0 and 2 k0 + 1 start the first pair
                             krow = b.mul(k0, const(i64, 2)) if p.bf16 else k0
                             src = at(b_mat, b.add(b.mul(krow, const(i64, s.n)), col0), ct)
-                        b.call(pack_b, [src, cols, kcl, bp])
+                        if not p.lowbit:
+                            b.call(pack_b, [src, cols, kcl, bp])
                     with f.for_range(tc0, tc1, name="jr") as t:
                         if s.a_pack:
                             a_tile = simd.gep(b, ap, b.mul(b.sub(t, tc0),
@@ -415,6 +459,24 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs) -
                             with f.if_(b.and_(b.icmp_signed(">=", unit, u0.get()),
                                               b.icmp_signed("<", unit, u1.get()))):
                                 _dispatch(f, p, variants, t, q, args, mt, m_rows)
+
+
+def _pack_lowbit(f: Fn, p: _Plan, w, quant, unpack, pack_b, qb0, qb1, k0, kcl, bp) -> None:
+    """Panels ``qb0 .. qb1`` of a low-bit B over K block ``k0``: each panel's W rows
+    dequantised into the row buffer (L1), then packed as a transposed B is."""
+    b, s = f.b, p.s
+    scale, zp, rows_buf = quant
+    pw = const(i64, p.per_word)
+    ka = b.mul(k0, pw)                       # k of the block's first word
+    kn = b.sub(const(i64, s.k), ka)
+    kn = b.select(b.icmp_signed("<", kn, b.mul(kcl, pw)), kn, b.mul(kcl, pw))
+    with f.for_range(qb0, qb1, name="uq") as q:
+        row0 = b.mul(q, const(i64, s.nr))
+        rows = b.sub(const(i64, s.n), row0)
+        rows = b.select(b.icmp_signed("<", rows, const(i64, s.nr)), rows, const(i64, s.nr))
+        b.call(unpack, [w, scale, zp, row0, rows, ka, kn, rows_buf])
+        dst = simd.gep(b, bp, b.mul(b.sub(q, qb0), b.mul(kcl, const(i64, s.nr))))
+        b.call(pack_b, [rows_buf, rows, kcl, dst])
 
 
 def _emit_small_rows(f: Fn, p: _Plan, m_rows, ptrs, acc, tid, nt) -> None:

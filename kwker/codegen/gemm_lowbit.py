@@ -92,10 +92,15 @@ def groups(spec, lanes: int) -> int:
 
 
 def _check(spec, lanes: int) -> None:
-    if spec.bits not in (4, 8) or spec.dtype not in ("f32", "bf16"):
-        raise ValueError(f"kwker gemm_lowbit: bits {spec.bits}, dtype {spec.dtype!r}")
     if spec.lanes != lanes:
         raise ValueError(f"kwker gemm_lowbit: packed for {spec.lanes} lanes, target has {lanes}")
+    check_format(spec, lanes)
+
+
+def check_format(spec, lanes: int) -> None:
+    """Bits, dtype and group size the layouts and kernels take (any spec with those fields)."""
+    if spec.bits not in (4, 8) or spec.dtype not in ("f32", "bf16"):
+        raise ValueError(f"kwker gemm_lowbit: bits {spec.bits}, dtype {spec.dtype!r}")
     g, c = spec.group, chunk(spec.bits, lanes)
     if spec.bits == 8 and not (g % lanes == 0 or g >= spec.k):
         raise ValueError(f"kwker gemm_lowbit: int8 group {g} is not whole vectors of {lanes}")

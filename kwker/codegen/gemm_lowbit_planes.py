@@ -25,8 +25,8 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
-from .gemm_micro import epilogue_masked
 from .gemm_lowbit_vnni import HEAD, emit_planes, is_ready, plane_stride
+from .gemm_micro import epilogue_masked
 from .gemm_tile import STEP as TILE_STEP
 from .gemm_tile import TILE_BLOCK
 from .irutil import const, f32, i8, i32, i64, new_module, ptr

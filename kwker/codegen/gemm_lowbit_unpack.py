@@ -1,54 +1,109 @@
 """The prefill side of the low-bit linear: int8 / int4 weights dequantised per call.
 
-``sym(w, scale, zp, dst, nthreads)`` writes the weights as the GEMM family's B operand, row-major
-(N, ``ld``) float32 or bf16 (rounded once), exactly torchao's float32 ``(q - zp) * scale``; the
-weights' layouts are gemm_lowbit.py's.
+Two forms, both exactly torchao's float32 ``(q - zp) * scale`` (bf16: rounded once); the weights'
+layouts are gemm_lowbit.py's:
+
+- ``emit_slice``: a block of W rows and a K range into a small buffer, called by the GEMM
+  driver as it packs each L2 block of B panels (``GemmSpec.b_bits``, codegen/gemm.py): the
+  dequantised weights exist only a panel at a time, in L1, between the int8 / int4 rows and the
+  packed panels. On the vector path this replaced a whole dequantised copy per call, written
+  to memory and packed again (GPT-2, 128 rows, float32, Zen 5: see the README).
+- ``emit``: ``sym(w, scale, zp, dst, nthreads)`` writes the whole weight row-major (N, ``ld``):
+  the B operand of the tile path's GEMM (bf16 on AMX), which packs its panels itself.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from llvmlite import ir
 
 from . import bf16, omp, simd
 from .gemm_lowbit import GRAIN, _start, _Tile, chunk
-from .irutil import Fn, const, f32, i8, i16, i32, i64, ptr
+from .irutil import Fn, const, defined, f32, i8, i16, i32, i64, ptr, void
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the GEMM's low-bit B is stored (the fields gemm_lowbit's layouts depend on)."""
+    bits: int
+    k: int             # real K of a W row
+    group: int
+    zero_point: bool
+    rr: int            # int4: rows per block of the packed layout
+    dtype: str         # of the dequantised values ("f32" | "bf16")
 
 
 def emit(spec, target) -> ir.Module:
     """``sym(w, scale, zp, dst, nthreads)``: the dequantised weights, row-major (N, ``ld``)
-    float32 or bf16 (rounded once): the B operand of the prefill GEMM (``A @ B.T``), built per
-    call and dropped after it, so the process holds no float copy between calls."""
+    float32 or bf16 (rounded once), built per call and dropped after it, so the process holds
+    no float copy between calls."""
     L, module, tiles, body, ctx = _start(spec, target)
     b = body.b
     w, scale, zp, dst = (ctx.ptr(slot) for slot in range(4))
     begin, end = omp.split(body, spec.n, body.args[1], body.args[2])
-    wrow = tiles.kp if spec.bits == 8 else tiles.kp // 2
     elem = i16 if spec.dtype == "bf16" else f32
     with body.for_range(begin, end, name="row") as n:
-        if spec.bits == 8:
-            wr = simd.gep(b, w, b.mul(n, const(i64, wrow)), i8)
-        else:  # blocks of rr rows, chunk-interleaved (see the module doc)
-            rr = const(i64, spec.rr)
-            first = b.mul(b.udiv(n, rr), const(i64, spec.rr * wrow))
-            wr = simd.gep(b, w, b.add(first, b.mul(b.urem(n, rr), const(i64, 4 * L))), i8)
-        _unpack_row(body, spec, tiles, wr,
-                    simd.gep(b, scale, b.mul(n, const(i64, tiles.ng))),
-                    simd.gep(b, zp, b.mul(n, const(i64, tiles.ng)), i8),
-                    simd.gep(b, dst, b.mul(n, const(i64, spec.ld)), elem))
+        wr, sr, zr = _row_ptrs(b, spec, tiles, w, scale, zp, n)
+        _unpack_row(body, spec, tiles, wr, sr, zr,
+                    simd.gep(b, dst, b.mul(n, const(i64, spec.ld)), elem),
+                    const(i64, 0), const(i64, spec.k))
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 4, body.fn,
                       max_threads=max(1, spec.n * spec.k // GRAIN))
     return module
 
 
-def _unpack_row(f: Fn, spec, tiles: _Tile, w, scale, zp, out) -> None:
+def emit_slice(module: ir.Module, fmt: WeightFormat, target, ld: int) -> ir.Function:
+    """``void unpack_slice(ptr w, ptr scale, ptr zp, i64 row0, i64 rows, i64 k0, i64 kn,
+    ptr dst)``: ``dst[r * ld + j] = deq(W)[row0 + r, k0 + j]`` for ``r < rows``, ``j < kn``.
+    ``k0`` is a multiple of the vector width (int4: of its chunk), and ``k0 + kn`` too unless it
+    is K. bf16 with an odd K: the slice that ends at K also zeroes the pad element after it."""
+    name = (f"unpack_slice.q{fmt.bits}.k{fmt.k}.g{fmt.group}{'z' if fmt.zero_point else ''}"
+            f".r{fmt.rr}.{fmt.dtype}.ld{ld}")
+    existing = defined(module, name)
+    if existing is not None:
+        return existing
+    f = Fn(module, name, void, [ptr, ptr, ptr, i64, i64, i64, i64, ptr],
+           ["w", "scale", "zp", "row0", "rows", "k0", "kn", "dst"])
+    f.fn.attributes.add("noinline")
+    w, scale, zp, row0, rows, k0, kn, dst = f.args
+    b = f.b
+    tiles = _Tile(module, fmt, target)
+    elem = i16 if fmt.dtype == "bf16" else f32
+    with f.for_range(0, rows, name="row") as r:
+        wr, sr, zr = _row_ptrs(b, fmt, tiles, w, scale, zp, b.add(row0, r))
+        out = simd.gep(b, dst, b.mul(r, const(i64, ld)), elem)
+        _unpack_row(f, fmt, tiles, wr, sr, zr, out, k0, kn)
+        if fmt.dtype == "bf16" and fmt.k % 2:
+            with f.if_(b.icmp_signed("==", b.add(k0, kn), const(i64, fmt.k))):
+                simd.store_scalar(b, const(i16, 0), out, kn)
+    return f.finish()
+
+
+def _row_ptrs(b: ir.IRBuilder, spec, tiles: _Tile, w, scale, zp, n) -> tuple:
+    """(weights, scales, zero points) of W row ``n``."""
+    if spec.bits == 8:
+        wr = simd.gep(b, w, b.mul(n, const(i64, tiles.kp)), i8)
+    else:  # blocks of rr rows, chunk-interleaved (see gemm_lowbit's module doc)
+        rr, wrow = const(i64, spec.rr), tiles.kp // 2
+        first = b.mul(b.udiv(n, rr), const(i64, spec.rr * wrow))
+        wr = simd.gep(b, w, b.add(first, b.mul(b.urem(n, rr), const(i64, 4 * tiles.L))), i8)
+    return (wr, simd.gep(b, scale, b.mul(n, const(i64, tiles.ng))),
+            simd.gep(b, zp, b.mul(n, const(i64, tiles.ng)), i8))
+
+
+def _unpack_row(f: Fn, spec, tiles: _Tile, w, scale, zp, out, k0, kn) -> None:
+    """``out[j] = deq(W row)[k0 + j]`` for ``j < kn`` (see ``emit_slice`` for the bounds)."""
     b, L, k = f.b, tiles.L, spec.k
     vt, it = simd.vty(L), simd.vty(L, i32)
+    end = b.add(k0, kn)
+    at_end = b.icmp_signed("==", end, const(i64, k))
 
-    def put(v, at: ir.Value, first: int):
-        """Store vector ``v`` of k ``first ..`` (compile-time when known) at ``at``."""
+    def put(v, at: ir.Value, first: int | None):
+        """Store vector ``v`` of k ``at`` (``first``: the same, when known at compile time)."""
         active = L if first is None or first + L <= k else k - first
         if active > 0:
-            bf16.store_as(b, spec.dtype, v, out, at, active)
+            bf16.store_as(b, spec.dtype, v, out, b.sub(at, k0), active)
 
     def scale_of(gi):
         return simd.broadcast(b, simd.load_scalar(b, scale, gi), L)
@@ -56,50 +111,44 @@ def _unpack_row(f: Fn, spec, tiles: _Tile, w, scale, zp, out) -> None:
     def zp_of(gi):
         return b.sext(simd.load_scalar(b, zp, gi, i8), i32)
 
+    def deq(q, gi):
+        if spec.zero_point:
+            q = b.sub(q, simd.broadcast(b, zp_of(gi), L))
+        return b.fmul(b.sitofp(q, vt), scale_of(gi))
+
+    def clamp(x, limit: int):
+        return b.select(b.icmp_signed("<", x, const(i64, limit)), x, const(i64, limit))
+
     if spec.bits == 8:
-        full = k // L
-        if full:
-            with f.for_range(0, full, name="v") as v:
-                at = b.mul(v, const(i64, L))
-                gi = b.udiv(at, const(i64, spec.group))
-                q = b.sext(tiles._load_i8(b, w, at, L), it)
-                if spec.zero_point:
-                    q = b.sub(q, simd.broadcast(b, zp_of(gi), L))
-                put(b.fmul(b.sitofp(q, vt), scale_of(gi)), at, None)
-        if k % L:
-            at = const(i64, full * L)
+        full = k // L * L                           # whole vectors inside K
+        with f.for_range(k0, clamp(end, full), step=L, name="v") as at:
             gi = b.udiv(at, const(i64, spec.group))
-            q = b.sext(tiles._load_i8(b, w, at, k % L), it)
-            if spec.zero_point:
-                q = b.sub(q, simd.broadcast(b, zp_of(gi), L))
-            put(b.fmul(b.sitofp(q, vt), scale_of(gi)), at, full * L)
+            put(deq(b.sext(tiles._load_i8(b, w, at, L), it), gi), at, None)
+        if k % L:
+            with f.if_(at_end):
+                at = const(i64, full)
+                gi = b.udiv(at, const(i64, spec.group))
+                put(deq(b.sext(tiles._load_i8(b, w, at, k % L), it), gi), at, full)
         return
     c = chunk(4, L)
     full = k // c          # whole chunks inside K; the chunk holding K's end is stored masked
-    for part in (("loop", full), ("tail", 1 if k % c else 0)):
-        kind, count = part
-        if not count:
-            continue
 
-        def one_chunk(ci, k0_known):
-            word = b.load(simd.gep(b, w, b.mul(ci, const(i64, spec.rr * L)), i32), typ=it,
-                          align=4)
-            k0 = b.mul(ci, const(i64, c))
-            for j in range(8):
-                first = None if k0_known is None else k0_known + j * L
-                if first is not None and first >= k:
-                    break
-                gi = b.udiv(b.add(k0, const(i64, j * L)), const(i64, spec.group))
-                u = b.and_(b.lshr(word, ir.Constant(it, [4 * j] * L)) if j else word,
-                           ir.Constant(it, [15] * L))
-                q = b.sub(u, ir.Constant(it, [8] * L))
-                if spec.zero_point:
-                    q = b.sub(q, simd.broadcast(b, zp_of(gi), L))
-                put(b.fmul(b.sitofp(q, vt), scale_of(gi)), b.add(k0, const(i64, j * L)),
-                    first)
+    def one_chunk(ci, k0_known):
+        word = b.load(simd.gep(b, w, b.mul(ci, const(i64, spec.rr * L)), i32), typ=it, align=4)
+        kc0 = b.mul(ci, const(i64, c))
+        for j in range(8):
+            first = None if k0_known is None else k0_known + j * L
+            if first is not None and first >= k:
+                break
+            at = b.add(kc0, const(i64, j * L))
+            u = b.and_(b.lshr(word, ir.Constant(it, [4 * j] * L)) if j else word,
+                       ir.Constant(it, [15] * L))
+            put(deq(b.sub(u, ir.Constant(it, [8] * L)), b.udiv(at, const(i64, spec.group))),
+                at, first)
 
-        if kind == "loop":
-            with f.for_range(0, count, name="c") as ci:
-                one_chunk(ci, None)
-        else:
+    with f.for_range(b.udiv(k0, const(i64, c)), clamp(b.udiv(end, const(i64, c)), full),
+                     name="c") as ci:
+        one_chunk(ci, None)
+    if k % c:
+        with f.if_(at_end):
             one_chunk(const(i64, full), full * c)

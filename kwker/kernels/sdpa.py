@@ -14,7 +14,6 @@ from . import blocking
 from ._call import KERNEL_DTYPES, _profiler_enabled, contiguous_strides, entry, record_function
 from .specs import AttentionSpec
 
-
 # keys in one block on the tile path: all of them up to this many (a thread's scores of 32
 # queries, 1 MB at most), 2048 for a kernel generic over the length
 TILE_KEYS, TILE_KEYS_GENERIC = 8192, 2048

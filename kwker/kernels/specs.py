@@ -69,6 +69,16 @@ class GemmSpec(Spec):
     # the residual's and the output's type when not ``dtype``: "f32" with bf16 packed weights
     # (autocast's float32 residual stream added to a bf16 linear, without rounding the product)
     out: str = ""
+    # B given as low-bit weights (``b_layout`` "nk", the vector path): int8 (8) or int4 (4) W
+    # rows in gemm_lowbit.py's layout, dequantised into each panel as it is packed, with two
+    # more pointers after the five (float32 scales, int8 zero points; per ``b_group`` along K);
+    # int4: ``b_rr``-row blocks packed for ``b_lanes`` lanes. K may then be odd in bf16: A's rows
+    # are padded to whole pairs by the caller
+    b_bits: int = 0
+    b_group: int = 0
+    b_zp: bool = False
+    b_rr: int = 1
+    b_lanes: int = 0
     family = "gemm"
 
     @property
@@ -80,7 +90,9 @@ class GemmSpec(Spec):
                 f"_p{int(self.a_pack)}_s{self.ksplit}_u{self.unroll}"
                 + ("" if self.dtype == "f32" else "_" + self.dtype)
                 + ("" if self.path == "vector" else "_" + self.path)
-                + (f"_o{self.out}" if self.out else ""))
+                + (f"_o{self.out}" if self.out else "")
+                + (f"_q{self.b_bits}g{self.b_group}{'z' if self.b_zp else ''}r{self.b_rr}"
+                   f"l{self.b_lanes}" if self.b_bits else ""))
 
 
 @register_spec

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from .shapes import known_size
 
-
 # inputs whose sizes a kernel depends on, and their names in ``generic_shapes``
 SIZED_INPUTS = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("a", "b"),
                 "gelu": ("x",), "sdpa": ("q", "k", "v", "mask"), "layer_norm": ("x",),

@@ -351,7 +351,7 @@ def store(key: str, header: dict, obj: bytes) -> bool:
     return True
 
 
-# --- locking ---------------------------------------------------------------------------------------
+# --- locking ---------------------------------------------------------------------------------
 
 def lock_path(root: Path, key: str) -> Path:
     return root / LOCK_DIR / f"{key}.lock"

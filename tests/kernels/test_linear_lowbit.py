@@ -115,11 +115,13 @@ def test_leading_dims_taken_as_they_are(lead):
                                             ("int8-channel", torch.bfloat16, 193),
                                             ("int4-group32", torch.bfloat16, 224)])
 def test_prefill_in_blocks_of_weight_rows(fmt, dtype, k, monkeypatch):
-    """Weights too large to dequantise whole go by blocks of W rows (shrunk here to blocks of
-    64 or 96 rows and a tail): each block's scales, zero points, bias, residual columns and
-    output columns are its own; with an epilogue, specialised and generic over rows, odd K in
-    bf16."""
-    import kwker.kernels.linear_lowbit as lowbit
+    """Where the product runs on tiles (bf16 on AMX; int8 on byte planes), weights too large to
+    dequantise whole go by blocks of W rows (shrunk here to blocks of 64 or 96 rows and a
+    tail): each block's scales, zero points, bias, residual columns and output columns are its
+    own; with an epilogue, specialised and generic over rows, odd K in bf16. The vector path
+    (``_prefill_fused``, tested below) is switched off so that this runs on any CPU."""
+    import kwker.kernels.linear_lowbit_prefill as prefill
+    monkeypatch.setattr(prefill, "_prefill_fused", lambda *args: None)
     lin = quantized(fmt, 230, k, dtype)
     rows = PREFILL_ROWS + 3
     # bytes a W row takes in the block: dequantised, or int8 on x's byte planes (padded K)
@@ -127,8 +129,8 @@ def test_prefill_in_blocks_of_weight_rows(fmt, dtype, k, monkeypatch):
         lin.weight, None, rows, dtype=dtype).specs}
     kk = k + k % 2 if dtype == torch.bfloat16 else k
     row_bytes = -(-k // 64) * 64 if planes else kk * (2 if dtype == torch.bfloat16 else 4)
-    monkeypatch.setattr(lowbit, "PREFILL_WHOLE", 0)
-    monkeypatch.setattr(lowbit, "PREFILL_BLOCK", 64 * row_bytes)
+    monkeypatch.setattr(prefill, "PREFILL_WHOLE", 0)
+    monkeypatch.setattr(prefill, "PREFILL_BLOCK", 64 * row_bytes)
     for m in (rows, None):
         x, res = torch.randn(rows, k).to(dtype), torch.randn(rows, 230).to(dtype)
         fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, "gelu", True, dtype)
@@ -136,6 +138,39 @@ def test_prefill_in_blocks_of_weight_rows(fmt, dtype, k, monkeypatch):
                                                                     "lowbit_panels"))
         assert block in (64, 96) and tail == 230 % block, fn.specs
         assert_close(fn(x, res), reference(lin, x, "gelu", res, dtype), dtype, f"{fmt} {m}")
+
+
+FUSED = [("int8-channel", torch.float32, 1000), ("int8-channel", torch.bfloat16, 777),
+         ("int8-group32", torch.float32, 1056), ("intx8-axis", torch.bfloat16, 1056),
+         ("int4-group32", torch.float32, 1056), ("int4-group64-asym", torch.bfloat16, 1088),
+         ("int4-group128", torch.float32, 1152), ("int4-axis", torch.float32, 777),
+         ("int8-channel", torch.bfloat16, 2401), ("int4-group32", torch.bfloat16, 2400)]
+
+
+@pytest.mark.parametrize("fmt, dtype, k", FUSED, ids=[f"{f}-{str(d)[6:]}-{k}" for f, d, k in FUSED])
+def test_prefill_dequantises_panel_by_panel(fmt, dtype, k):
+    """On the vector path the GEMM's driver dequantises the weights panel by panel as it packs
+    them (GemmSpec.b_bits): no whole float copy, no unpack kernel. K over one K block (int4:
+    blocks of whole chunks, then a tail) and odd in bf16, also over K blocks (the pad element
+    after K is zeroed in a buffer the earlier blocks filled); N not whole panels; rows in one
+    chunk, in two (generic, 300 rows), and fewer than a tile; GELU and a residual."""
+    from kwker.runtime.target import host_target
+    if host_target().tiles and dtype == torch.bfloat16:
+        pytest.skip("bf16 prefill runs on tiles on this CPU (test_prefill_in_blocks_...)")
+    n = 230
+    lin = quantized(fmt, n, k, dtype)
+    for m, counts in ((PREFILL_ROWS + 3, [PREFILL_ROWS + 3]), (None, [PREFILL_ROWS, 45, 300])):
+        fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, "gelu", True, dtype)
+        families = {s.family for s in fn.specs}
+        if "lowbit_planes" in families:
+            continue                       # int8 per channel in float32 on AMX: byte planes
+        gemms = [s for s in fn.specs if s.family == "gemm"]
+        assert "lowbit_unpack" not in families and [s.b_bits for s in gemms] == [
+            lowbit_weight(lin.weight).bits], fn.specs
+        for rows in counts:
+            x, res = torch.randn(rows, k).to(dtype), torch.randn(rows, n).to(dtype)
+            assert_close(fn(x, res), reference(lin, x, "gelu", res, dtype), dtype,
+                         f"{fmt} {m} {rows}")
 
 
 @pytest.mark.parametrize("fmt", ["int8-group32", "int4-group64-asym", "int8-channel"])

@@ -1,0 +1,255 @@
+"""The many-row (prefill) side of ``make_linear_lowbit``, and the buffers and decode call it
+shares with the factory (kernels/linear_lowbit.py).
+
+Three schedules, picked by ``prefill_run``: float32 x with int8 weights per channel on x's byte
+planes and int8 tiles (CPUs with AMX-INT8, or tiles emulated); the GEMM family's vector kernel
+with the weights dequantised panel by panel as its driver packs them (``GemmSpec.b_bits``: no
+float copy of the weights); and, where the product runs on bf16 tiles (AMX), the weights
+dequantised per call, in blocks of W rows, into the tile GEMM's runtime B.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..codegen import gemm_lowbit, gemm_lowbit_planes, gemm_lowbit_vnni
+from ..runtime.target import host_target
+from . import blocking
+from ._call import entry
+from .specs import (
+    GemmSpec,
+    LowbitCombineSpec,
+    LowbitGemmSpec,
+    LowbitPanelsSpec,
+    LowbitPlanesSpec,
+    LowbitUnpackSpec,
+)
+
+# the prefill path dequantises the weights whole up to this many bytes, else in blocks of W rows
+# of PREFILL_BLOCK bytes (Emerald Rapids, 128 rows, GPT-2's 50257 x 768 head: float32 109 ->
+# 47 ms, bf16 32 -> 17; blocks of 3072 x 768 were up to 15% slower than one copy in bf16)
+PREFILL_WHOLE, PREFILL_BLOCK = 16 << 20, 2 << 20
+
+
+@dataclass
+class Buffers:
+    """What the kernels read besides x: the weights (int8: torchao's qdata), scales, zero
+    points and bias; held by the callable for as long as it lives."""
+    w: torch.Tensor
+    scale: torch.Tensor
+    zp: torch.Tensor | None          # zero points; with ``spec.vnni``, the row sums of q
+    bias: torch.Tensor | None
+
+    def ptrs(self) -> tuple:
+        return (self.w.data_ptr(), self.scale.data_ptr(),
+                self.zp.data_ptr() if self.zp is not None else None,
+                self.bias.data_ptr() if self.bias is not None else None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.zp)
+                   if t is not None)
+
+
+def gemv_run(spec: LowbitGemmSpec, buf: Buffers, dtype):
+    """``call(x, residual) -> out`` on the decode kernel (weights streamed once)."""
+    fn = entry(spec, 7, 2 if spec.m == 0 else 1)
+    w_p, s_p, z_p, b_p = buf.ptrs()
+    n, threads, empty = spec.n, torch.get_num_threads, torch.empty
+
+    def call(x, r):
+        out = empty(x.shape[0], n, dtype=dtype)
+        r_ptr = None if r is None else r.data_ptr()
+        if spec.m:
+            fn(x.data_ptr(), w_p, s_p, z_p, b_p, r_ptr, out.data_ptr(), threads())
+        elif x.shape[0]:
+            fn(x.data_ptr(), w_p, s_p, z_p, b_p, r_ptr, out.data_ptr(), x.shape[0], threads())
+        return out
+    return call
+
+
+def prefill_run(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None) -> tuple:
+    """``(call(x, residual) -> out, specs)`` for many rows, on the best schedule this CPU has
+    (module doc)."""
+    if _planes(spec):
+        return _prefill_planes(spec, buf, dtype, m)
+    return _prefill_fused(spec, buf, dtype, m) or _prefill(spec, buf, dtype, m)
+
+
+def _planes(spec: LowbitGemmSpec) -> bool:
+    """Whether many rows go by x's byte planes on int8 tiles (codegen/gemm_lowbit_planes.py):
+    float32 x and the weights the vpdpbusd decode takes, where the CPU has AMX-INT8 (or tiles
+    emulated). Against the float32 GEMM of dequantised weights, Emerald Rapids, 128 rows, 2
+    threads: 2304 x 768 2.04 -> 0.77 ms, 768 x 3072 2.71 -> 1.40, GPT-2's head 49.9 -> 17.2. bf16
+    x keeps the bf16 tiles of dequantised weights, faster there (0.55 against 0.80 ms) and
+    rounded as eager bf16 rounds."""
+    target = host_target()
+    return spec.vnni and spec.dtype == "f32" and (
+        target.tiles == "emulated" or target.tiles == "amx" and target.has("amx-int8"))
+
+
+def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
+    """``call(x, residual) -> out`` for many rows on int8 tiles: x's planes once, then per block
+    of W rows (``PREFILL_BLOCK`` bytes) its panels, the u8s8 GEMM of the planes and the combine
+    into the block's output columns. Rows the planes do not take (non-finite, tiny) go through
+    the decode kernel afterwards."""
+    n, k = spec.n, spec.k
+    stride = gemm_lowbit_vnni.plane_stride(k)
+    nr = gemm_lowbit_planes.NR
+    nb = n if n * stride <= PREFILL_WHOLE else max(nr, PREFILL_BLOCK // stride // nr * nr)
+    blocks = [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
+    planes_spec = LowbitPlanesSpec(k, spec.dtype)
+    planes = entry(planes_spec, 3, 2)
+    specs, kernels = [planes_spec], {}
+    for width in dict.fromkeys(w for _, w in blocks):
+        ps = LowbitPanelsSpec(width, k)
+        gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False,
+                      **blocking.tile_blocking(width, stride // 4).as_kwargs(), dtype="u8s8")
+        cs = LowbitCombineSpec(width, n, spec.bias, spec.epilogue, spec.residual, spec.dtype)
+        kernels[width] = (entry(ps, 2), entry(gs, 5, 2), entry(cs, 7, 2),
+                          torch.ones(-(-width // nr) * nr))      # the GEMM's column scales
+        specs += [ps, gs, cs]
+    rest = replace(spec, m=0)           # the rows the planes hand back
+    gemv = gemv_run(rest, buf, dtype)
+    specs.append(rest)
+    w_p, s_p, z_p, b_p = buf.ptrs()     # z_p: the row sums of q (int32)
+    threads, empty = torch.get_num_threads, torch.empty
+    esize = 2 if spec.dtype == "bf16" else 4
+
+    def call(x, r):
+        rows = x.shape[0]
+        out = empty(rows, n, dtype=dtype)
+        if rows == 0:
+            return out
+        a = empty(rows * 3, stride, dtype=torch.uint8)
+        heads = empty(rows, gemm_lowbit_vnni.HEAD // 4, dtype=torch.int32)
+        planes(x.data_ptr(), a.data_ptr(), heads.data_ptr(), rows, threads())
+        panels = empty(-(-blocks[0][1] // nr) * nr * stride, dtype=torch.uint8)
+        sums = empty(rows * 3, blocks[0][1])
+        for n0, width in blocks:
+            pack, gemm, combine, ones = kernels[width]
+            pack(w_p + n0 * k, panels.data_ptr(), threads())
+            gemm(a.data_ptr(), panels.data_ptr(), ones.data_ptr(), None, sums.data_ptr(),
+                 rows * 3, threads())
+            combine(sums.data_ptr(), heads.data_ptr(), z_p + n0 * 4, s_p + n0 * 4,
+                    b_p and b_p + n0 * 4, None if r is None else r.data_ptr() + n0 * esize,
+                    out.data_ptr() + n0 * esize, rows, threads())
+        ready = heads[:, 2]
+        if not bool(ready.all()):  # non-finite or tiny rows: the decode kernel's float path
+            left = (ready == 0).nonzero().flatten()
+            out[left] = gemv(x[left], None if r is None else r[left].contiguous())
+        return out
+    return call, specs
+
+
+def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
+    """``call(x, residual) -> out`` for many rows on the vector path: the GEMM family's kernel
+    for ``x @ B.T`` with B the low-bit weights, dequantised panel by panel as its driver packs
+    them (``GemmSpec.b_bits``), so no float copy of the weights is made. None where the
+    blocking puts the product on tiles (bf16 on AMX: ``_prefill``)."""
+    n, k, dt = spec.n, spec.k, spec.dtype
+    kw = -(-k // 2) if dt == "bf16" else k       # bf16 steps over k pairs
+    blk = blocking.choose(m, n, kw, b_layout="nk", dtype=dt)
+    if blk.path != "vector":
+        return None
+    if spec.bits == 4 and blk.kc < kw:           # K blocks of whole int4 chunks
+        step = gemm_lowbit.chunk(4, spec.lanes) // (2 if dt == "bf16" else 1)
+        blk = replace(blk, kc=max(step, blk.kc // step * step))
+    if blk.a_pack:
+        # B is dequantised and packed once per chunk of M rows: one chunk where the packed A
+        # fits half of L2 (Zen 5, 128 rows, float32 int8: GPT-2's head 31.4 -> 26.5 ms with
+        # chunks of 128 rows instead of 80, 2304 x 768 1.25 -> 1.16)
+        most = max(blk.mc, blocking.cache_sizes()[1] // 2 // (blk.kc * 4) // blk.mr * blk.mr)
+        blk = replace(blk, mc=min(most, -(-m // blk.mr) * blk.mr) if m else most)
+    gspec = GemmSpec(m or 0, n, k, 1, "nk", spec.bias, spec.epilogue, spec.residual,
+                     **blk.as_kwargs(), dtype=dt, b_bits=spec.bits, b_group=spec.group,
+                     b_zp=spec.zero_point, b_rr=spec.rr,
+                     b_lanes=spec.lanes if spec.bits == 4 else 0)
+    gemm = entry(gspec, 7, 1 if m else 2)
+    w_p, s_p, z_p, b_p = buf.ptrs()
+    if not spec.zero_point:  # (a vnni decode kernel's row sums sit in zp's place)
+        z_p = None
+    threads, empty = torch.get_num_threads, torch.empty
+    pad = dt == "bf16" and k % 2
+
+    def call(x, r):
+        rows = x.shape[0]
+        out = empty(rows, n, dtype=dtype)
+        if rows == 0:
+            return out
+        if pad:  # A's rows in whole k pairs
+            x = F.pad(x, (0, 1))
+        ptrs = (x.data_ptr(), w_p, b_p, None if r is None else r.data_ptr(), out.data_ptr(),
+                s_p, z_p)
+        if m:
+            gemm(*ptrs, threads())
+        else:
+            gemm(*ptrs, rows, threads())
+        return out
+    return call, [gspec]
+
+
+def _prefill(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
+    """``call(x, residual) -> out`` for many rows: the weights dequantised per call into a
+    float32/bf16 buffer, multiplied by the GEMM family's kernel for ``x @ B.T`` with runtime B
+    (bf16: on AMX tiles where the CPU has them). Large weights go by blocks of W rows
+    (``PREFILL_BLOCK`` bytes dequantised): a block stays in cache between its dequantisation
+    and its product, and the buffer is bounded whatever N (GPT-2's head whole was a 154 MB
+    float32 copy per call)."""
+    n, k, dt = spec.n, spec.k, spec.dtype
+    kk = k + (k % 2) if dt == "bf16" else k      # bf16 steps over k pairs
+    esize = 2 if dt == "bf16" else 4
+    step = math.lcm(spec.rr, 32)                 # whole int4 row blocks, whole GEMM panels
+    nb = n if n * kk * esize <= PREFILL_WHOLE else \
+        max(step, PREFILL_BLOCK // (kk * esize) // step * step)
+    blocks = [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
+    kernels, specs = {}, []
+    for width in dict.fromkeys(w for _, w in blocks):
+        unpack = LowbitUnpackSpec(width, k, spec.bits, spec.group, spec.zero_point, dt,
+                                  spec.lanes, kk, spec.rr)
+        blk = blocking.choose(m, width, kk // 2 if dt == "bf16" else k, b_layout="nk",
+                              dtype=dt)
+        gspec = GemmSpec(m or 0, width, kk, 1, "nk", spec.bias, spec.epilogue, spec.residual,
+                         **blk.as_kwargs(), dtype=dt)
+        kernels[width] = (entry(unpack, 4), entry(gspec, 5, 1 if m else 2))
+        specs += [unpack, gspec]
+    w_p, s_p, z_p, b_p = buf.ptrs()
+    # bytes from one W row to the next in each operand (int4: rows of packed nibbles)
+    w_row, s_row = (t.stride(0) * t.element_size() for t in (buf.w, buf.scale))
+    if not spec.zero_point:  # (a vnni decode kernel's row sums sit in zp's place)
+        z_p = None
+    z_row = buf.zp.stride(0) if z_p else 0
+    threads, empty = torch.get_num_threads, torch.empty
+    pad = kk != k
+    whole = len(blocks) == 1
+
+    def call(x, r):
+        rows = x.shape[0]
+        out = empty(rows, n, dtype=dtype)
+        if rows == 0:
+            return out
+        if pad:
+            x = F.pad(x, (0, 1))
+        weights = (torch.zeros if pad else empty)(blocks[0][1], kk, dtype=dtype)
+        for n0, width in blocks:
+            un, gemm = kernels[width]
+            un(w_p + n0 * w_row, s_p + n0 * s_row, z_p and z_p + n0 * z_row,
+               weights.data_ptr(), threads())
+            if whole:
+                dst, res = out, r
+            else:  # a block of columns: made contiguous for the kernel, copied into out
+                dst = empty(rows, width, dtype=dtype)
+                res = None if r is None else r[:, n0:n0 + width].contiguous()
+            ptrs = (x.data_ptr(), weights.data_ptr(), b_p and b_p + n0 * 4,
+                    None if res is None else res.data_ptr(), dst.data_ptr())
+            if m:
+                gemm(*ptrs, threads())
+            else:
+                gemm(*ptrs, rows, threads())
+            if not whole:
+                out[:, n0:n0 + width] = dst
+        return out
+    return call, specs
