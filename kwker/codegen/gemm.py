@@ -87,6 +87,8 @@ class _Plan:
         self.dot = "fma"
         if self.bf16:
             self.dot = "dpbf16" if self.lanes == 16 and target.has("avx512bf16") else "widen"
+        if self.int8:
+            self.dot = "vnni"
         self.kw = -(-spec.k // per_word)  # k steps of A and B (32-bit words)
         self.tiles = spec.path == "tile"
         self.tile_mode = target.tiles
@@ -96,9 +98,11 @@ class _Plan:
                              f"tiles (this one: {target.tiles or 'none'}) and a "
                              f"{gemm_tile.TILE_BLOCK} block, not {spec.dtype} "
                              f"{spec.mr}x{spec.nr}")
-        if self.int8 and not (self.tiles and spec.b_layout == "packed" and not spec.residual):
-            raise ValueError("kwker gemm: u8s8 runs on the tile path, with packed weights and "
-                             "no residual")
+        vnni = self.lanes == 16 and target.has("avx512vnni")
+        if self.int8 and not ((self.tiles or vnni) and spec.b_layout == "packed" and
+                              not spec.residual):
+            raise ValueError("kwker gemm: u8s8 runs on the tile path or on a CPU with "
+                             "AVX512_VNNI, with packed weights and no residual")
         if spec.out not in ("", spec.dtype) and not (
                 spec.out == "f32" and self.bf16 and spec.b_layout == "packed"):
             raise ValueError(f"kwker gemm: a {spec.out} output is for bf16 packed weights, "
@@ -106,7 +110,8 @@ class _Plan:
         self.out = spec.out or ("f32" if self.int8 else spec.dtype)  # out and residual type
         self.out_t = i16 if self.out == "bf16" else f32
         # k words of one pre-packed panel: the tile path pads K to whole tiles with zeros
-        self.kw_panel = gemm_tile.padded_k(self.kw) if self.tiles else self.kw
+        # (int8 panels are always made for the tiles: lowbit_panels)
+        self.kw_panel = gemm_tile.padded_k(self.kw) if self.tiles or self.int8 else self.kw
         self.dyn_m, self.dyn_batch = spec.m == 0, spec.batch == 0
         if self.dyn_batch and spec.b_layout == "packed":
             raise ValueError("kwker gemm: a runtime batch needs a runtime B (kn or nk)")
@@ -175,7 +180,8 @@ class _Plan:
             ksplit = max(ksplit, 1 << max(0, min(2, (8 // (rows * nv)).bit_length() - 1)))
         return Micro(rows, nv, L, cols, a_rs, a_ks, ldb, masked, ldc, s.epilogue, s.bias,
                      s.residual, ksplit, s.unroll, self.dot, s.n if self.bf16 else 0,
-                     out="" if self.out == s.dtype else self.out)
+                     out="" if self.out == s.dtype else self.out,
+                     bias_at=self.np * s.nr if self.int8 and s.bias else 0)
 
     def sizes(self, f: Fn, ctx) -> tuple:
         """(M, batch, row tiles) as IR values: constants, or read from the call's arguments."""
@@ -438,7 +444,7 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs,
                                                                b.mul(kcl, const(i64, s.nr))))
                             elif s.b_layout == "packed":
                                 b_tile = simd.gep(b, b_mat, b.add(
-                                    b.mul(q, const(i64, kw * s.nr)),
+                                    b.mul(q, const(i64, p.kw_panel * s.nr)),
                                     b.mul(k0, const(i64, s.nr))))
                             else:
                                 b_tile = simd.gep(b, b_mat, b.add(
@@ -446,8 +452,9 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs,
                             off = b.add(row_off, b.mul(q, const(i64, s.nr)))
                             c_tile = at(c_mat, off, ot)
                             r_tile = at(r_mat, off, ot) if s.residual else r_mat
-                            bias_t = simd.gep(b, bias, b.mul(q, const(i64, s.nr))) if s.bias \
-                                else bias
+                            # (int8: the column scales sit where the bias would)
+                            bias_t = simd.gep(b, bias, b.mul(q, const(i64, s.nr))) \
+                                if s.bias or p.int8 else bias
                             args = [a_tile, b_tile, c_tile, kcl, mode, bias_t, r_tile]
                             if p.bf16:  # float32 partial sums in the scratch, bf16 out
                                 a_off = acc if p.one_block else simd.gep(b, acc, b.add(

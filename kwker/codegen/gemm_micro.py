@@ -25,6 +25,12 @@ epilogue in float32 and rounds once to bf16 into ``out`` (row stride ``ldo``), r
 residual from there; with ``vdpbf16ps`` the rounding is ``vcvtneps2bf16`` (bf16.narrow). For
 float32, ``out`` is ``c``.
 
+int8 (``dot="vnni"``, CPUs with AVX512_VNNI): A and B hold k *quads*, a 32-bit word of four
+u8 (A) or s8 (B) per element, and a step is one ``vpdpbusd`` per accumulator into int32 sums
+(exact). The last K block converts them to float32 times their column's scale, read where the
+bias would be, and adds the bias ``bias_at`` floats further (the u8s8 contract of the tile path,
+gemm_tile.py); partial sums cross K blocks as their bits in ``c``.
+
 Screened tiles (``screen`` = 1 largest, -1 smallest; the fused top-k): the last K block stores
 no epilogue. It compares the float32 tile in the registers against ``thr[r]``, a stale heap root
 per row (NaN: every lane passes), stores the tile to ``c`` only if some valid lane may be
@@ -63,14 +69,19 @@ class Micro:
     residual: bool = False
     ksplit: int = 1
     unroll: int = 1
-    dot: str = "fma"   # fma (float32) | dpbf16 | widen (bf16 pairs, see the module doc)
+    dot: str = "fma"   # fma (float32) | dpbf16 | widen (bf16 pairs) | vnni (u8s8 quads)
     ldo: int = 0       # bf16: row stride of ``out`` and the residual
     screen: int = 0    # 1 / -1: screened tile against per-row roots (see module doc)
     out: str = ""      # type of out and the residual when not the inputs' ("f32" with bf16)
+    bias_at: int = 0   # int8: elements from the column scales to the bias (both at ``bias``)
 
     @property
     def bf16(self) -> bool:
-        return self.dot != "fma"
+        return self.dot in ("dpbf16", "widen")
+
+    @property
+    def int8(self) -> bool:
+        return self.dot == "vnni"
 
     @property
     def out_dtype(self) -> str:
@@ -82,7 +93,8 @@ class Micro:
                 f".b{self.ldb}{'m' if self.b_masked else ''}.s{self.ksplit}.u{self.unroll}"
                 + ("" if self.dot == "fma" else f".{self.dot}.o{self.ldo}")
                 + (f".screen{self.screen}" if self.screen else "")
-                + (f".o{self.out}" if self.out else ""))
+                + (f".o{self.out}" if self.out else "")
+                + (f".ba{self.bias_at}" if self.bias_at else ""))
 
 
 def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
@@ -106,16 +118,18 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
     b = f.b
     L, nv, mr = mk.lanes, mk.nv, mk.mr
     vt = simd.vty(L)
-    zero = vmath.splat(vt, 0.0)
+    it = simd.vty(L, i32)
+    zero = ir.Constant(it, [0] * L) if mk.int8 else vmath.splat(vt, 0.0)
     last_active = mk.cols - (nv - 1) * L  # lanes of the last vector that hold real columns
-    acc = [[[f.var(vt, zero, f"acc{s}_{r}_{v}") for v in range(nv)] for r in range(mr)]
+    acc = [[[f.var(zero.type, zero, f"acc{s}_{r}_{v}") for v in range(nv)] for r in range(mr)]
            for s in range(mk.ksplit)]
 
     first = b.icmp_unsigned("!=", b.and_(mode, const(i64, FIRST)), const(i64, 0))
     with f.if_(b.not_(first)):
         for r in range(mr):
             for v in range(nv):
-                acc[0][r][v].set(_load_c(b, c, r * mk.ldc + v * L, L, last_active, v == nv - 1))
+                x = _load_c(b, c, r * mk.ldc + v * L, L, last_active, v == nv - 1)
+                acc[0][r][v].set(b.bitcast(x, it) if mk.int8 else x)
 
     def fstep(k, s):
         """One k step into accumulator set ``s``."""
@@ -133,7 +147,8 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
             for v in range(nv):
                 acc[s][r][v].set(vmath.fma(b, av, bv[v], acc[s][r][v].get()))
 
-    step = _bf16_step(f, mk, a, bp, acc) if mk.bf16 else fstep
+    step = _bf16_step(f, mk, a, bp, acc) if mk.bf16 else \
+        _vnni_step(f, mk, a, bp, acc) if mk.int8 else fstep
     group = mk.ksplit * mk.unroll
     main_end = b.mul(b.sdiv(kc, const(i64, group)), const(i64, group))
     with f.for_range(0, main_end, step=group, name="k") as k:
@@ -144,8 +159,9 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
             step(k, 0)
 
     total = [[acc[0][r][v].get() for v in range(nv)] for r in range(mr)]
+    add = b.add if mk.int8 else b.fadd
     for s in range(1, mk.ksplit):
-        total = [[b.fadd(total[r][v], acc[s][r][v].get()) for v in range(nv)] for r in range(mr)]
+        total = [[add(total[r][v], acc[s][r][v].get()) for v in range(nv)] for r in range(mr)]
 
     is_last = b.icmp_unsigned("!=", b.and_(mode, const(i64, LAST)), const(i64, 0))
     stored = f.var(i64, const(i64, -1), "stored")
@@ -154,11 +170,20 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
             if mk.screen:
                 stored.set(_screen(f, mk, total, c, f.args[-1], last_active))
             else:
-                _epilogue(f, mk, total, bias, res, out, last_active)
-        with otherwise:
+                if mk.int8:  # the int32 sums as float32 times their column's scale (``bias``)
+                    scales = [simd.load_any(b, bias, const(i64, v * L), L,
+                                            last_active if v == nv - 1 else L) for v in range(nv)]
+                    sums = [[b.fmul(b.sitofp(total[r][v], vt), scales[v]) for v in range(nv)]
+                            for r in range(mr)]
+                    _epilogue(f, mk, sums, simd.gep(b, bias, const(i64, mk.bias_at)), res, out,
+                              last_active)
+                else:
+                    _epilogue(f, mk, total, bias, res, out, last_active)
+        with otherwise:  # partial sums (int8: their bits) for the next K block
             for r in range(mr):
                 for v in range(nv):
-                    _store_c(b, total[r][v], c, r * mk.ldc + v * L, last_active, v == nv - 1)
+                    x = b.bitcast(total[r][v], vt) if mk.int8 else total[r][v]
+                    _store_c(b, x, c, r * mk.ldc + v * L, last_active, v == nv - 1)
     if mk.screen:
         f.ret(stored.get())
     return f.finish()
@@ -300,6 +325,26 @@ def _bf16_step(f: Fn, mk: Micro, a, bp, acc):
                 for v in range(nv):
                     x = vmath.fma(b, a_even, bh[v][0], acc[s][r][v].get())
                     acc[s][r][v].set(vmath.fma(b, a_odd, bh[v][1], x))
+    return step
+
+
+def _vnni_step(f: Fn, mk: Micro, a, bp, acc):
+    """The k-quad step of the int8 micro-kernel: one ``vpdpbusd`` per accumulator, u8 A words
+    (4 k of one row, broadcast) times s8 B words (4 k of each column) into int32 sums."""
+    b, L, nv, mr = f.b, mk.lanes, mk.nv, mk.mr
+    wt = ir.VectorType(i32, L)
+    dp = intrinsic(f.module, f"llvm.x86.avx512.vpdpbusd.{L * 32}", wt, [wt, wt, wt])
+
+    def step(k, s):
+        brow = b.mul(k, const(i64, mk.ldb))
+        bw = [b.load(simd.gep(b, bp, b.add(brow, const(i64, v * L)), i32), typ=wt, align=4)
+              for v in range(nv)]
+        abase = b.mul(k, const(i64, mk.a_ks))
+        for r in range(mr):
+            word = simd.load_scalar(b, a, b.add(abase, const(i64, r * mk.a_rs)), i32)
+            aw = simd.broadcast(b, word, L)
+            for v in range(nv):
+                acc[s][r][v].set(b.call(dp, [acc[s][r][v].get(), aw, bw[v]]))
     return step
 
 

@@ -185,6 +185,21 @@ def tile_blocking(n: int, k: int, l2: int | None = None) -> Blocking:
     return Blocking(mr, nr, kc, tiles * mr, nb, True, path="tile")
 
 
+def vnni_blocking(n: int, k: int, l1: int | None = None, l2: int | None = None) -> Blocking:
+    """Blocks of the u8s8 GEMM on the vector path (``vpdpbusd``, gemm_micro.py) for ``k`` words
+    (int8 quads) against the tile path's panels of ``TILE_BLOCK[1]`` columns (2 vectors):
+    12 x 2 int32 accumulators, A micro-panels in half of L1, chunks of A in a quarter of L2 and
+    B blocks in half of it, as for float32."""
+    sizes = cache_sizes()
+    l1, l2 = l1 or sizes[0], l2 or sizes[1]
+    mr, nr = 12, TILE_BLOCK[1]
+    blocks = _cdiv(k, max(16, (l1 // 2) // (mr * 4) // 16 * 16))
+    kc = min(k, _cdiv(_cdiv(k, blocks), 16) * 16)
+    nb = max(1, min(_cdiv(n, nr), (l2 // 2) // (nr * kc * 4)))
+    mc = max(mr, (l2 // 4) // (kc * 4) // mr * mr)
+    return Blocking(mr, nr, kc, mc, nb, True)
+
+
 def least_padded(m: int, n: int, tiles: list[tuple[int, int]], L: int) -> tuple[int, int]:
     """The first (mr, vectors) tile of ``tiles`` within 3% of the least edge padding of an
     m x n product (measured: all of them reach ~90% of peak)."""

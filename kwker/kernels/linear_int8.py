@@ -3,8 +3,9 @@
 The groundwork of low-bit weights: u8 activations (a quantised layer's input, zero point folded
 into the caller's bias) times s8 weights, summed exactly in int32, then one float32 conversion,
 one multiplication by the column's scale and one addition of its bias: the result equals that
-float32 arithmetic on the exact integer sums. Runs on the tile path only (AMX-INT8, or the
-emulated target), with the weights packed once in AMX's int8 B layout.
+float32 arithmetic on the exact integer sums. Runs on the tile path (AMX-INT8, or the emulated
+target), else on ``vpdpbusd`` (AVX512_VNNI: the same nest's vector micro-kernel, gemm_micro.py),
+with the weights packed once in AMX's int8 B layout either way.
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def make_linear_u8s8(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
                      m: int | None = None, epilogue: str = "none"):
     """``callable(x (m, K) uint8) -> (m, N) float32``; ``m=None``: any row count."""
     target = host_target()
-    if not (target.tiles and target.has("amx-int8") or target.tiles == "emulated"):
-        raise NotImplementedError(f"make_linear_u8s8 runs on AMX-INT8 tiles; this target is "
-                                  f"{target.describe()}")
+    tiles = target.tiles and target.has("amx-int8") or target.tiles == "emulated"
+    if not (tiles or blocking.lanes(target) == 16 and target.has("avx512vnni")):
+        raise NotImplementedError(f"make_linear_u8s8 runs on AMX-INT8 tiles or AVX512_VNNI; "
+                                  f"this target is {target.describe()}")
     if weight.dtype != torch.int8 or weight.dim() != 2:
         raise ValueError(f"make_linear_u8s8: weight must be (N, K) int8, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -47,7 +49,8 @@ def make_linear_u8s8(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     nr = TILE_BLOCK[1]
     np_ = -(-n // nr)
     spec = GemmSpec(m or 0, n, kk, 1, "packed", bias is not None, epilogue, False,
-                    **blocking.tile_blocking(n, kk // 4).as_kwargs(), dtype="u8s8")
+                    **(blocking.tile_blocking if tiles else blocking.vnni_blocking)(
+                        n, kk // 4).as_kwargs(), dtype="u8s8")
     fn = entry(spec, 5, 1 if m else 2)
     packed = pack_int8_panels(weight.detach(), nr)
     consts = torch.zeros(2 * np_ * nr)

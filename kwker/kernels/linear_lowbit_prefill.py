@@ -86,9 +86,13 @@ def _planes(spec: LowbitGemmSpec) -> bool:
     threads: 2304 x 768 2.04 -> 0.77 ms, 768 x 3072 2.71 -> 1.40, GPT-2's head 49.9 -> 17.2. bf16
     x keeps the bf16 tiles of dequantised weights, faster there (0.55 against 0.80 ms) and
     rounded as eager bf16 rounds."""
+    return spec.vnni and spec.dtype == "f32" and (_int8_tiles() or spec.lanes == 16)
+
+
+def _int8_tiles() -> bool:
+    """Whether the planes' u8s8 GEMM runs on tiles (else on ``vpdpbusd``, gemm_micro.py)."""
     target = host_target()
-    return spec.vnni and spec.dtype == "f32" and (
-        target.tiles == "emulated" or target.tiles == "amx" and target.has("amx-int8"))
+    return target.tiles == "emulated" or target.tiles == "amx" and target.has("amx-int8")
 
 
 def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
@@ -106,8 +110,10 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     specs, kernels = [planes_spec], {}
     for width in dict.fromkeys(w for _, w in blocks):
         ps = LowbitPanelsSpec(width, k)
-        gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False,
-                      **blocking.tile_blocking(width, stride // 4).as_kwargs(), dtype="u8s8")
+        blk = (blocking.tile_blocking if _int8_tiles() else blocking.vnni_blocking)(
+            width, stride // 4)
+        gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False, **blk.as_kwargs(),
+                      dtype="u8s8")
         cs = LowbitCombineSpec(width, n, spec.bias, spec.epilogue, spec.residual, spec.dtype)
         kernels[width] = (entry(ps, 2), entry(gs, 5, 2), entry(cs, 7, 2),
                           torch.ones(-(-width // nr) * nr))      # the GEMM's column scales

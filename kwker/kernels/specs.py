@@ -225,14 +225,16 @@ class LayerNormSpec(Spec):
 
 def instruction_path(spec, target) -> str:
     """The instructions ``spec`` runs on for ``target``: ``amx`` (``amx-emulated``) for the tile
-    path, ``avx512-bf16`` for bf16 dot products on AVX512_BF16, else ``avx512``, ``avx2`` or
-    ``sse`` by the vector width."""
+    path, ``avx512-bf16`` for bf16 dot products on AVX512_BF16, ``avx512-vnni`` for int8 ones
+    on AVX512_VNNI, else ``avx512``, ``avx2`` or ``sse`` by the vector width."""
     if getattr(spec, "path", "vector") == "tile":
         return "amx" if target.tiles == "amx" else "amx-emulated"
     width = {512: "avx512", 256: "avx2"}.get(target.vector_bits, "sse")
-    if getattr(spec, "dtype", "f32") == "bf16" and width == "avx512" and \
-            target.has("avx512bf16"):
+    dtype = getattr(spec, "dtype", "f32")
+    if dtype == "bf16" and width == "avx512" and target.has("avx512bf16"):
         return "avx512-bf16"
+    if dtype == "u8s8" and width == "avx512":
+        return "avx512-vnni"
     return width
 
 

@@ -12,7 +12,8 @@
 - The fused top-k on tiles, float32 (its bf16 screen) and bf16 (its scores): torch.topk's
   answer on the scores Kwker's linear gives, ties included.
 - The int8 tile GEMM (u8 x s8 on ``tdpbusd``, per-column scales) equals float32 arithmetic on
-  the exact integer sums, bit for bit, natively and emulated.
+  the exact integer sums, bit for bit, natively and emulated; so does its vector form on
+  ``vpdpbusd`` (AVX512_VNNI), natively where the CPU has VNNI, and in the assembly anywhere.
 - A refused tile permission leaves the target without tiles and says why.
 """
 import os
@@ -223,6 +224,51 @@ def test_native_tiles_match_the_reference_and_the_emulation(emulated, threads, n
 def test_native_int8_tiles(case, threads, native_tiles):
     ok, why = check_int8(*case)
     assert ok, why
+
+
+def _vnni_target(monkeypatch):
+    """This CPU without tiles, for the vector path of the int8 GEMM; skips without VNNI."""
+    from dataclasses import replace
+
+    import kwker.kernels.linear_int8 as linear_int8
+    from kwker.runtime import kernel
+    target = host_target()
+    if not (target.vector_bits == 512 and target.has("avx512vnni")):
+        pytest.skip(f"vpdpbusd needs AVX512_VNNI; this CPU: {target.describe()}")
+    vector = replace(target, tiles="")
+    for module in (linear_int8, kernel):
+        monkeypatch.setattr(module, "host_target", lambda: vector)
+    return vector
+
+
+INT8_VECTOR_CASES = INT8_CASES + [(300, 100, 4100, False, True), (50, 65, 2000, True, False)]
+
+
+@pytest.mark.parametrize("case", INT8_VECTOR_CASES, ids=str)
+def test_native_int8_on_vpdpbusd(case, monkeypatch, tmp_path):
+    """The int8 GEMM's vector form (``vpdpbusd``, gemm_micro.py): the tile path's int8 panels and
+    column scales, K over one block (int32 sums crossing K blocks as their bits), edge tiles,
+    generic rows, with and without a bias; bit for bit against the exact integer sums."""
+    _vnni_target(monkeypatch)
+    monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path))
+    m, n, k = case[:3]
+    spec = make_linear_u8s8(torch.zeros(n, k, dtype=torch.int8), torch.ones(n)).spec
+    assert spec.path == "vector" and spec.dtype == "u8s8", spec
+    ok, why = check_int8(*case)
+    assert ok, why
+
+
+def test_int8_vector_build_uses_vpdpbusd():
+    """The vector int8 GEMM compiled for an AVX512_VNNI CPU without tiles (Zen 4): vpdpbusd on
+    zmm registers, no tile instruction; a CPU with neither is refused."""
+    target = make_target("znver4", "")
+    spec = GemmSpec(64, 96, 256, 1, "packed", True, **blocking.vnni_blocking(96, 64).as_kwargs(),
+                    dtype="u8s8")
+    _, asm = compile_assembly(str(emit(spec, target)), target)
+    assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm) and not re.search(r"\btdp", asm)
+    assert instruction_path(spec, target) == "avx512-vnni"
+    with pytest.raises(ValueError, match="u8s8"):
+        emit(spec, make_target("haswell", ""))
 
 
 @pytest.mark.parametrize("case", TOPK_CASES, ids=str)
