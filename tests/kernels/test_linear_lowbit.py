@@ -426,40 +426,25 @@ def test_int4_folded_tiles_on_avx2(tmp_path):
     assert r.returncode == 0 and "folded ok" in r.stdout, r.stdout + r.stderr
 
 
-def test_int8_prefill_on_byte_planes_emulated(tmp_path):
-    """float32 prefill with int8 weights per channel on x's byte planes and the u8s8 tile GEMM,
-    run through the emulated tiles (any AVX-512 CPU with VNNI): every row agrees with the
-    float64 reference to float32 error, the rows the planes hand back (zero, tiny, NaN, inf)
-    included, with GELU and a residual; K odd, under a tile step, over a K block."""
+@pytest.mark.parametrize("tiles, path", [("emulate", "tile"), ("off", "vector")])
+def test_int8_prefill_on_byte_planes(tiles, path, tmp_path):
+    """float32 prefill with int8 weights per channel on x's byte planes and the u8s8 GEMM: on
+    the emulated tiles, and on vpdpbusd (the CPUs with AVX512_VNNI and no tiles; tiles off
+    here), both on any AVX-512 CPU with VNNI. Every row agrees with the float64 reference to
+    float32 error, the rows the planes hand back (zero, tiny, NaN, inf) included, with GELU and
+    a residual; K odd, under a tile step, over a K block."""
     import os
     import subprocess
     import sys
 
     from kwker.runtime.target import host_target
     if not (host_target().vector_bits == 512 and host_target().has("avx512vnni")):
-        pytest.skip(f"emulated tiles need AVX-512 with VNNI; this CPU: {host_target().describe()}")
-    env = dict(os.environ, KWKER_TILES="emulate", KWKER_CACHE_DIR=str(tmp_path / "cache"))
+        pytest.skip(f"the byte planes' u8s8 GEMM needs AVX-512 with VNNI (emulated tiles "
+                    f"too); this CPU: {host_target().describe()}")
+    env = dict(os.environ, KWKER_TILES=tiles, KWKER_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", PLANES_CHECK], env=env, capture_output=True,
                        text=True, check=False)
-    assert r.returncode == 0 and "planes ok on ['tile']" in r.stdout, r.stdout + r.stderr
-
-
-def test_int8_prefill_on_byte_planes_vpdpbusd(tmp_path):
-    """The same planes where the CPU has AVX512_VNNI and no tiles (tiles off here): their u8s8
-    GEMM on vpdpbusd (gemm_micro.py), 3 instructions per 64 x 16 products of the planes, against
-    the float32 FMAs of dequantised weights (GPT-2's linears at 128 rows, Zen 5: 1.04-1.29x);
-    every row against the float64 reference, as above."""
-    import os
-    import subprocess
-    import sys
-
-    from kwker.runtime.target import host_target
-    if not (host_target().vector_bits == 512 and host_target().has("avx512vnni")):
-        pytest.skip(f"vpdpbusd needs AVX-512 with VNNI; this CPU: {host_target().describe()}")
-    env = dict(os.environ, KWKER_TILES="off", KWKER_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-c", PLANES_CHECK], env=env, capture_output=True,
-                       text=True, check=False)
-    assert r.returncode == 0 and "planes ok on ['vector']" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"planes ok on ['{path}']" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("n, k", [(70, 77), (33, 1000), (64, 256), (1, 3)])
