@@ -66,10 +66,11 @@ def test_linear_large_k_blocks(threads):
 
 @pytest.mark.parametrize("m,n,k,epilogue,residual", [
     (2048, 64, 64, "none", False), (129, 257, 511, "gelu", True), (37, 33, 65, "relu", False),
-    (61, 100, 3000, "silu", True), (500, 10, 10, "none", False)])
+    (61, 100, 3000, "silu", True), (61, 100, 1500, "gelu", True), (500, 10, 10, "none", False)])
 def test_every_blocking_variant(m, n, k, epilogue, residual, threads):
-    """Each blocking the tuner may pick (A packed per call or read in place) gives the answer,
-    whichever this host's built-in choice is; K = 3000 takes several K blocks."""
+    """Each blocking the tuner may pick (A packed per call or read in place, K in one block)
+    gives the answer, whichever this host's built-in choice is; K = 3000 takes several K blocks
+    (and, where a panel of it fits half of L2, one)."""
     from kwker.kernels import blocking
     from kwker.kernels import linear as L
     torch.manual_seed(m + n + k)
@@ -77,6 +78,9 @@ def test_every_blocking_variant(m, n, k, epilogue, residual, threads):
     res = torch.randn(m, n) if residual else None
     options = blocking.variants(m, n, k)
     assert {blk.a_pack for blk in options.values()} == {True, False}
+    first = next(iter(options.values()))
+    assert ("vector, K whole" in options) == (first.kc < k and blocking._k_whole(first, k)
+                                             is not None), options
     for name, blk in options.items():
         run = L._build(blk, w, b, m, n, k, k, epilogue, residual, torch.float32, None,
                        torch.float32, (m,))
