@@ -214,6 +214,15 @@ def run(best_pair, reps: int, threads: int) -> dict:
     l3 = l3_bandwidth(threads)
     rows = linear_rows(best_pair, reps, {"avx512-bf16": peak, "amx": tile}, l3) \
         + sdpa_rows(best_pair, reps) + mlp_rows(best_pair, reps)
+    if peak:
+        # probed once more after the rows, the best kept (as the FMA probe is): on the Zen 5 VM
+        # the probe at the start read 479-489 GFLOP/s in two runs, and 920 alone a minute later
+        again, _ = bf16_peak(threads)
+        if again > peak:
+            for r in rows:
+                if r.get("path") == "avx512-bf16" and r.get("gflops"):
+                    r["peak_frac"] = r["gflops"] / again
+            peak = again
     for r in rows:
         r["met"] = None if r["target"] is None else bool(
             r["ratio"] >= r["target"] and (r["peak_target"] is None
