@@ -147,8 +147,7 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
             for v in range(nv):
                 acc[s][r][v].set(vmath.fma(b, av, bv[v], acc[s][r][v].get()))
 
-    step = _bf16_step(f, mk, a, bp, acc) if mk.bf16 else \
-        _vnni_step(f, mk, a, bp, acc) if mk.int8 else fstep
+    step = fstep if mk.dot == "fma" else _word_step(f, mk, a, bp, acc)
     group = mk.ksplit * mk.unroll
     main_end = b.mul(b.sdiv(kc, const(i64, group)), const(i64, group))
     with f.for_range(0, main_end, step=group, name="k") as k:
@@ -289,14 +288,24 @@ def epilogue_masked(b: ir.IRBuilder, x, bias, epilogue: str, res, out, at, mask,
         simd.masked_store(b, x, out, at, mask)
 
 
-def _bf16_step(f: Fn, mk: Micro, a, bp, acc):
-    """The k-pair step of the bf16 micro-kernel (``dot`` = dpbf16 or widen), see module doc."""
+def _word_step(f: Fn, mk: Micro, a, bp, acc):
+    """The step of a micro-kernel over 32-bit words (see the module doc): bf16 k pairs on
+    ``vdpbf16ps`` (dpbf16) or widened to two FMAs (widen), int8 k quads on ``vpdpbusd`` (vnni).
+    B's words of the step are loaded once, each row's A word broadcast."""
     b, L, nv, mr = f.b, mk.lanes, mk.nv, mk.mr
     wt = ir.VectorType(i32, L)
+    ht = ir.VectorType(i16, 2 * L)
     if mk.dot == "dpbf16":
-        ht = ir.VectorType(i16, 2 * L)
         dp = intrinsic(f.module, f"llvm.x86.avx512bf16.dpbf16ps.{L * 32}", simd.vty(L),
                        [simd.vty(L), ht, ht])
+
+        def dot(acc_v, aw, bw):
+            return b.call(dp, [acc_v, b.bitcast(aw, ht), b.bitcast(bw, ht)])
+    elif mk.dot == "vnni":   # u8 A times s8 B into int32 sums
+        dp = intrinsic(f.module, f"llvm.x86.avx512.vpdpbusd.{L * 32}", wt, [wt, wt, wt])
+
+        def dot(acc_v, aw, bw):
+            return b.call(dp, [acc_v, aw, bw])
     hi_mask = ir.Constant(wt, [ir.Constant(i32, -65536)] * L)
     sixteen = ir.Constant(wt, [ir.Constant(i32, 16)] * L)
 
@@ -315,36 +324,14 @@ def _bf16_step(f: Fn, mk: Micro, a, bp, acc):
         for r in range(mr):
             word = simd.load_scalar(b, a, b.add(abase, const(i64, r * mk.a_rs)), i32)
             aw = simd.broadcast(b, word, L)
-            if mk.dot == "dpbf16":
-                av = b.bitcast(aw, ir.VectorType(i16, 2 * L))
-                for v in range(nv):
-                    bv = b.bitcast(bw[v], ir.VectorType(i16, 2 * L))
-                    acc[s][r][v].set(b.call(dp, [acc[s][r][v].get(), av, bv]))
-            else:
+            if mk.dot == "widen":
                 a_even, a_odd = halves(aw)
                 for v in range(nv):
                     x = vmath.fma(b, a_even, bh[v][0], acc[s][r][v].get())
                     acc[s][r][v].set(vmath.fma(b, a_odd, bh[v][1], x))
-    return step
-
-
-def _vnni_step(f: Fn, mk: Micro, a, bp, acc):
-    """The k-quad step of the int8 micro-kernel: one ``vpdpbusd`` per accumulator, u8 A words
-    (4 k of one row, broadcast) times s8 B words (4 k of each column) into int32 sums."""
-    b, L, nv, mr = f.b, mk.lanes, mk.nv, mk.mr
-    wt = ir.VectorType(i32, L)
-    dp = intrinsic(f.module, f"llvm.x86.avx512.vpdpbusd.{L * 32}", wt, [wt, wt, wt])
-
-    def step(k, s):
-        brow = b.mul(k, const(i64, mk.ldb))
-        bw = [b.load(simd.gep(b, bp, b.add(brow, const(i64, v * L)), i32), typ=wt, align=4)
-              for v in range(nv)]
-        abase = b.mul(k, const(i64, mk.a_ks))
-        for r in range(mr):
-            word = simd.load_scalar(b, a, b.add(abase, const(i64, r * mk.a_rs)), i32)
-            aw = simd.broadcast(b, word, L)
-            for v in range(nv):
-                acc[s][r][v].set(b.call(dp, [acc[s][r][v].get(), aw, bw[v]]))
+            else:
+                for v in range(nv):
+                    acc[s][r][v].set(dot(acc[s][r][v].get(), aw, bw[v]))
     return step
 
 
