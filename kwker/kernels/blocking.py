@@ -200,6 +200,18 @@ def tile_blocking(n: int, k: int, l2: int | None = None) -> Blocking:
     return Blocking(mr, nr, kc, tiles * mr, nb, True, path="tile")
 
 
+def int8_blocking(n: int, k: int, target: Target | None = None) -> Blocking | None:
+    """Blocks of the u8s8 GEMM for ``k`` words (int8 quads) on ``target``: on the tiles where it
+    has AMX-INT8 (or tiles emulated), else on ``vpdpbusd`` where it has AVX-512 VNNI, else None
+    (no int8 GEMM there)."""
+    target = target or host_target()
+    if target.tiles == "emulated" or target.tiles == "amx" and target.has("amx-int8"):
+        return tile_blocking(n, k)
+    if lanes(target) == 16 and target.has("avx512vnni"):
+        return vnni_blocking(n, k)
+    return None
+
+
 def vnni_blocking(n: int, k: int, l1: int | None = None, l2: int | None = None) -> Blocking:
     """Blocks of the u8s8 GEMM on the vector path (``vpdpbusd``, gemm_micro.py) for ``k`` words
     (int8 quads) against the tile path's panels of ``TILE_BLOCK[1]`` columns (2 vectors):

@@ -35,10 +35,6 @@ def make_linear_u8s8(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
                      m: int | None = None, epilogue: str = "none"):
     """``callable(x (m, K) uint8) -> (m, N) float32``; ``m=None``: any row count."""
     target = host_target()
-    tiles = target.tiles and target.has("amx-int8") or target.tiles == "emulated"
-    if not (tiles or blocking.lanes(target) == 16 and target.has("avx512vnni")):
-        raise NotImplementedError(f"make_linear_u8s8 runs on AMX-INT8 tiles or AVX512_VNNI; "
-                                  f"this target is {target.describe()}")
     if weight.dtype != torch.int8 or weight.dim() != 2:
         raise ValueError(f"make_linear_u8s8: weight must be (N, K) int8, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -46,11 +42,14 @@ def make_linear_u8s8(weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     if tuple(scale.shape) != (n,) or (bias is not None and tuple(bias.shape) != (n,)):
         raise ValueError(f"make_linear_u8s8: scale and bias must be ({n},)")
     kk = -(-k // 4) * 4
+    blk = blocking.int8_blocking(n, kk // 4, target)
+    if blk is None:
+        raise NotImplementedError(f"make_linear_u8s8 runs on AMX-INT8 tiles or AVX512_VNNI; "
+                                  f"this target is {target.describe()}")
     nr = TILE_BLOCK[1]
     np_ = -(-n // nr)
     spec = GemmSpec(m or 0, n, kk, 1, "packed", bias is not None, epilogue, False,
-                    **(blocking.tile_blocking if tiles else blocking.vnni_blocking)(
-                        n, kk // 4).as_kwargs(), dtype="u8s8")
+                    **blk.as_kwargs(), dtype="u8s8")
     fn = entry(spec, 5, 1 if m else 2)
     packed = pack_int8_panels(weight.detach(), nr)
     consts = torch.zeros(2 * np_ * nr)

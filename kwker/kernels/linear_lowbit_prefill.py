@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from ..codegen import gemm_lowbit, gemm_lowbit_planes, gemm_lowbit_vnni
-from ..runtime.target import host_target
 from . import blocking
 from ._call import entry
 from .specs import (
@@ -80,19 +79,15 @@ def prefill_run(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None) -> tup
 
 
 def _planes(spec: LowbitGemmSpec) -> bool:
-    """Whether many rows go by x's byte planes on int8 tiles (codegen/gemm_lowbit_planes.py):
-    float32 x and the weights the vpdpbusd decode takes, where the CPU has AMX-INT8 (or tiles
-    emulated). Against the float32 GEMM of dequantised weights, Emerald Rapids, 128 rows, 2
-    threads: 2304 x 768 2.04 -> 0.77 ms, 768 x 3072 2.71 -> 1.40, GPT-2's head 49.9 -> 17.2. bf16
-    x keeps the bf16 tiles of dequantised weights, faster there (0.55 against 0.80 ms) and
-    rounded as eager bf16 rounds."""
-    return spec.vnni and spec.dtype == "f32" and (_int8_tiles() or spec.lanes == 16)
-
-
-def _int8_tiles() -> bool:
-    """Whether the planes' u8s8 GEMM runs on tiles (else on ``vpdpbusd``, gemm_micro.py)."""
-    target = host_target()
-    return target.tiles == "emulated" or target.tiles == "amx" and target.has("amx-int8")
+    """Whether many rows go by x's byte planes on the u8s8 GEMM (codegen/gemm_lowbit_planes.py):
+    float32 x and the weights the vpdpbusd decode takes, where the CPU has an int8 GEMM
+    (``blocking.int8_blocking``: AMX-INT8 or emulated tiles, else AVX-512 VNNI). Against the
+    float32 GEMM of dequantised weights, 128 rows, 2 threads: on Emerald Rapids's tiles 2304 x
+    768 2.04 -> 0.77 ms, 768 x 3072 2.71 -> 1.40, GPT-2's head 49.9 -> 17.2; on Zen 5's vpdpbusd
+    against the panel-by-panel float path, GPT-2's linears 1.04-1.29x. bf16 x keeps the bf16
+    GEMM of dequantised weights, faster on the tiles (0.55 against 0.80 ms) and rounded as eager
+    bf16 rounds."""
+    return spec.vnni and spec.dtype == "f32" and blocking.int8_blocking(spec.n, spec.k) is not None
 
 
 def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
@@ -110,8 +105,7 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     specs, kernels = [planes_spec], {}
     for width in dict.fromkeys(w for _, w in blocks):
         ps = LowbitPanelsSpec(width, k)
-        blk = (blocking.tile_blocking if _int8_tiles() else blocking.vnni_blocking)(
-            width, stride // 4)
+        blk = blocking.int8_blocking(width, stride // 4)
         gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False, **blk.as_kwargs(),
                       dtype="u8s8")
         cs = LowbitCombineSpec(width, n, spec.bias, spec.epilogue, spec.residual, spec.dtype)
