@@ -35,12 +35,12 @@ Schedule: x (``m`` rows, or ``rows`` at run time for ``m == 0``) is widened once
 float32 buffer padded with zeros to whole vectors. Threads split the W rows into contiguous ranges
 of ``rr``-row blocks; per block the x rows go by tiles of ``mr`` (the block's weights stay in L1
 across the tiles), keeping ``mr * rr`` vector accumulators; a lone x row reads int8 rows one
-after another (``_Tile._int8_rows``). Weights are prefetched non-temporally where they are read
-once: streamed through the caches as usual, 124 MB of GPT-2 weights a token evicted everything
-the interpreter and the other ops use (a 768-wide LayerNorm after the int8 head: 6 -> 45-140 us
-on Zen 3). Each (x row, W row) sum is reduced
-across lanes into a float32 scratch row, then the epilogue runs as vectors over the thread's
-columns: ``act(sum + bias) + residual``, rounded once to bf16 for a bf16 model.
+after another (``_Tile._int8_rows``; on vpdpbusd the streamed tile), one stream a thread.
+Weights are prefetched non-temporally where they are read once: streamed through the caches as
+usual, 124 MB of GPT-2 weights a token evicted everything the interpreter and the other ops use
+(a 768-wide LayerNorm after the int8 head: 6 -> 45-140 us on Zen 3). Each (x row, W row) sum is
+reduced across lanes into a float32 scratch row, then the epilogue runs as vectors over the
+thread's columns: ``act(sum + bias) + residual``, rounded once to bf16 for a bf16 model.
 
 ABI: ``sym(x, w, scale, zp, bias, res, out[, rows], nthreads)``; ``bias``, ``res``, ``zp`` may be
 null when the spec says they are absent; with ``spec.vnni``, ``zp`` holds the W rows' sums of q
@@ -140,8 +140,9 @@ class _Tile:
         x row ``i`` with dequantised W row ``r`` (float32 scalars). ``exact``: without
         folding (for x the folded int4 tile cannot take)."""
         key = (mr, rr, exact)
-        if key not in self._made and mr == "vnni":
-            self._made[key] = gemm_lowbit_vnni.emit_tile(self.module, self.s, rr, _prefetch)
+        if key not in self._made and mr in ("vnni", "vnnis"):
+            self._made[key] = gemm_lowbit_vnni.emit_tile(self.module, self.s, rr, _prefetch,
+                                                         streamed=mr == "vnnis", ahead=AHEAD)
         if key not in self._made:
             f = Fn(self.module, f"{self.s.symbol}.tile{mr}x{rr}{'e' if exact else ''}", void,
                    [ptr] * 5, ["x", "w", "scale", "zp", "sums"])
@@ -520,15 +521,25 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
         else:
             by_rows_of(w_rows, False)
 
+    def by_planes(w_rows: int, kind: str):
+        with f.for_range(0, rows, name="xi") as i:
+            ready = gemm_lowbit_vnni.is_ready(b, _planes_of(i)[1])
+            with f.if_else(ready, likely=True) as (ints, floats):
+                with ints:
+                    run(1, w_rows, i, kind)
+                with floats:
+                    run(1, w_rows, i)
+
     def by_rows_of(w_rows: int, exact: bool):
-        if spec.vnni:
-            with f.for_range(0, rows, name="xi") as i:
-                ready = gemm_lowbit_vnni.is_ready(b, _planes_of(i)[1])
-                with f.if_else(ready, likely=True) as (ints, floats):
-                    with ints:
-                        run(1, w_rows, i, "vnni")
-                    with floats:
-                        run(1, w_rows, i)
+        if spec.vnni:  # a lone x row streams its W rows; several share each plane load
+            if spec.m:
+                by_planes(w_rows, "vnnis" if spec.m == 1 else "vnni")
+                return
+            with f.if_else(b.icmp_unsigned("==", rows, const(i64, 1))) as (one, several):
+                with one:
+                    by_planes(w_rows, "vnnis")
+                with several:
+                    by_planes(w_rows, "vnni")
             return
         full = b.udiv(rows, const(i64, mr))
         with f.for_range(0, full, name="xt") as t:

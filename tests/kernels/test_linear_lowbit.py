@@ -303,10 +303,11 @@ def test_int8_channel_on_vpdpbusd_and_float_paths(dtype, k, monkeypatch):
     for name, vnni in paths.items():
         monkeypatch.setattr(lowbit, "_vnni", lambda spec, lanes, v=vnni: v and
                             lowbit.gemm_lowbit_vnni.usable(spec, lanes))
-        for m in (1, len(rows), None):
+        # a lone x row streams its W rows (m=1, or one row through the generic kernel)
+        for m, one_by_one in ((1, True), (len(rows), False), (None, False), (None, True)):
             fn = make_linear_lowbit(lin.weight, None, m, dtype=dtype)
             assert fn.specs[0].vnni == vnni
-            y = torch.cat([fn(x[i:i + 1]) for i in range(len(rows))]) if m == 1 else fn(x)
+            y = torch.cat([fn(x[i:i + 1]) for i in range(len(rows))]) if one_by_one else fn(x)
             assert torch.equal(y.isnan(), ref.isnan()), name
             for i in range(len(rows)):
                 if i != 4:
