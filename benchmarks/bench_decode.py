@@ -11,7 +11,11 @@ of ``--reps`` runs. Rows, one model each, in one process:
 - torchao weight-only int8 (``Int8WeightOnlyConfig``) and int4 (``IntxWeightOnlyConfig``,
   groups of 32), eager and under Inductor (``torch.compile``, the default backend);
 - the same quantised models under ``backend="kwker"`` (inner eager), float32 and bf16
-  activations.
+  activations;
+- Kwker and Inductor again with torch's ``guard_filter_fn=skip_guard_on_all_nn_modules_unsafe``
+  ("module guards skipped"): a token is a few ms, and dynamo checks ~3000 guards on the model's
+  modules (their hook dicts, config attributes) before each call. Safe where the serving code does
+  not change the modules after compiling; Kwker still checks each parameter's identity and version.
 
 Roofline: the bytes of every linear weight in its format (values, scales, zero points) read once
 per token, against the bandwidth of a streaming read of a buffer that size (``probes.read_gbps``,
@@ -53,6 +57,10 @@ ROWS = [  # (label, activation dtype, quantisation, how it runs)
     ("Kwker int4", "f32", "int4", "kwker"),
     ("Kwker bf16 + int8", "bf16", "int8", "kwker"),
     ("Kwker bf16 + int4", "bf16", "int4", "kwker"),
+    ("torchao int8, Inductor, module guards skipped", "f32", "int8", "inductor-lean"),
+    ("torchao int4, Inductor, module guards skipped", "f32", "int4", "inductor-lean"),
+    ("Kwker int8, module guards skipped", "f32", "int8", "kwker-lean"),
+    ("Kwker int4, module guards skipped", "f32", "int4", "kwker-lean"),
 ]
 
 
@@ -111,10 +119,12 @@ def build(cfg, dtype: str, quant: str | None, how: str):
         model = model.to(torch.bfloat16)
     if quant:
         quantize(model, quant)
-    if how == "kwker":
-        return model, torch.compile(model, backend="kwker", options={"inner": "eager"})
-    if how == "inductor":
-        return model, torch.compile(model)
+    lean = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} \
+        if how.endswith("-lean") else {}
+    if how.startswith("kwker"):
+        return model, torch.compile(model, backend="kwker", options={"inner": "eager", **lean})
+    if how.startswith("inductor"):
+        return model, torch.compile(model, options=lean or None)
     return model, model
 
 
@@ -160,7 +170,7 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT))
     eager_tokens, rows, bandwidth = {}, [], {}
     for label, dtype, quant, how in ROWS:
-        if quick and how == "inductor":
+        if quick and how.startswith("inductor"):
             continue
         torch._dynamo.reset()
         _, model = build(cfg, dtype, quant, how)
@@ -184,7 +194,7 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
         if how == "eager":
             eager_tokens[key] = tokens
         check = ""
-        if how == "kwker":
+        if how.startswith("kwker"):
             reference = eager_tokens.get(key)
             if reference is None:  # bf16 + quantised has no eager row: build it once here
                 reference = generate(build(cfg, dtype, quant, "eager")[1], prompt, steps)[0]
@@ -210,14 +220,15 @@ def _get(rows, label):
 
 
 def ratios(rows: list[dict]) -> list[list]:
-    """Each Kwker row against eager bf16, eager torchao and torchao + Inductor of its format."""
+    """Each Kwker row against eager bf16, eager torchao and torchao + Inductor of its format
+    (with module guards skipped too, for a row that skips them)."""
     bf16 = _get(rows, "eager bf16")
     out = []
     for r in rows:
-        if r["how"] != "kwker":
+        if not r["how"].startswith("kwker"):
             continue
-        q = r["weights"]
-        ao, ind = _get(rows, f"torchao {q}, eager"), _get(rows, f"torchao {q}, Inductor")
+        q, lean = r["weights"], ", module guards skipped" if r["how"].endswith("-lean") else ""
+        ao, ind = _get(rows, f"torchao {q}, eager"), _get(rows, f"torchao {q}, Inductor{lean}")
 
         def ratio(base, r=r):
             return f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
@@ -270,7 +281,7 @@ def plot(rows: list[dict], path: Path, info: dict) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 0.32 * len(rows) + 1))
-    colors = ["tab:orange" if r["how"] == "kwker" else "tab:grey" for r in rows]
+    colors = ["tab:orange" if r["how"].startswith("kwker") else "tab:grey" for r in rows]
     ys = list(range(len(rows)))[::-1]
     ax.barh(ys, [r["tok_s"] for r in rows], color=colors)
     for y, r in zip(ys, rows):
