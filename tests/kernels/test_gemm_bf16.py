@@ -39,6 +39,13 @@ MATMUL_CASES = [  # m, k, n, batch, b transposed
     (300, 1001, 500, 1, False),
 ]
 
+# the generic (any row count) kernels an ISA path runs when another path runs them all: each takes
+# 1-2 s to compile, and the micro-kernels they share with the fixed-size ones run every case
+GENERIC_SAMPLE = {(1, 64, 32, "none", False, True), (8, 200, 1031, "gelu_tanh", True, True),
+                  (37, 77, 3, "none", False, True), (131, 521, 4097, "relu", False, True),
+                  (3, 70, 33, "gelu_tanh", True, True, torch.float32),
+                  (130, 301, 70, 2, True), (1, 32, 37, 3, False)}
+
 TOPK_CASES = [  # m, n, K, k, largest, tied (items repeat)
     (32, 20000, 128, 10, True, False), (1, 5000, 64, 50, True, True),
     (7, 3001, 33, 5, False, True), (100, 4096, 256, 20, True, True),
@@ -188,37 +195,45 @@ ISA_PATHS = {  # name -> (KWKER_CPU, KWKER_FEATURES ("" = the CPU's own), what m
 
 @pytest.mark.parametrize("isa", sorted(ISA_PATHS))
 def test_isa_paths_run(isa, tmp_path):
-    """Each ISA's bf16 micro-kernel (vdpbf16ps, widened AVX-512, widened AVX2) on this machine."""
+    """Each ISA's bf16 micro-kernel (vdpbf16ps, widened AVX-512, widened AVX2) on this machine;
+    the first path this CPU can run (in ``ISA_PATHS``' order) runs every generic kernel, the
+    others ``GENERIC_SAMPLE``."""
     cpu, features, needs = ISA_PATHS[isa]
     if not host_target().has(needs):
         pytest.skip(f"this CPU cannot run {needs} code ({host_target().describe()}); its "
                     "assembly is checked in tests/codegen/test_isa.py")
+    first = next(name for name, (_, _, n) in ISA_PATHS.items() if host_target().has(n))
     env = dict(os.environ, KWKER_CPU=cpu, KWKER_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("KWKER_FEATURES", None)
-    r = subprocess.run([sys.executable, __file__, "worker"], env=env, capture_output=True,
-                       text=True, check=False)
+    r = subprocess.run([sys.executable, __file__, "worker", "all" if isa == first else "sample"],
+                       env=env, capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all ok" in r.stdout, r.stdout
 
 
-def run_gemm_cases(linear_cases, matmul_cases) -> int:
-    """Every case, for its sizes and generic over the rows, printed; the number that failed."""
+def run_gemm_cases(linear_cases, matmul_cases, generic_only: set | None = None) -> int:
+    """Every case for its sizes, and generic over the rows (every case, or those in
+    ``generic_only``), printed; the number that failed."""
+    assert generic_only is None or generic_only <= {*linear_cases, *matmul_cases}, generic_only
     bad = 0
     for generic in (False, True):
         for what, check, cases in (("linear", check_linear, linear_cases),
                                    ("matmul", check_matmul, matmul_cases)):
             for case in cases:
+                if generic and generic_only is not None and case not in generic_only:
+                    continue
                 ok, why = check(*case, generic=generic)
                 bad += not ok
                 print(what, case, "generic" * generic, "ok" if ok else "FAIL " + why)
     return bad
 
 
-def _worker() -> int:
+def _worker(generic: str) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(2)
     print(host_target().describe(), "avx512bf16" if host_target().has("avx512bf16") else "")
-    bad = run_gemm_cases(LINEAR_CASES, MATMUL_CASES)
+    bad = run_gemm_cases(LINEAR_CASES, MATMUL_CASES,
+                         None if generic == "all" else GENERIC_SAMPLE)
     for case in TOPK_CASES:
         ok, why = check_topk(*case)
         bad += not ok
@@ -228,5 +243,5 @@ def _worker() -> int:
     return 1 if bad else 0
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
-    sys.exit(_worker())
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    sys.exit(_worker(sys.argv[2]))

@@ -56,6 +56,11 @@ MATMUL_CASES = [  # m, k, n, batch, b transposed
     (64, 64, 128, 4, True), (130, 301, 70, 2, False), (130, 301, 70, 2, True),
     (300, 1700, 100, 1, False), (70, 2300, 60, 1, True),  # the last in 2 K blocks
 ]
+# the generic kernels the emulation without AVX512_BF16 runs (this CPU's features run them all)
+GENERIC_SAMPLE = {(9, 40, 18, "none", False, True), (131, 521, 4097, "relu", False, True),
+                  (97, 200, 2500, "gelu_tanh", True, True),
+                  (70, 100, 300, "gelu", True, True, torch.float32),
+                  (130, 301, 70, 2, True), (70, 2300, 60, 1, True)}
 SAPPHIRE = make_target("sapphirerapids")
 EMULATED = make_target("sapphirerapids", tiles="emulated")
 
@@ -64,13 +69,13 @@ def _has_avx512() -> bool:
     return host_target().vector_bits == 512
 
 
-def _run_worker(tmp_path, tiles: str, out: str, cpu: str = "") -> str:
+def _run_worker(tmp_path, tiles: str, out: str, cpu: str = "", generic: str = "all") -> str:
     env = dict(os.environ, KWKER_TILES=tiles, KWKER_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("KWKER_FEATURES", None)
     if cpu:
         env["KWKER_CPU"] = cpu
-    r = subprocess.run([sys.executable, __file__, "worker", out], env=env, capture_output=True,
-                       text=True, check=False)
+    r = subprocess.run([sys.executable, __file__, "worker", out, generic], env=env,
+                       capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -151,7 +156,7 @@ def check_topk_screen_special(case: str) -> None:
     torch.testing.assert_close(v, rv, rtol=1e-5, atol=0, equal_nan=True)
 
 
-def _worker(out: str) -> int:
+def _worker(out: str, generic: str = "all") -> int:
     torch.set_num_threads(2)
     print(host_target().describe())
     assert host_target().tiles in ("amx", "emulated"), host_target()
@@ -170,7 +175,7 @@ def _worker(out: str) -> int:
         ok, why = check_bf16_topk(*case)
         bad += not ok
         print("bf16 topk", case, "ok" if ok else "FAIL " + why)
-    bad += run_gemm_cases(LINEAR_CASES, MATMUL_CASES)
+    bad += run_gemm_cases(LINEAR_CASES, MATMUL_CASES, None if generic == "all" else GENERIC_SAMPLE)
     torch.save(_outputs(), out)
     if not bad:
         print("all ok")
@@ -188,7 +193,9 @@ def emulated(tmp_path_factory):
                         f"{host_target().describe()}")
         if cpu not in runs:
             tmp = tmp_path_factory.mktemp("emulated")
-            runs[cpu] = (_run_worker(tmp, "emulate", str(tmp / "out.pt"), cpu), tmp / "out.pt")
+            # every generic kernel on this CPU's features, a sample on the other
+            runs[cpu] = (_run_worker(tmp, "emulate", str(tmp / "out.pt"), cpu,
+                                     "sample" if cpu else "all"), tmp / "out.pt")
         return runs[cpu]
     return run
 
@@ -402,4 +409,4 @@ def test_instruction_paths_name_what_runs():
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    sys.exit(_worker(sys.argv[2]))
+    sys.exit(_worker(*sys.argv[2:4]))
