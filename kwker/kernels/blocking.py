@@ -120,18 +120,32 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
         # one or two panels: each A row is used once or twice, packing it would cost as much
         # as the product; broadcast from A in place, K unblocked
         return Blocking(mr, nr, k, mr, 2, False)
-    kc_max = max(16, (l1 // 2) // (mr * 4) // 16 * 16)
+    kc_max = _kc_in_l1(mr, l1)
     if dtype == "bf16" and k <= (l1 * 3 // 4) // (mr * 4):
         # a second K block costs bf16 a float32 round trip of the partial sums through a
         # scratch (C cannot hold them): the A micro-panel may fill 3/4 of L1 to keep K <= 1024
         # in one block (measured 1024x3072x768: 170 -> 223 GFLOP/s per thread); larger K
         # keeps the float32 blocking (4096^3: 204 GFLOP/s, 189 with 3/4-L1 blocks)
         kc_max = k
-    blocks = _cdiv(k, kc_max)
-    kc = min(k, _cdiv(_cdiv(k, blocks), 16) * 16)  # equal K blocks, not a short last one
-    nb = max(1, (l2 // 2) // (nr * kc * 4))
-    mc = max(mr, (l2 // 4) // (kc * 4) // mr * mr)
+    kc = _equal_k_blocks(k, kc_max)
+    mc, nb = _in_l2(mr, nr, kc, l2)
     return Blocking(mr, nr, kc, mc, nb, True)
+
+
+def _kc_in_l1(mr: int, l1: int) -> int:
+    """The most k words (a multiple of 16) whose ``mr``-row A micro-panel fills half of L1."""
+    return max(16, (l1 // 2) // (mr * 4) // 16 * 16)
+
+
+def _equal_k_blocks(k: int, kc_max: int) -> int:
+    """K blocks of at most ``kc_max`` words, equal (multiples of 16), not a short last one."""
+    return min(k, _cdiv(_cdiv(k, _cdiv(k, kc_max)), 16) * 16)
+
+
+def _in_l2(mr: int, nr: int, kc: int, l2: int) -> tuple[int, int]:
+    """(mc, nb) for K blocks of ``kc`` words: a chunk of A rows in a quarter of L2, a block of
+    B panels in half of it."""
+    return max(mr, (l2 // 4) // (kc * 4) // mr * mr), max(1, (l2 // 2) // (nr * kc * 4))
 
 
 # bf16 products of up to this many rows on a CPU with tiles are measured on both paths (the
@@ -174,8 +188,8 @@ def _k_whole(blk: Blocking, k: int) -> Blocking | None:
     l2 = cache_sizes()[1]
     if blk.kc >= k or k * blk.nr * 4 > l2 // 2:
         return None
-    return replace(blk, kc=k, mc=max(blk.mr, (l2 // 4) // (k * 4) // blk.mr * blk.mr),
-                   nb=max(1, (l2 // 2) // (blk.nr * k * 4)))
+    mc, nb = _in_l2(blk.mr, blk.nr, k, l2)
+    return replace(blk, kc=k, mc=mc, nb=nb)
 
 
 def tile_blocking(n: int, k: int, l2: int | None = None) -> Blocking:
@@ -220,11 +234,9 @@ def vnni_blocking(n: int, k: int, l1: int | None = None, l2: int | None = None) 
     sizes = cache_sizes()
     l1, l2 = l1 or sizes[0], l2 or sizes[1]
     mr, nr = 12, TILE_BLOCK[1]
-    blocks = _cdiv(k, max(16, (l1 // 2) // (mr * 4) // 16 * 16))
-    kc = min(k, _cdiv(_cdiv(k, blocks), 16) * 16)
-    nb = max(1, min(_cdiv(n, nr), (l2 // 2) // (nr * kc * 4)))
-    mc = max(mr, (l2 // 4) // (kc * 4) // mr * mr)
-    return Blocking(mr, nr, kc, mc, nb, True)
+    kc = _equal_k_blocks(k, _kc_in_l1(mr, l1))
+    mc, nb = _in_l2(mr, nr, kc, l2)
+    return Blocking(mr, nr, kc, mc, min(nb, _cdiv(n, nr)), True)
 
 
 def least_padded(m: int, n: int, tiles: list[tuple[int, int]], L: int) -> tuple[int, int]:
