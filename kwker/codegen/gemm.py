@@ -415,21 +415,19 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs,
                 with f.for_range(q0.get(), q1.get(), step=s.nb, name="ic") as qb0:
                     qb1 = b.add(qb0, const(i64, s.nb))
                     qb1 = b.select(b.icmp_signed("<", qb1, q1.get()), qb1, q1.get())
-                    if p.pack_b:
+                    if p.lowbit:
+                        _pack_lowbit(f, p, b_all, quant, unpack, pack_b, qb0, qb1, k0, kcl, bp)
+                    elif p.pack_b:
                         col0 = b.mul(qb0, const(i64, s.nr))
                         cols = b.sub(b.select(
                             b.icmp_signed("<", b.mul(qb1, const(i64, s.nr)), const(i64, s.n)),
                             b.mul(qb1, const(i64, s.nr)), const(i64, s.n)), col0)
-                        if p.lowbit:
-                            _pack_lowbit(f, p, b_all, quant, unpack, pack_b, qb0, qb1, k0, kcl,
-                                         bp)
-                        elif s.b_layout == "nk":
+                        if s.b_layout == "nk":
                             src = simd.gep(b, b_mat, b.add(b.mul(col0, const(i64, kw)), k0))
                         else:  # bf16: rows 2 k0 and 2 k0 + 1 start the first pair
                             krow = b.mul(k0, const(i64, 2)) if p.bf16 else k0
                             src = at(b_mat, b.add(b.mul(krow, const(i64, s.n)), col0), ct)
-                        if not p.lowbit:
-                            b.call(pack_b, [src, cols, kcl, bp])
+                        b.call(pack_b, [src, cols, kcl, bp])
                     with f.for_range(tc0, tc1, name="jr") as t:
                         if s.a_pack:
                             a_tile = simd.gep(b, ap, b.mul(b.sub(t, tc0),
