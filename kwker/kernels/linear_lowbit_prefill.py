@@ -91,7 +91,8 @@ def _planes(spec: LowbitGemmSpec) -> bool:
 
 
 def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
-    """``call(x, residual) -> out`` for many rows on int8 tiles: x's planes once, then per block
+    """``call(x, residual) -> out`` for many rows on the u8s8 GEMM (int8 tiles, or ``vpdpbusd``
+    where the CPU has no tiles): x's planes once, then per block
     of W rows (``PREFILL_BLOCK`` bytes) its panels, the u8s8 GEMM of the planes and the combine
     into the block's output columns. Rows the planes do not take (non-finite, tiny) go through
     the decode kernel afterwards."""
