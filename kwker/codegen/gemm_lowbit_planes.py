@@ -8,7 +8,14 @@ they give each plane's int32 sums, which this module's combine kernel turns into
 
 then the activation, the residual and one rounding to the model's dtype. The three planes cost
 1.5x a bf16 product on the tiles (``tdpbusd`` does twice ``tdpbf16ps``'s products), against
-the float32 FMAs of dequantised weights the prefill ran before.
+the float32 FMAs of dequantised weights the prefill ran before. Where the user allows float32
+products below full precision (``torch.set_float32_matmul_precision("high")`` or ``"medium"``),
+x takes two planes (16 bits, x to 2**-15 of its row's largest |x|, finer than TF32's 2**-11 a
+value):
+
+    y = (S0 + 2**8 S1 - 2**15 sum_k q) * 2**(E - 14) * scale[n] + bias[n]
+
+which is the cost of a bf16 product on the tiles, and on ``vpdpbusd`` 2/3 of the three planes'.
 
 Three kernels, per call:
 
@@ -25,7 +32,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import bf16, omp, simd, vmath
-from .gemm_lowbit_vnni import HEAD, emit_planes, is_ready, plane_stride
+from .gemm_lowbit_vnni import HEAD, emit_planes, is_ready, row_bytes
 from .gemm_micro import epilogue_masked
 from .gemm_tile import STEP as TILE_STEP
 from .gemm_tile import TILE_BLOCK
@@ -63,9 +70,9 @@ def _emit_planes(spec, target) -> ir.Module:
     b = body.b
     elem_bytes = bf16.itemsize(spec.dtype)
     xs = simd.gep(b, x, b.mul(begin, const(i64, spec.k * elem_bytes)), i8)
-    ps = simd.gep(b, planes, b.mul(begin, const(i64, 3 * plane_stride(spec.k))), i8)
+    ps = simd.gep(b, planes, b.mul(begin, const(i64, row_bytes(spec.k, spec.planes))), i8)
     hs = simd.gep(b, heads, b.mul(begin, const(i64, HEAD)), i8)
-    emit_planes(body, spec.k, spec.dtype, xs, ps, hs, b.sub(end, begin))
+    emit_planes(body, spec.k, spec.dtype, xs, ps, hs, b.sub(end, begin), spec.planes)
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 3 + [i64], body.fn)
     return module
@@ -135,28 +142,30 @@ def _transpose16(b, vs: list) -> list:
 
 
 def _emit_combine(spec, target) -> ir.Module:
-    """``sym(sums, heads, wsum, scale, bias, res, out, rows, nthreads)``: ``sums`` (3 rows per x
-    row, ``spec.n`` floats each) -> ``out`` (row stride ``spec.ld``, as ``res``) for the rows
-    whose head says planes; ``wsum`` int32, ``scale`` and ``bias`` float32, ``spec.n`` each."""
+    """``sym(sums, heads, wsum, scale, bias, res, out, rows, nthreads)``: ``sums``
+    (``spec.planes`` rows per x row, ``spec.n`` floats each) -> ``out`` (row stride ``spec.ld``,
+    as ``res``) for the rows whose head says planes; ``wsum`` int32, ``scale`` and ``bias``
+    float32, ``spec.n`` each."""
     module, body, (sums, heads, wsum, scale, bias, res, out), (begin, end) = _parallel(
         spec, 7, lambda ctx: ctx.i64(7))
-    b, n, L = body.b, spec.n, simd.float_lanes(target)
+    b, n, L, count = body.b, spec.n, simd.float_lanes(target), spec.planes
     vt = simd.vty(L)
     with body.for_range(begin, end, name="r") as r:
         head = simd.gep(b, heads, b.mul(r, const(i64, HEAD)), i8)
         with body.if_(is_ready(b, head)):
             factor = simd.broadcast(b, b.fptrunc(b.load(head, typ=ir.DoubleType()), f32), L)
-            srow = b.mul(r, const(i64, 3 * n))
+            srow = b.mul(r, const(i64, count * n))
             orow = b.mul(r, const(i64, spec.ld))
             with body.for_range(0, n, step=L, name="c") as c:
                 mask = simd.lane_mask(b, L, b.sub(const(i64, n), c))
-                s0, s1, s2 = (simd.masked_load(b, sums, b.add(srow, b.add(c, const(i64, p * n))),
-                                               mask, L) for p in range(3))
+                s = [simd.masked_load(b, sums, b.add(srow, b.add(c, const(i64, p * n))), mask, L)
+                     for p in range(count)]
                 qs = b.sitofp(simd.masked_load(b, wsum, c, mask, L, elem=i32), vt)
                 # the two large terms first, each product exact: one rounding, then the rest
-                t = vmath.fma(b, s2, vmath.splat(vt, 65536.0),
-                              b.fmul(qs, vmath.splat(vt, -float(1 << 23))))
-                t = b.fadd(vmath.fma(b, s1, vmath.splat(vt, 256.0), s0), t)
+                t = vmath.fma(b, s[-1], vmath.splat(vt, float(1 << 8 * (count - 1))),
+                              b.fmul(qs, vmath.splat(vt, -float(1 << 8 * count - 1))))
+                low = s[0] if count == 2 else vmath.fma(b, s[1], vmath.splat(vt, 256.0), s[0])
+                t = b.fadd(low, t)
                 v = b.fmul(b.fmul(t, factor), simd.masked_load(b, scale, c, mask, L))
                 epilogue_masked(b, v, simd.masked_load(b, bias, c, mask, L) if spec.bias
                                 else None, spec.epilogue, res if spec.residual else None, out,

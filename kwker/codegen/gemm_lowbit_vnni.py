@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import bf16, simd
+from . import bf16, simd, vmath
 from .irutil import Fn, const, f32, i8, i16, i32, i64, ptr
 
 MAX_K = 1 << 16
+PLANES = 3               # planes per x row: exact to float32
 HEAD = 16                # bytes a row's head: the float64 factor, then the i32 flag
 STEP = 64                # k per vpdpbusd (bytes of a 512-bit register)
 TINY = -100              # rows with max|x| below 2**TINY take the float path
@@ -45,22 +46,26 @@ def plane_stride(k: int) -> int:
     return -(-k // STEP) * STEP
 
 
-def row_bytes(k: int) -> int:
-    """Bytes of one x row's three planes (a (3 rows, ``plane_stride``) uint8 matrix)."""
-    return 3 * plane_stride(k)
+def row_bytes(k: int, count: int = PLANES) -> int:
+    """Bytes of one x row's planes (a (``count`` rows, ``plane_stride``) uint8 matrix)."""
+    return count * plane_stride(k)
 
 
-def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows) -> None:
-    """x rows (float32 or bf16, K a row) -> per row its head (the factor ``2**(E - 22)`` as
-    float64, then an i32 flag: 1 planes valid, 0 take the float path) and its planes ``u0, u1,
-    u2`` (``row_bytes`` apart; bytes, zero past K)."""
+def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = PLANES) -> None:
+    """x rows (float32 or bf16, K a row) -> per row its head (the factor ``2**(E - bits + 2)``
+    as float64, then two i32 flags: 1 planes valid, 0 take the float path; and 1 the planes are
+    as fine as TF32's rounding of x, 0 not: a row whose largest |x| is over ~8x its rms) and
+    its ``count`` planes ``u0, u1, ...`` (``row_bytes`` apart; bytes, zero past K). ``bits = 8 *
+    count``: three planes carry x to 2**-23 of the row's largest |x| (the module doc), two to
+    2**-15 (the prefill under ``torch.set_float32_matmul_precision("high")``)."""
+    bits = 8 * count
     b = f.b
     vt, it = simd.vty(16), simd.vty(16, i32)
     stride, full = plane_stride(k), k // 16
     elem = i16 if dtype == "bf16" else f32
     with f.for_range(0, rows, name="pr") as r:
         src = simd.gep(b, x, b.mul(r, const(i64, k)), elem)
-        row = simd.gep(b, planes, b.mul(r, const(i64, row_bytes(k))), i8)
+        row = simd.gep(b, planes, b.mul(r, const(i64, row_bytes(k, count))), i8)
         head = simd.gep(b, heads, b.mul(r, const(i64, HEAD)), i8)
         amax = f.var(vt, ir.Constant(vt, [0.0] * 16), "amax")
         bad = f.var(ir.VectorType(ir.IntType(1), 16), ir.Constant(ir.VectorType(ir.IntType(1), 16),
@@ -89,26 +94,39 @@ def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows) -> None:
                     const(i32, 126))                       # max|x| < 2**exp
         ok = b.and_(b.not_(any_bad), b.icmp_signed(">=", exp, const(i32, TINY)))
         b.store(b.zext(ok, i32), simd.gep(b, head, const(i64, 8), i8))
+        fine_at = simd.gep(b, head, const(i64, 12), i8)
+        b.store(const(i32, 1), fine_at)
         with f.if_(ok):
-            mult = b.bitcast(b.shl(b.sub(const(i32, 22 + 127), exp), const(i32, 23)), f32)
-            factor = b.bitcast(b.shl(b.zext(b.add(exp, const(i32, 1023 - 22)), i64),
+            mult = b.bitcast(b.shl(b.sub(const(i32, bits - 2 + 127), exp), const(i32, 23)), f32)
+            factor = b.bitcast(b.shl(b.zext(b.add(exp, const(i32, 1023 - bits + 2)), i64),
                                      const(i64, 52)), F64)
             b.store(factor, head)
             mv = simd.broadcast(b, mult, 16)
-            for p in range(3):   # zeros past K (the weights there are masked to 0 anyway)
+            for p in range(count):   # zeros past K (the weights there are masked to 0 anyway)
                 with f.for_range(k // 16 * 16, stride, step=16, name="pz") as z:
                     b.store(ir.Constant(ir.VectorType(i8, 16), [0] * 16),
                             simd.gep(b, row, b.add(z, const(i64, p * stride)), i8),
                             align=1)
 
+            squares = f.var(vt, ir.Constant(vt, [0.0] * 16), "squares")
+
             def split(v, at, n):
-                xi = b.fptosi(f.call_intrinsic("llvm.rint.v16f32", vt, [b.fmul(v, mv)]), it)
-                u = b.add(xi, ir.Constant(it, [1 << 23] * 16))
-                for p in range(3):
+                scaled = b.fmul(v, mv)
+                if count < PLANES:
+                    squares.set(vmath.fma(b, scaled, scaled, squares.get()))
+                xi = b.fptosi(f.call_intrinsic("llvm.rint.v16f32", vt, [scaled]), it)
+                u = b.add(xi, ir.Constant(it, [1 << (bits - 1)] * 16))
+                for p in range(count):
                     byte = b.trunc(b.lshr(u, ir.Constant(it, [8 * p] * 16)) if p else u,
                                    ir.VectorType(i8, 16))
                     simd.store_any(b, byte, row, b.add(at, const(i64, p * stride)), n, elem=i8)
             each_vector(split)
+            if count < PLANES:
+                # x's rounding (a step of 2**(E - bits + 2)) no coarser than TF32's, in the mean
+                # square: 2**E <= 16 rms(x), i.e. sum (x * mult)**2 >= K * 2**(2 bits - 12)
+                floor = ir.Constant(f32, k * 2.0 ** (2 * bits - 12))
+                fine = b.fcmp_ordered(">=", simd.hsum(b, squares.get()), floor)
+                b.store(b.zext(fine, i32), fine_at)
 
 
 def is_ready(b, head) -> ir.Value:

@@ -77,6 +77,13 @@ def lanes(target: Target | None = None) -> int:
     return max(4, target.vector_bits // 32)
 
 
+def widens_bf16(target: Target | None = None) -> bool:
+    """Whether bf16 products are widened to float32 FMAs here (no ``vdpbf16ps``): as fast as
+    float32 ones at best."""
+    target = target or host_target()
+    return not (lanes(target) == 16 and target.has("avx512bf16"))
+
+
 def choose(m: int | None, n: int, k: int, target: Target | None = None,
            small_ok: bool = True, b_layout: str = "packed", dtype: str = "f32") -> Blocking:
     """Blocking for an (m, k) x (k, n) product on ``target`` (default: this machine); for
@@ -90,7 +97,7 @@ def choose(m: int | None, n: int, k: int, target: Target | None = None,
     L = lanes(target)
     regs = 32 if L == 16 else 16
     l1, l2, _ = cache_sizes()
-    widen = dtype == "bf16" and not (L == 16 and target.has("avx512bf16"))
+    widen = dtype == "bf16" and widens_bf16(target)
     if dtype == "bf16" and b_layout == "kn":
         b_layout = "nk"  # packed at run time, like a transposed B
     tiles = WIDEN_TILES[L] if widen else TILES[L]

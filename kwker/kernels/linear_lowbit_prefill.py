@@ -95,27 +95,37 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     where the CPU has no tiles): x's planes once, then per block
     of W rows (``PREFILL_BLOCK`` bytes) its panels, the u8s8 GEMM of the planes and the combine
     into the block's output columns. Rows the planes do not take (non-finite, tiny) go through
-    the decode kernel afterwards."""
+    the decode kernel afterwards. Three planes, or two where the user allows float32 products
+    below full precision (``float32_precision``, read per call; the other count's kernels are
+    built on its first call)."""
     n, k = spec.n, spec.k
     stride = gemm_lowbit_vnni.plane_stride(k)
     nr = gemm_lowbit_planes.NR
     nb = n if n * stride <= PREFILL_WHOLE else max(nr, PREFILL_BLOCK // stride // nr * nr)
     blocks = [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
-    planes_spec = LowbitPlanesSpec(k, spec.dtype)
-    planes = entry(planes_spec, 3, 2)
-    specs, kernels = [planes_spec], {}
-    for width in dict.fromkeys(w for _, w in blocks):
-        ps = LowbitPanelsSpec(width, k)
-        blk = blocking.int8_blocking(width, stride // 4)
-        gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False, **blk.as_kwargs(),
-                      dtype="u8s8")
-        cs = LowbitCombineSpec(width, n, spec.bias, spec.epilogue, spec.residual, spec.dtype)
-        kernels[width] = (entry(ps, 2), entry(gs, 5, 2), entry(cs, 7, 2),
-                          torch.ones(-(-width // nr) * nr))      # the GEMM's column scales
-        specs += [ps, gs, cs]
+    widths = list(dict.fromkeys(w for _, w in blocks))
+
+    def kernels(count: int) -> tuple:
+        """(planes kernel, {width: (panels, gemm, combine, column scales)}, their specs)."""
+        planes_spec = LowbitPlanesSpec(k, spec.dtype, count)
+        specs, per_width = [planes_spec], {}
+        for width in widths:
+            ps = LowbitPanelsSpec(width, k)
+            blk = blocking.int8_blocking(width, stride // 4)
+            gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False,
+                          **blk.as_kwargs(), dtype="u8s8")
+            cs = LowbitCombineSpec(width, n, spec.bias, spec.epilogue, spec.residual,
+                                   spec.dtype, count)
+            per_width[width] = (entry(ps, 2), entry(gs, 5, 2), entry(cs, 7, 2),
+                                torch.ones(-(-width // nr) * nr))  # the GEMM's column scales
+            specs += [ps, gs, cs]
+        return entry(planes_spec, 3, 2), per_width, specs
+
+    first = _plane_count()
+    built = {first: kernels(first)}
     rest = replace(spec, m=0)           # the rows the planes hand back
     gemv = gemv_run(rest, buf, dtype)
-    specs.append(rest)
+    specs = built[first][2] + [rest]
     w_p, s_p, z_p, b_p = buf.ptrs()     # z_p: the row sums of q (int32)
     threads, empty = torch.get_num_threads, torch.empty
     esize = 2 if spec.dtype == "bf16" else 4
@@ -125,16 +135,24 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
         out = empty(rows, n, dtype=dtype)
         if rows == 0:
             return out
-        a = empty(rows * 3, stride, dtype=torch.uint8)
+        count = _plane_count()
         heads = empty(rows, gemm_lowbit_vnni.HEAD // 4, dtype=torch.int32)
-        planes(x.data_ptr(), a.data_ptr(), heads.data_ptr(), rows, threads())
+        while True:
+            if count not in built:
+                built[count] = kernels(count)
+            planes, per_width, _ = built[count]
+            a = empty(rows * count, stride, dtype=torch.uint8)
+            planes(x.data_ptr(), a.data_ptr(), heads.data_ptr(), rows, threads())
+            if count == 3 or bool(heads[:, 3].all()):
+                break
+            count = 3   # a row's outliers leave two planes coarser than TF32: three
         panels = empty(-(-blocks[0][1] // nr) * nr * stride, dtype=torch.uint8)
-        sums = empty(rows * 3, blocks[0][1])
+        sums = empty(rows * count, blocks[0][1])
         for n0, width in blocks:
-            pack, gemm, combine, ones = kernels[width]
+            pack, gemm, combine, ones = per_width[width]
             pack(w_p + n0 * k, panels.data_ptr(), threads())
             gemm(a.data_ptr(), panels.data_ptr(), ones.data_ptr(), None, sums.data_ptr(),
-                 rows * 3, threads())
+                 rows * count, threads())
             combine(sums.data_ptr(), heads.data_ptr(), z_p + n0 * 4, s_p + n0 * 4,
                     b_p and b_p + n0 * 4, None if r is None else r.data_ptr() + n0 * esize,
                     out.data_ptr() + n0 * esize, rows, threads())
@@ -146,12 +164,80 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     return call, specs
 
 
+def _plane_count() -> int:
+    """x's byte planes for float32 products: 3 exact to float32; 2 (x to 2**-15 of its row's
+    largest |x|) where the user allows TF32 or bf16 products."""
+    return 3 if float32_precision() == "ieee" else 2
+
+
+def float32_precision() -> str:
+    """How precisely the user wants float32 matmuls done, as oneDNN reads it: "ieee" (the
+    default), "tf32" (``torch.set_float32_matmul_precision("high")``) or "bf16" (``"medium"``);
+    or the ``fp32_precision`` of ``torch.backends.mkldnn.matmul``, ``torch.backends.mkldnn``
+    or ``torch.backends``, the most specific one set. Read per call: a kernel built under one
+    setting follows a later change."""
+    backends = torch.backends
+    for precision in (backends.mkldnn.matmul.fp32_precision, backends.mkldnn.fp32_precision,
+                      backends.fp32_precision):
+        if precision != "none":
+            return precision
+    return "ieee"
+
+
 def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     """``call(x, residual) -> out`` for many rows on the vector path: the GEMM family's kernel
     for ``x @ B.T`` with B the low-bit weights, dequantised panel by panel as its driver packs
     them (``GemmSpec.b_bits``), so no float copy of the weights is made. None where the
-    blocking puts the product on tiles (bf16 on AMX: ``_prefill``)."""
-    n, k, dt = spec.n, spec.k, spec.dtype
+    blocking puts the product on tiles (bf16 on AMX: ``_prefill``). float32 x goes by bf16
+    products (x and the dequantised weights rounded to bf16, float32 sums, residual and output)
+    where the user allows them (``float32_precision() == "bf16"``, read per call) and this CPU
+    has ``vdpbf16ps``."""
+    n, k = spec.n, spec.k
+    built = {}
+
+    def kernel(dt: str):
+        """(gemm, spec) of the product in ``dt``, float32 out for float32 x; None off the
+        vector path."""
+        if dt not in built:
+            built[dt] = _fused_gemm(spec, dt, m)
+        return built[dt]
+
+    first = kernel(spec.dtype)
+    if first is None:
+        return None
+    by_bf16 = spec.dtype == "f32" and blocking.choose(
+        m, n, -(-k // 2), b_layout="nk", dtype="bf16").path == "vector" and \
+        not blocking.widens_bf16()
+    w_p, s_p, z_p, b_p = buf.ptrs()
+    if not spec.zero_point:  # (a vnni decode kernel's row sums sit in zp's place)
+        z_p = None
+    threads, empty = torch.get_num_threads, torch.empty
+
+    def call(x, r):
+        rows = x.shape[0]
+        out = empty(rows, n, dtype=dtype)
+        if rows == 0:
+            return out
+        gemm, gspec = first
+        if by_bf16 and float32_precision() == "bf16":
+            gemm, gspec = kernel("bf16")
+            x = x.to(torch.bfloat16)
+        if gspec.dtype == "bf16" and k % 2:  # A's rows in whole k pairs
+            x = F.pad(x, (0, 1))
+        ptrs = (x.data_ptr(), w_p, b_p, None if r is None else r.data_ptr(), out.data_ptr(),
+                s_p, z_p)
+        if m:
+            gemm(*ptrs, threads())
+        else:
+            gemm(*ptrs, rows, threads())
+        return out
+    return call, [first[1]]
+
+
+def _fused_gemm(spec: LowbitGemmSpec, dt: str, m: int | None):
+    """(kernel, GemmSpec) of ``_prefill_fused``'s product in ``dt`` (float32 output where
+    ``spec`` is float32), or None where the blocking puts it on tiles."""
+    n, k = spec.n, spec.k
     kw = -(-k // 2) if dt == "bf16" else k       # bf16 steps over k pairs
     blk = blocking.choose(m, n, kw, b_layout="nk", dtype=dt)
     if blk.path != "vector":
@@ -166,31 +252,10 @@ def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
         most = max(blk.mc, blocking.cache_sizes()[1] // 2 // (blk.kc * 4) // blk.mr * blk.mr)
         blk = replace(blk, mc=min(most, -(-m // blk.mr) * blk.mr) if m else most)
     gspec = GemmSpec(m or 0, n, k, 1, "nk", spec.bias, spec.epilogue, spec.residual,
-                     **blk.as_kwargs(), dtype=dt, b_bits=spec.bits, b_group=spec.group,
-                     b_zp=spec.zero_point, b_rr=spec.rr,
+                     **blk.as_kwargs(), dtype=dt, out="f32" if dt != spec.dtype else "",
+                     b_bits=spec.bits, b_group=spec.group, b_zp=spec.zero_point, b_rr=spec.rr,
                      b_lanes=spec.lanes if spec.bits == 4 else 0)
-    gemm = entry(gspec, 7, 1 if m else 2)
-    w_p, s_p, z_p, b_p = buf.ptrs()
-    if not spec.zero_point:  # (a vnni decode kernel's row sums sit in zp's place)
-        z_p = None
-    threads, empty = torch.get_num_threads, torch.empty
-    pad = dt == "bf16" and k % 2
-
-    def call(x, r):
-        rows = x.shape[0]
-        out = empty(rows, n, dtype=dtype)
-        if rows == 0:
-            return out
-        if pad:  # A's rows in whole k pairs
-            x = F.pad(x, (0, 1))
-        ptrs = (x.data_ptr(), w_p, b_p, None if r is None else r.data_ptr(), out.data_ptr(),
-                s_p, z_p)
-        if m:
-            gemm(*ptrs, threads())
-        else:
-            gemm(*ptrs, rows, threads())
-        return out
-    return call, [gspec]
+    return entry(gspec, 7, 1 if m else 2), gspec
 
 
 def _prefill(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):

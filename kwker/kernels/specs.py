@@ -283,9 +283,11 @@ class LowbitUnpackSpec(Spec):
 @dataclass(frozen=True)
 class LowbitPlanesSpec(Spec):
     """x rows (float32 or bf16, ``k`` each) -> their byte planes and heads
-    (codegen/gemm_lowbit_vnni.py), the A operand of the int8 prefill on tiles."""
+    (codegen/gemm_lowbit_vnni.py), the A operand of the int8 prefill on tiles; ``planes`` 3
+    (exact to float32) or 2 (float32 products below full precision allowed)."""
     k: int
     dtype: str = "f32"
+    planes: int = 3
     family = "lowbit_planes"
 
 
@@ -309,4 +311,5 @@ class LowbitCombineSpec(Spec):
     epilogue: str = "none"
     residual: bool = False
     dtype: str = "f32"
+    planes: int = 3
     family = "lowbit_combine"

@@ -379,6 +379,26 @@ for n, k in ((70, 77), (100, 256), (33, 1000)):
             if ref[i].isfinite().all():
                 err = (y[i].double() - ref[i]).abs().max() / ref[i].abs().max()
                 assert err < 1e-5, (n, k, m, i, float(err))
+# float32 products below full precision allowed: two planes, x to 2**-15 of its row's largest
+# |x| (bound per element: half a step of 2**(E - 14), 2**(E - 1) <= max|x| < 2**E)
+torch.set_float32_matmul_precision("high")
+for n, k in ((70, 1000), (33, 3000)):
+    w = LowbitTensor(torch.randint(-128, 128, (n, k), dtype=torch.int8),
+                     torch.rand(n, 1) * 0.01 + 1e-3, None, k, 8, torch.float32)
+    fn = make_linear_lowbit(w, None, 20)
+    assert {s.planes for s in fn.specs if s.family == "lowbit_planes"} == {2}, fn.specs
+    deq = dequantized(w).double()
+    x = torch.randn(20, k)
+    ref = x.double() @ deq.T
+    exp = torch.floor(torch.log2(x.abs().amax(1).double())) + 1
+    bound = 2.0 ** (exp - 15)[:, None] * deq.abs().sum(1)[None] + 1e-6 * ref.abs().max()
+    err = (fn(x).double() - ref).abs()
+    assert (err <= bound).all() and err.max() > 1e-6 * ref.abs().max(), (n, k, float(err.max()))
+    x[3, 0] = 1000.0   # one row's outlier (~30x its rms): two planes coarser than TF32, so three
+    ref = x.double() @ deq.T
+    err = (fn(x).double() - ref).abs().amax(1) / ref.abs().amax(1)
+    assert err.max() < 1e-5, (n, k, float(err.max()))
+torch.set_float32_matmul_precision("highest")
 print("planes ok on", sorted({s.path for s in fn.specs if s.family == "gemm"}))
 """
 
@@ -433,7 +453,10 @@ def test_int8_prefill_on_byte_planes(tiles, path, tmp_path):
     the emulated tiles, and on vpdpbusd (the CPUs with AVX512_VNNI and no tiles; tiles off
     here), both on any AVX-512 CPU with VNNI. Every row agrees with the float64 reference to
     float32 error, the rows the planes hand back (zero, tiny, NaN, inf) included, with GELU and
-    a residual; K odd, under a tile step, over a K block."""
+    a residual; K odd, under a tile step, over a K block. Under
+    ``torch.set_float32_matmul_precision("high")``: two planes, within x's rounding to 2**-15 of
+    its row's largest |x|, and three again for a call where a row's outlier would make two
+    coarser than TF32."""
     import os
     import subprocess
     import sys
@@ -480,3 +503,34 @@ def test_int4_kernels_of_one_weight_share_its_packing_and_free_it():
     del lin, a, b, c
     gc.collect()
     assert len(lowbit._OPERANDS) < entries
+
+
+@pytest.fixture
+def float32_precision():
+    """Sets torch's float32 matmul precision for one test and restores it."""
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("m", [PREFILL_ROWS * 2, None])
+def test_int4_prefill_on_bf16_products_where_allowed(m, float32_precision):
+    """``torch.set_float32_matmul_precision("medium")`` allows bf16 products for float32
+    matmuls (as oneDNN reads it): where the CPU has ``vdpbf16ps``, float32 x with int4 weights
+    then takes them, x and the dequantised weights rounded to bf16, the sums, bias and residual
+    in float32, the output float32. The setting is read per call: back at "highest" the same
+    kernel is exact again. Without ``vdpbf16ps`` (bf16 widened to float32 FMAs, no faster) the
+    product stays exact."""
+    from kwker.kernels import blocking
+    lin = quantized("int4-group32", 100, 256)
+    fn = make_linear_lowbit(lin.weight, lin.bias, m, residual=True)
+    x, res = torch.randn(PREFILL_ROWS * 2, 256), torch.randn(PREFILL_ROWS * 2, 100)
+    exact = reference(lin, x, res=res)
+    deq = dequantized(lin.weight).bfloat16().double()
+    rounded = x.bfloat16().double() @ deq.T + lin.bias.detach().double() + res.double()
+    float32_precision("medium")
+    y = fn(x, res)
+    assert_close(y, exact if blocking.widens_bf16() else rounded, torch.float32, "medium")
+    assert blocking.widens_bf16() or (y.double() - exact).abs().max() > 1e-5 * exact.abs().max()
+    float32_precision("highest")
+    assert_close(fn(x, res), exact, torch.float32, "highest")
