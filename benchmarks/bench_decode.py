@@ -16,6 +16,9 @@ of ``--reps`` runs. Rows, one model each, in one process:
   ("module guards skipped"): a token is a few ms, and dynamo checks ~3000 guards on the model's
   modules (their hook dicts, config attributes) before each call. Safe where the serving code does
   not change the modules after compiling; Kwker still checks each parameter's identity and version.
+- Kwker again under ``torch.set_float32_matmul_precision("medium")`` (bf16 products allowed
+  for float32 matmuls, as eager's oneDNN reads it): the prefill's int8 products take two byte
+  planes of x instead of three, int4's bf16 products where the CPU has ``vdpbf16ps``.
 
 Roofline: the bytes of every linear weight in its format (values, scales, zero points) read once
 per token, against the bandwidth of a streaming read of a buffer that size (``probes.read_gbps``,
@@ -61,6 +64,8 @@ ROWS = [  # (label, activation dtype, quantisation, how it runs)
     ("torchao int4, Inductor, module guards skipped", "f32", "int4", "inductor-lean"),
     ("Kwker int8, module guards skipped", "f32", "int8", "kwker-lean"),
     ("Kwker int4, module guards skipped", "f32", "int4", "kwker-lean"),
+    ("Kwker int8, float32 matmul precision medium", "f32", "int8", "kwker-medium"),
+    ("Kwker int4, float32 matmul precision medium", "f32", "int4", "kwker-medium"),
 ]
 
 
@@ -173,6 +178,7 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
         if quick and how.startswith("inductor"):
             continue
         torch._dynamo.reset()
+        torch.set_float32_matmul_precision("medium" if how.endswith("-medium") else "highest")
         _, model = build(cfg, dtype, quant, how)
         gc.collect()
         release_free_heap()  # what earlier rows and the quantisation freed leaves the RSS
@@ -200,8 +206,8 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
                 reference = generate(build(cfg, dtype, quant, "eager")[1], prompt, steps)[0]
             differ = (tokens != reference).nonzero()
             check = "same tokens" if not len(differ) else \
-                f"differs from token {int(differ[0, 1])}" + (" (bf16 roundings)"
-                                                            if dtype == "bf16" else "")
+                f"differs from token {int(differ[0, 1])}" + (
+                    " (bf16 roundings)" if dtype == "bf16" or how.endswith("-medium") else "")
         row = {"row": label, "dtype": dtype, "weights": quant or dtype, "how": how,
                "tok_s": best_tps, "prefill_ms": best_prefill * 1e3, "first_s": first,
                "rss_mb": rss,
@@ -211,6 +217,7 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
               f"{gbps:5.1f} GB/s of {bandwidth[nbytes]:.1f} ({row['roofline']:.0%})  "
               f"first call {first:.1f} s  RSS +{rss:.0f} MB  {check}", flush=True)
         rows.append(row)
+    torch.set_float32_matmul_precision("highest")
     return rows, {**describe(cfg),
                   "prompt": PROMPT, "new_tokens": steps}
 

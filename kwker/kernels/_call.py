@@ -26,6 +26,20 @@ def entry(spec, n_ptrs: int, n_ints: int = 1):
     return proto(get_kernel(spec))
 
 
+def float32_precision() -> str:
+    """How precisely the user wants float32 matmuls done, as oneDNN reads it: "ieee" (the
+    default), "tf32" (``torch.set_float32_matmul_precision("high")``) or "bf16" (``"medium"``);
+    or the ``fp32_precision`` of ``torch.backends.mkldnn.matmul``, ``torch.backends.mkldnn``
+    or ``torch.backends``, the most specific one set. Read per call: a kernel built under one
+    setting follows a later change."""
+    backends = torch.backends
+    for precision in (backends.mkldnn.matmul.fp32_precision, backends.mkldnn.fp32_precision,
+                      backends.fp32_precision):
+        if precision != "none":
+            return precision
+    return "ieee"
+
+
 def contiguous_strides(shape) -> tuple:
     """The strides torch gives a contiguous tensor of ``shape``."""
     strides, acc = [], 1

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..codegen import gemm_lowbit, gemm_lowbit_planes, gemm_lowbit_vnni
 from . import blocking
-from ._call import entry
+from ._call import entry, float32_precision
 from .specs import (
     GemmSpec,
     LowbitCombineSpec,
@@ -168,20 +168,6 @@ def _plane_count() -> int:
     """x's byte planes for float32 products: 3 exact to float32; 2 (x to 2**-15 of its row's
     largest |x|) where the user allows TF32 or bf16 products."""
     return 3 if float32_precision() == "ieee" else 2
-
-
-def float32_precision() -> str:
-    """How precisely the user wants float32 matmuls done, as oneDNN reads it: "ieee" (the
-    default), "tf32" (``torch.set_float32_matmul_precision("high")``) or "bf16" (``"medium"``);
-    or the ``fp32_precision`` of ``torch.backends.mkldnn.matmul``, ``torch.backends.mkldnn``
-    or ``torch.backends``, the most specific one set. Read per call: a kernel built under one
-    setting follows a later change."""
-    backends = torch.backends
-    for precision in (backends.mkldnn.matmul.fp32_precision, backends.mkldnn.fp32_precision,
-                      backends.fp32_precision):
-        if precision != "none":
-            return precision
-    return "ieee"
 
 
 def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from ..kernels._call import float32_precision
 from ..runtime import tuning
 from .shapes import TensorMeta
 
@@ -88,7 +89,10 @@ def problem(m, metas: dict, consts: dict, inputs: list) -> str | None:
     const_inputs = {k: _describe(consts[v]) for k, v in m.inputs.items()
                     if isinstance(v, Node) and v in consts}
     flags = {k: v for k, v in m.inputs.items() if not isinstance(v, Node)}
+    # ATen's float32 matmuls follow torch's precision setting (bf16 products under "medium"):
+    # a verdict holds for the setting it was measured under
     return json.dumps({"kind": m.name, "method": method(),
+                       "float32_precision": float32_precision(),
                        "ops": [_op_name(c) for c in m.covers],
                        "inputs": described, "consts": const_inputs, "flags": _describe(flags),
                        "params": params}, sort_keys=True)

@@ -103,6 +103,26 @@ def test_records_are_written_then_reused(tuned, inner, monkeypatch):
     assert {k[0] for k in reports[-1].kernels} == lowered
 
 
+def test_a_verdict_holds_for_the_float32_precision_it_was_measured_under(tuned):
+    """Under ``torch.set_float32_matmul_precision("medium")`` ATen's float32 linears run bf16
+    products (oneDNN), so a verdict measured at full precision says nothing there: the
+    precision is part of each problem's key, and the same model is measured again."""
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(16, 64)
+    compile_run(model, (x,), "eager")
+    assert len(_verdicts()) == 2
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        compile_run(model, (x,), "eager")
+    finally:
+        torch.set_float32_matmul_precision(before)
+    records = _verdicts()
+    assert len(records) == 4
+    assert sorted(json.loads(r["problem"])["float32_precision"] for r in records) == \
+        ["bf16", "bf16", "ieee", "ieee"]
+
+
 def test_a_slower_kernel_leaves_its_nodes_on_aten(tuned, monkeypatch):
     """The linear kernels made slower than ATen by 50 ms a call: the nodes stay on the inner
     compiler, the report gives the ratio, the answer is eager's. (With 5 ms the kernel was kept
