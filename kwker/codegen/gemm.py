@@ -104,9 +104,9 @@ class _Plan:
             raise ValueError("kwker gemm: u8s8 runs on the tile path or on a CPU with "
                              "AVX512_VNNI, with packed weights and no residual")
         if spec.out not in ("", spec.dtype) and not (
-                spec.out == "f32" and self.bf16 and (spec.b_layout == "packed" or self.lowbit)):
-            raise ValueError(f"kwker gemm: a {spec.out} output is for bf16 packed or low-bit "
-                             f"weights, not {spec.dtype} with a {spec.b_layout} B")
+                spec.out == "f32" and self.bf16 and spec.b_layout in ("packed", "nk")):
+            raise ValueError(f"kwker gemm: a {spec.out} output is for bf16 packed or "
+                             f"transposed weights, not {spec.dtype} with a {spec.b_layout} B")
         self.out = spec.out or ("f32" if self.int8 else spec.dtype)  # out and residual type
         self.out_t = i16 if self.out == "bf16" else f32
         # k words of one pre-packed panel: the tile path pads K to whole tiles with zeros

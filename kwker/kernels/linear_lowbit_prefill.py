@@ -5,7 +5,9 @@ Three schedules, picked by ``prefill_run``: float32 x with int8 weights per chan
 planes and int8 tiles (CPUs with AMX-INT8, or tiles emulated); the GEMM family's vector kernel
 with the weights dequantised panel by panel as its driver packs them (``GemmSpec.b_bits``: no
 float copy of the weights); and, where the product runs on bf16 tiles (AMX), the weights
-dequantised per call, in blocks of W rows, into the tile GEMM's runtime B.
+dequantised per call, in blocks of W rows, into the tile GEMM's runtime B. Where the user allows
+float32 products below full precision (torch's float32 matmul precision, read per call), the
+planes drop to two and float32 x may take the bf16 schedules (``_bf16_where_allowed``).
 """
 from __future__ import annotations
 
@@ -75,7 +77,29 @@ def prefill_run(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None) -> tup
     (module doc)."""
     if _planes(spec):
         return _prefill_planes(spec, buf, dtype, m)
-    return _prefill_fused(spec, buf, dtype, m) or _prefill(spec, buf, dtype, m)
+    exact = _prefill_fused(spec, buf, dtype, m) or _prefill(spec, buf, dtype, m)
+    return _bf16_where_allowed(exact, spec, buf, m) if spec.dtype == "f32" else exact
+
+
+def _bf16_where_allowed(exact: tuple, spec: LowbitGemmSpec, buf: Buffers, m: int | None):
+    """``exact``'s ``(call, specs)``, its call taking bf16 products for float32 x where the user
+    allows them (``float32_precision() == "bf16"``, read per call) and the CPU has fast ones
+    (``vdpbf16ps`` or bf16 tiles): x and the dequantised weights rounded to bf16, as eager's
+    oneDNN rounds them; sums, bias, residual and output in float32. Built on first need."""
+    if not blocking.fast_bf16():
+        return exact
+    call, specs = exact
+    half = replace(spec, dtype="bf16")
+    built = []
+
+    def either(x, r):
+        if float32_precision() != "bf16":
+            return call(x, r)
+        if not built:
+            built.append((_prefill_fused(half, buf, torch.float32, m, out="f32") or
+                          _prefill(half, buf, torch.float32, m, out="f32"))[0])
+        return built[0](x.to(torch.bfloat16), r)
+    return either, specs
 
 
 def _planes(spec: LowbitGemmSpec) -> bool:
@@ -170,60 +194,13 @@ def _plane_count() -> int:
     return 3 if float32_precision() == "ieee" else 2
 
 
-def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
+def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None, out: str = ""):
     """``call(x, residual) -> out`` for many rows on the vector path: the GEMM family's kernel
     for ``x @ B.T`` with B the low-bit weights, dequantised panel by panel as its driver packs
     them (``GemmSpec.b_bits``), so no float copy of the weights is made. None where the
-    blocking puts the product on tiles (bf16 on AMX: ``_prefill``). float32 x goes by bf16
-    products (x and the dequantised weights rounded to bf16, float32 sums, residual and output)
-    where the user allows them (``float32_precision() == "bf16"``, read per call) and this CPU
-    has ``vdpbf16ps``."""
-    n, k = spec.n, spec.k
-    built = {}
-
-    def kernel(dt: str):
-        """(gemm, spec) of the product in ``dt``, float32 out for float32 x; None off the
-        vector path."""
-        if dt not in built:
-            built[dt] = _fused_gemm(spec, dt, m)
-        return built[dt]
-
-    first = kernel(spec.dtype)
-    if first is None:
-        return None
-    by_bf16 = spec.dtype == "f32" and blocking.choose(
-        m, n, -(-k // 2), b_layout="nk", dtype="bf16").path == "vector" and \
-        not blocking.widens_bf16()
-    w_p, s_p, z_p, b_p = buf.ptrs()
-    if not spec.zero_point:  # (a vnni decode kernel's row sums sit in zp's place)
-        z_p = None
-    threads, empty = torch.get_num_threads, torch.empty
-
-    def call(x, r):
-        rows = x.shape[0]
-        out = empty(rows, n, dtype=dtype)
-        if rows == 0:
-            return out
-        gemm, gspec = first
-        if by_bf16 and float32_precision() == "bf16":
-            gemm, gspec = kernel("bf16")
-            x = x.to(torch.bfloat16)
-        if gspec.dtype == "bf16" and k % 2:  # A's rows in whole k pairs
-            x = F.pad(x, (0, 1))
-        ptrs = (x.data_ptr(), w_p, b_p, None if r is None else r.data_ptr(), out.data_ptr(),
-                s_p, z_p)
-        if m:
-            gemm(*ptrs, threads())
-        else:
-            gemm(*ptrs, rows, threads())
-        return out
-    return call, [first[1]]
-
-
-def _fused_gemm(spec: LowbitGemmSpec, dt: str, m: int | None):
-    """(kernel, GemmSpec) of ``_prefill_fused``'s product in ``dt`` (float32 output where
-    ``spec`` is float32), or None where the blocking puts it on tiles."""
-    n, k = spec.n, spec.k
+    blocking puts the product on tiles (bf16 on AMX: ``_prefill``). ``out="f32"``: bf16 x, a
+    float32 residual and output."""
+    n, k, dt = spec.n, spec.k, spec.dtype
     kw = -(-k // 2) if dt == "bf16" else k       # bf16 steps over k pairs
     blk = blocking.choose(m, n, kw, b_layout="nk", dtype=dt)
     if blk.path != "vector":
@@ -238,19 +215,40 @@ def _fused_gemm(spec: LowbitGemmSpec, dt: str, m: int | None):
         most = max(blk.mc, blocking.cache_sizes()[1] // 2 // (blk.kc * 4) // blk.mr * blk.mr)
         blk = replace(blk, mc=min(most, -(-m // blk.mr) * blk.mr) if m else most)
     gspec = GemmSpec(m or 0, n, k, 1, "nk", spec.bias, spec.epilogue, spec.residual,
-                     **blk.as_kwargs(), dtype=dt, out="f32" if dt != spec.dtype else "",
-                     b_bits=spec.bits, b_group=spec.group, b_zp=spec.zero_point, b_rr=spec.rr,
+                     **blk.as_kwargs(), dtype=dt, out=out, b_bits=spec.bits,
+                     b_group=spec.group, b_zp=spec.zero_point, b_rr=spec.rr,
                      b_lanes=spec.lanes if spec.bits == 4 else 0)
-    return entry(gspec, 7, 1 if m else 2), gspec
+    gemm = entry(gspec, 7, 1 if m else 2)
+    w_p, s_p, z_p, b_p = buf.ptrs()
+    if not spec.zero_point:  # (a vnni decode kernel's row sums sit in zp's place)
+        z_p = None
+    threads, empty = torch.get_num_threads, torch.empty
+    pad = dt == "bf16" and k % 2
+
+    def call(x, r):
+        rows = x.shape[0]
+        out = empty(rows, n, dtype=dtype)
+        if rows == 0:
+            return out
+        if pad:  # A's rows in whole k pairs
+            x = F.pad(x, (0, 1))
+        ptrs = (x.data_ptr(), w_p, b_p, None if r is None else r.data_ptr(), out.data_ptr(),
+                s_p, z_p)
+        if m:
+            gemm(*ptrs, threads())
+        else:
+            gemm(*ptrs, rows, threads())
+        return out
+    return call, [gspec]
 
 
-def _prefill(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
+def _prefill(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None, out: str = ""):
     """``call(x, residual) -> out`` for many rows: the weights dequantised per call into a
     float32/bf16 buffer, multiplied by the GEMM family's kernel for ``x @ B.T`` with runtime B
     (bf16: on AMX tiles where the CPU has them). Large weights go by blocks of W rows
     (``PREFILL_BLOCK`` bytes dequantised): a block stays in cache between its dequantisation
     and its product, and the buffer is bounded whatever N (GPT-2's head whole was a 154 MB
-    float32 copy per call)."""
+    float32 copy per call). ``out="f32"``: bf16 x, a float32 residual and output."""
     n, k, dt = spec.n, spec.k, spec.dtype
     kk = k + (k % 2) if dt == "bf16" else k      # bf16 steps over k pairs
     esize = 2 if dt == "bf16" else 4
@@ -265,7 +263,7 @@ def _prefill(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
         blk = blocking.choose(m, width, kk // 2 if dt == "bf16" else k, b_layout="nk",
                               dtype=dt)
         gspec = GemmSpec(m or 0, width, kk, 1, "nk", spec.bias, spec.epilogue, spec.residual,
-                         **blk.as_kwargs(), dtype=dt)
+                         **blk.as_kwargs(), dtype=dt, out=out)
         kernels[width] = (entry(unpack, 4), entry(gspec, 5, 1 if m else 2))
         specs += [unpack, gspec]
     w_p, s_p, z_p, b_p = buf.ptrs()
@@ -285,7 +283,7 @@ def _prefill(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
             return out
         if pad:
             x = F.pad(x, (0, 1))
-        weights = (torch.zeros if pad else empty)(blocks[0][1], kk, dtype=dtype)
+        weights = (torch.zeros if pad else empty)(blocks[0][1], kk, dtype=x.dtype)
         for n0, width in blocks:
             un, gemm = kernels[width]
             un(w_p + n0 * w_row, s_p + n0 * s_row, z_p and z_p + n0 * z_row,

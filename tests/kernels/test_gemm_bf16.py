@@ -166,6 +166,38 @@ def test_autocast_weights_are_rounded_as_autocast_rounds_them():
     assert torch.equal(got, ref.to(BF16)) or max_error(got, ref) <= 2 ** -7 * ref.abs().max()
 
 
+@pytest.mark.parametrize("m, k, epilogue", [(24, 80, "gelu"), (None, 77, "none"), (1, 64, "relu")])
+def test_float32_linear_on_bf16_products_where_allowed(m, k, epilogue):
+    """``torch.set_float32_matmul_precision("medium")`` allows bf16 products for float32
+    matmuls (oneDNN's reading): a float32 linear built then, where the CPU has fast bf16
+    products, rounds x and the weights to bf16 and keeps the sums, the bias (not rounded), the
+    epilogue, the residual and the output in float32. The setting is read per call: back at
+    "highest", the same callable computes in float32 (its float32 kernel built then). Without
+    fast bf16 products the kernel stays float32 throughout."""
+    from kwker.kernels import blocking
+    torch.manual_seed(5)
+    n, rows = 96, m or 13
+    w, b = torch.randn(n, k), torch.randn(n)
+    x, res = torch.randn(rows, k), torch.randn(rows, n)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        fn = make_linear(w, b, m, epilogue, residual=True)
+        got = fn(x, res)
+        torch.set_float32_matmul_precision("highest")
+        again = fn(x, res)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    exact = ACT[epilogue](x.double() @ w.double().T + b.double()) + res.double()
+    rounded = ACT[epilogue](x.to(BF16).double() @ w.to(BF16).double().T + b.double()) + \
+        res.double()
+    fast = blocking.fast_bf16()
+    assert got.dtype == again.dtype == torch.float32
+    assert max_error(got, rounded if fast else exact) <= 1e-5 * exact.abs().max()
+    assert fast == (max_error(got, exact) > 1e-4 * exact.abs().max())
+    assert max_error(again, exact) <= 1e-5 * exact.abs().max()
+
+
 def test_nan_and_inf_propagate():
     w = torch.randn(40, 16).to(BF16)
     x = torch.randn(6, 16).to(BF16)
