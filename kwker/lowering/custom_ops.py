@@ -23,6 +23,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ..kernels._call import float32_precision
 from ..kernels.rope import rotate_half_rope
 from . import build as B
 from . import sorting as S
@@ -145,8 +146,10 @@ def linear_kernel(x_shape, weight, bias, res_shape, epilogue, transposed,
     bf16). None sizes in the shapes: the kernel generic over them (see
     ``build.generic_shapes``)."""
     res_dtype = res_dtype or dtype
+    # (a torch.Size and the tuple of its sizes are the same key; the float32 matmul precision
+    # picks a float32 kernel's products, make_linear)
     key = ("linear", x_shape, weight.data_ptr(), _ptr(bias), res_shape, epilogue, transposed,
-           dtype, res_dtype)  # a torch.Size and the tuple of its sizes are the same key
+           dtype, res_dtype, float32_precision())
     return kernel_for(key, (weight,) if bias is None else (weight, bias), lambda: _make(
         "linear", {"x": "x", "weight": "w", "transposed": transposed,
                    "bias": "b" if bias is not None else None,

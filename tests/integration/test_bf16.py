@@ -143,3 +143,37 @@ def test_autocast_casts_a_tensor_once_for_all_its_readers(inner):
     assert_bf16_contract(got, eager, reference)
     casts = [n for r in reports for n in r.inner_nodes if n[1] == ".to()"]
     assert len(casts) == 1, [str(r) for r in reports]
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_float32_precision_medium_puts_float32_linears_on_bf16_products(inner):
+    """A float32 model compiled under ``torch.set_float32_matmul_precision("medium")`` (bf16
+    products allowed) runs its linears on them where the CPU has fast ones: x and the weights
+    rounded to bf16, within the bf16 contract of the float64 model, and float32 again when the
+    same model is compiled back at "highest" (each inner's kernels keyed by the setting)."""
+    from kwker.kernels import blocking
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    # a model Inductor takes most of (embeddings, masks): it calls the linears as Kwker's ops
+    model = tf.BertModel(tf.BertConfig(hidden_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, intermediate_size=512,
+                                       vocab_size=1000)).eval()
+    x = torch.randint(0, 1000, (2, 32))
+    with torch.no_grad():
+        reference = copy.deepcopy(model).double()(x)[0]
+    before = torch.get_float32_matmul_precision()
+    errors = {}
+    try:
+        for setting in ("highest", "medium", "highest"):
+            torch.set_float32_matmul_precision(setting)
+            torch._dynamo.reset()
+            with torch.no_grad():
+                out = torch.compile(model, backend="kwker", options={"inner": inner})(x)[0]
+            report = kd.last_report()
+            assert {k[0] for k in report.kernels} >= {"linear_gelu", "linear_residual"}, report
+            errors[setting] = ((out.double() - reference).abs().max()
+                               / reference.abs().max()).item()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert errors["highest"] < 1e-5
+    assert (errors["medium"] > 1e-4) == blocking.fast_bf16() and errors["medium"] < 1e-2
