@@ -125,10 +125,27 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     (``torch.set_float32_matmul_precision("medium")``, as oneDNN reads it) and the CPU has fast
     ones runs on them (``_on_bf16_products``).
     """
-    if (dtype or weight.dtype) == torch.float32 and out_dtype in (None, torch.float32) and \
-            float32_precision() == "bf16" and blocking.fast_bf16():
-        return _on_bf16_products(weight, bias, m, epilogue, residual, source, lead)
-    return _make_linear(weight, bias, m, epilogue, residual, dtype, source, out_dtype, lead)
+    exact = (weight, bias, m, epilogue, residual, dtype, source, out_dtype, lead)
+    if not ((dtype or weight.dtype) == torch.float32 and out_dtype in (None, torch.float32) and
+            float32_precision() == "bf16" and blocking.fast_bf16()):
+        return _make_linear(*exact)
+    on_bf16 = (weight, bias, m, epilogue, residual, source, lead)
+    if m is None:  # nothing to time at a runtime row count
+        return _on_bf16_products(*on_bf16)
+    # measured against the float32 kernel: a small product's cast of x can cost more than the
+    # bf16 products save (Zen 5: the tutorial Ranker b32 0.48 -> 0.63 ms on them)
+    n, k = weight.shape
+    shape = tuple(int(d) for d in lead) if lead else (int(m),)
+
+    def inputs():
+        x = torch.randn(*shape, k)
+        return [x, torch.randn(*shape, n)] if residual else [x]
+    problem = {"inputs": [["tensor", [int(m), k], [k, 1], "torch.float32"]], "n": n, "k": k,
+               "bias": bias is not None, "epilogue": epilogue, "residual": residual,
+               "float32_precision": "bf16"}
+    return variants.pick("linear products", problem, {
+        "bf16 products": lambda: _on_bf16_products(*on_bf16),
+        "float32": lambda: _make_linear(*exact)}, inputs)[1]
 
 
 def _on_bf16_products(weight, bias, m, epilogue, residual, source, lead):

@@ -167,9 +167,9 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
             planes, per_width, _ = built[count]
             a = empty(rows * count, stride, dtype=torch.uint8)
             planes(x.data_ptr(), a.data_ptr(), heads.data_ptr(), rows, threads())
-            if count == 3 or bool(heads[:, 3].all()):
+            if count == gemm_lowbit_vnni.PLANES or bool(heads[:, 3].all()):
                 break
-            count = 3   # a row's outliers leave two planes coarser than TF32: three
+            count = gemm_lowbit_vnni.PLANES  # a row's outliers: two planes coarser than TF32
         panels = empty(-(-blocks[0][1] // nr) * nr * stride, dtype=torch.uint8)
         sums = empty(rows * count, blocks[0][1])
         for n0, width in blocks:
@@ -191,7 +191,7 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
 def _plane_count() -> int:
     """x's byte planes for float32 products: 3 exact to float32; 2 (x to 2**-15 of its row's
     largest |x|) where the user allows TF32 or bf16 products."""
-    return 3 if float32_precision() == "ieee" else 2
+    return gemm_lowbit_vnni.PLANES if float32_precision() == "ieee" else 2
 
 
 def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None, out: str = ""):

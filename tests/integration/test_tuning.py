@@ -121,6 +121,11 @@ def test_a_verdict_holds_for_the_float32_precision_it_was_measured_under(tuned):
     assert len(records) == 4
     assert sorted(json.loads(r["problem"])["float32_precision"] for r in records) == \
         ["bf16", "bf16", "ieee", "ieee"]
+    # where bf16 products are fast, each linear also measured them against its float32 kernel
+    from kwker.kernels import blocking
+    products = [r for r in _records() if r["op"] == "linear products variant"]
+    assert len(products) == (2 if blocking.fast_bf16() else 0)
+    assert all(set(r["times_us"]) == {"bf16 products", "float32"} for r in products)
 
 
 def test_a_slower_kernel_leaves_its_nodes_on_aten(tuned, monkeypatch):
