@@ -84,11 +84,16 @@ def widens_bf16(target: Target | None = None) -> bool:
     return not (lanes(target) == 16 and target.has("avx512bf16"))
 
 
+def tiles_bf16(target: Target | None = None) -> bool:
+    """Whether bf16 products run on tiles here (AMX-BF16, or emulated): many times float32
+    FMAs' speed (Emerald Rapids: 2284 against 177 GFLOP/s a thread)."""
+    return bool((target or host_target()).tiles)
+
+
 def fast_bf16(target: Target | None = None) -> bool:
     """Whether bf16 products run faster than float32 ones here: ``vdpbf16ps`` or bf16 tiles
     (AMX, or emulated)."""
-    target = target or host_target()
-    return bool(target.tiles) or not widens_bf16(target)
+    return tiles_bf16(target) or not widens_bf16(target)
 
 
 def choose(m: int | None, n: int, k: int, target: Target | None = None,

@@ -121,17 +121,16 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     output float32, the product added to the residual unrounded: autocast's bf16 linear whose
     result joins a float32 residual stream (eager rounds the product to bf16 first).
 
-    A float32 kernel built where the user allows bf16 products for float32 matmuls
-    (``torch.set_float32_matmul_precision("medium")``, as oneDNN reads it) and the CPU has fast
-    ones runs on them (``_on_bf16_products``).
+    A float32 kernel built where the user allows float32 matmuls below full precision runs on
+    bf16 products where they are fast (``_products``, ``_on_bf16_products``).
     """
     exact = (weight, bias, m, epilogue, residual, dtype, source, out_dtype, lead)
-    if not ((dtype or weight.dtype) == torch.float32 and out_dtype in (None, torch.float32) and
-            float32_precision() == "bf16" and blocking.fast_bf16()):
+    mode = _products(dtype or weight.dtype, out_dtype)
+    if mode is None:
         return _make_linear(*exact)
-    on_bf16 = (weight, bias, m, epilogue, residual, source, lead)
+    lower = (weight, bias, m, epilogue, residual, source, lead, mode)
     if m is None:  # nothing to time at a runtime row count
-        return _on_bf16_products(*on_bf16)
+        return _on_bf16_products(*lower)
     # measured against the float32 kernel: a small product's cast of x can cost more than the
     # bf16 products save (Zen 5: the tutorial Ranker b32 0.48 -> 0.63 ms on them)
     n, k = weight.shape
@@ -142,20 +141,49 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
         return [x, torch.randn(*shape, n)] if residual else [x]
     problem = {"inputs": [["tensor", [int(m), k], [k, 1], "torch.float32"]], "n": n, "k": k,
                "bias": bias is not None, "epilogue": epilogue, "residual": residual,
-               "float32_precision": "bf16"}
+               "float32_precision": float32_precision()}
     return variants.pick("linear products", problem, {
-        "bf16 products": lambda: _on_bf16_products(*on_bf16),
+        f"{mode} products": lambda: _on_bf16_products(*lower),
         "float32": lambda: _make_linear(*exact)}, inputs)[1]
 
 
-def _on_bf16_products(weight, bias, m, epilogue, residual, source, lead):
-    """The float32 linear on bf16 products: x and the weights rounded to bf16 (x per call, the
-    weights once), the sums, bias, epilogue and residual in float32, a float32 output, as
-    ``set_float32_matmul_precision("medium")`` allows (eager's oneDNN does it on AMX; on Zen 5
-    it stays float32 there). Zen 5, 128 x 768 -> 3072: 1.58-1.64 -> 0.87-0.97 ms. The setting
-    is read per call: under another, the call goes to the float32 kernel, built on first
-    need."""
-    fast = _make_linear(weight, bias, m, epilogue, residual, torch.bfloat16, source,
+def _products(dtype: torch.dtype, out_dtype: torch.dtype | None) -> str | None:
+    """The products a float32 linear may take below full precision here: "bf16" (x and W
+    rounded to bf16) where the user allows bf16 (``set_float32_matmul_precision("medium")``)
+    and they are fast (``vdpbf16ps`` or bf16 tiles); "bf16x3" (x and W each split into two
+    bf16 halves, three products: about 16 bits, torch's documented form of "high") where the
+    user allows TF32 and the CPU has bf16 tiles, on which three products are still several
+    times float32 FMAs' speed; else None (float32)."""
+    if dtype != torch.float32 or out_dtype not in (None, torch.float32):
+        return None
+    precision = float32_precision()
+    if precision == "bf16" and blocking.fast_bf16():
+        return "bf16"
+    if precision == "tf32" and blocking.tiles_bf16():
+        return "bf16x3"
+    return None
+
+
+def _on_bf16_products(weight, bias, m, epilogue, residual, source, lead, mode: str = "bf16"):
+    """The float32 linear on bf16 products (``_products``' ``mode``), the sums, bias, epilogue
+    and residual in float32, a float32 output.
+
+    "bf16": x rounded per call, the weights once, as ``set_float32_matmul_precision("medium")``
+    allows (eager's oneDNN does it on AMX; on Zen 5 it stays float32 there). Zen 5, 128 x 768
+    -> 3072: 1.58-1.64 -> 0.87-0.97 ms.
+
+    "bf16x3": ``x = xh + xl`` and ``W = Wh + Wl`` in bf16 halves, ``xh Wh + xh Wl + xl Wh`` as
+    one bf16 GEMM over ``[xh, xh, xl]`` and ``[Wh; Wl; Wh]`` (K three times over, float32 sums):
+    no kernel of its own, the weights packed once at 1.5x their float32 bytes.
+
+    The setting is read per call: where it no longer allows these products, the call goes to
+    the float32 kernel, built on first need."""
+    allowed, products, by = ("bf16",), weight, source
+    if mode == "bf16x3":  # [Wh, Wl, Wh] along K (Wl rounded to bf16 as it is packed)
+        w = weight.detach().float()
+        high = w.to(torch.bfloat16).float()
+        allowed, products, by = ("tf32", "bf16"), torch.cat([high, w - high, high], 1), None
+    fast = _make_linear(products, bias, m, epilogue, residual, torch.bfloat16, by,
                         torch.float32, lead, round_bias=False)
     exact = []
 
@@ -164,18 +192,24 @@ def _on_bf16_products(weight, bias, m, epilogue, residual, source, lead):
             exact.append(_make_linear(weight, bias, m, epilogue, residual, torch.float32,
                                       source, None, lead))
         return exact[0]
-    to_bf16 = torch.bfloat16
+    to_bf16, cat = torch.bfloat16, torch.cat
+
+    def operand(x):
+        if mode == "bf16":
+            return x.to(to_bf16)
+        high = x.to(to_bf16)
+        return cat([high, high, (x - high).to(to_bf16)], -1)
 
     if residual:
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-            if float32_precision() != "bf16":
+            if float32_precision() not in allowed:
                 return full()(x, res)
-            return fast(x.to(to_bf16), res)
+            return fast(operand(x), res)
     else:
         def run(x: torch.Tensor) -> torch.Tensor:
-            if float32_precision() != "bf16":
+            if float32_precision() not in allowed:
                 return full()(x)
-            return fast(x.to(to_bf16))
+            return fast(operand(x))
     run.spec, run.packed_weight, run.bias = fast.spec, fast.packed_weight, fast.bias
     return run
 

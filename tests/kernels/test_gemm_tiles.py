@@ -397,6 +397,50 @@ def test_refused_permission_stops_tile_code_only_on_an_amx_host(monkeypatch):
         tile_permission._forget()
 
 
+BF16X3_CHECK = """
+import torch, torch.nn.functional as F
+from kwker.kernels.linear import make_linear
+torch.manual_seed(4)
+n, k = 96, 77                                       # 3K = 231: odd, padded to whole pairs
+w, b = torch.randn(n, k), torch.randn(n)
+for m in (40, None):
+    rows = m or 13
+    x, res = torch.randn(rows, k), torch.randn(rows, n)
+    exact = F.gelu(x.double() @ w.double().T + b.double()) + res.double()
+    scale = exact.abs().max()
+    torch.set_float32_matmul_precision("high")
+    fn = make_linear(w, b, m, "gelu", residual=True)
+    assert (fn.spec.path, fn.spec.dtype, fn.spec.k) == ("tile", "bf16", 232), fn.spec
+    errors = {}
+    for setting in ("high", "medium", "highest"):
+        torch.set_float32_matmul_precision(setting)
+        errors[setting] = ((fn(x, res).double() - exact).abs().max() / scale).item()
+    rounded = F.gelu(x.bfloat16().double() @ w.bfloat16().double().T + b.double()) + res.double()
+    bf16 = ((rounded - exact).abs().max() / scale).item()
+    # ~16 bits: far below bf16's rounding, above float32's; "medium" allows it too
+    assert 1e-6 < errors["high"] < 2e-5 and errors["high"] < bf16 / 100, (m, errors, bf16)
+    assert errors["medium"] == errors["high"] and errors["highest"] < 1e-6, (m, errors)
+print("bf16x3 ok")
+"""
+
+
+@pytest.mark.parametrize("tiles", ["emulate", "auto"])
+def test_float32_linear_on_bf16x3_tiles_under_high(tiles, tmp_path):
+    """``torch.set_float32_matmul_precision("high")`` allows torch's bf16x3 form (x and W each
+    two bf16 halves, three products): on bf16 tiles a float32 linear takes it as one bf16 GEMM
+    over K three times over, within ~16 bits of the float64 result; "medium" keeps it, at
+    "highest" the same callable is float32 again. Emulated tiles on any AVX-512 CPU; the tile
+    unit where the CPU has AMX."""
+    if tiles == "emulate" and not _has_avx512():
+        pytest.skip(f"emulated tiles run as AVX-512 code; this CPU: {host_target().describe()}")
+    if tiles == "auto" and host_target().tiles != "amx":
+        pytest.skip(f"no AMX tiles on this CPU ({host_target().describe()}): emulated above")
+    env = dict(os.environ, KWKER_TILES=tiles, KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", BF16X3_CHECK], env=env, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0 and "bf16x3 ok" in r.stdout, r.stdout + r.stderr
+
+
 def test_instruction_paths_name_what_runs():
     """What the report and the benchmarks call each kernel's instructions, per target."""
     tile, vector = _tile_spec(), GemmSpec(200, 300, 402, 1, "packed", dtype="bf16")
