@@ -126,7 +126,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     """
     exact = (weight, bias, m, epilogue, residual, dtype, source, out_dtype, lead)
     mode = _products(dtype or weight.dtype, out_dtype)
-    if mode is None:
+    if mode is None or weight.dim() != 2:  # (bad shapes: the float32 build's errors say why)
         return _make_linear(*exact)
     lower = (weight, bias, m, epilogue, residual, source, lead, mode)
     if m is None:  # nothing to time at a runtime row count
