@@ -282,6 +282,34 @@ def test_bf16_model(tmp_path):
         assert_bf16_contract(y, low(x.bfloat16()), model(x))
 
 
+def test_a_package_follows_the_float32_precision_it_is_loaded_under(tmp_path):
+    """A float32 package built at full precision: loaded under
+    ``torch.set_float32_matmul_precision("medium")`` its linears take bf16 products where the
+    CPU has fast ones (README, "Float32 matmul precision"), and at "highest" float32 again."""
+    import copy
+
+    from kwker.kernels import blocking
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64)).eval()
+    x = torch.randn(24, 64)
+    path = kwker.package(_export(model, (x,), None), tmp_path / "mlp.kwk")
+    with torch.no_grad():
+        reference = copy.deepcopy(model).double()(x.double())
+    before, errors = torch.get_float32_matmul_precision(), {}
+    try:
+        for setting in ("medium", "highest"):
+            torch.set_float32_matmul_precision(setting)
+            y = kwker.load_package(path)(x)
+            y = y[0] if isinstance(y, (tuple, list)) else y
+            errors[setting] = ((y.double() - reference).abs().max()
+                               / reference.abs().max()).item()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert errors["highest"] < 1e-5, errors
+    assert (errors["medium"] > 1e-4) == blocking.fast_bf16() and errors["medium"] < 1e-2, errors
+
+
 def _copy_bf16(model):
     import copy
     return copy.deepcopy(model).to(torch.bfloat16)
