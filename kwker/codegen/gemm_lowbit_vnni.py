@@ -28,7 +28,7 @@ from .irutil import Fn, const, f32, i8, i16, i32, i64, ptr
 
 MAX_K = 1 << 16
 PLANES = 3               # planes per x row: exact to float32
-HEAD = 16                # bytes a row's head: the float64 factor, then the i32 flag
+HEAD = 16                # bytes a row's head: the float64 factor, then two i32 flags
 STEP = 64                # k per vpdpbusd (bytes of a 512-bit register)
 TINY = -100              # rows with max|x| below 2**TINY take the float path
 F64 = ir.DoubleType()

@@ -8,6 +8,7 @@ single C call.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -40,6 +41,22 @@ def float32_precision() -> str:
         if precision != "none":
             return precision
     return "ieee"
+
+
+def follow_precision(allowed: tuple, lower: Callable[[], Callable],
+                     exact: Callable[[], Callable]) -> Callable:
+    """``call(*args)``: ``lower()``'s callable while ``float32_precision()`` is in ``allowed``,
+    else ``exact()``'s, each built on its first call: a kernel built to use less precision never
+    runs below what the user allows at the time of the call."""
+    built = {}
+
+    def call(*args):
+        fast = float32_precision() in allowed
+        fn = built.get(fast)
+        if fn is None:
+            fn = built[fast] = (lower if fast else exact)()
+        return fn(*args)
+    return call
 
 
 def contiguous_strides(shape) -> tuple:

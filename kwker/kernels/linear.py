@@ -14,6 +14,7 @@ from ._call import (
     checked,
     entry,
     float32_precision,
+    follow_precision,
     kernel_dtype,
     record_function,
 )
@@ -185,13 +186,6 @@ def _on_bf16_products(weight, bias, m, epilogue, residual, source, lead, mode: s
         allowed, products, by = ("tf32", "bf16"), torch.cat([high, w - high, high], 1), None
     fast = _make_linear(products, bias, m, epilogue, residual, torch.bfloat16, by,
                         torch.float32, lead, round_bias=False)
-    exact = []
-
-    def full():
-        if not exact:
-            exact.append(_make_linear(weight, bias, m, epilogue, residual, torch.float32,
-                                      source, None, lead))
-        return exact[0]
     to_bf16, cat = torch.bfloat16, torch.cat
 
     def operand(x):
@@ -200,16 +194,9 @@ def _on_bf16_products(weight, bias, m, epilogue, residual, source, lead, mode: s
         high = x.to(to_bf16)
         return cat([high, high, (x - high).to(to_bf16)], -1)
 
-    if residual:
-        def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-            if float32_precision() not in allowed:
-                return full()(x, res)
-            return fast(operand(x), res)
-    else:
-        def run(x: torch.Tensor) -> torch.Tensor:
-            if float32_precision() not in allowed:
-                return full()(x)
-            return fast(operand(x))
+    run = follow_precision(allowed, lambda: lambda x, *res: fast(operand(x), *res),
+                           lambda: _make_linear(weight, bias, m, epilogue, residual,
+                                                torch.float32, source, None, lead))
     run.spec, run.packed_weight, run.bias = fast.spec, fast.packed_weight, fast.bias
     return run
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..codegen import gemm_lowbit, gemm_lowbit_planes, gemm_lowbit_vnni
 from . import blocking
-from ._call import entry, float32_precision
+from ._call import entry, float32_precision, follow_precision
 from .specs import (
     GemmSpec,
     LowbitCombineSpec,
@@ -90,16 +90,12 @@ def _bf16_where_allowed(exact: tuple, spec: LowbitGemmSpec, buf: Buffers, m: int
         return exact
     call, specs = exact
     half = replace(spec, dtype="bf16")
-    built = []
 
-    def either(x, r):
-        if float32_precision() != "bf16":
-            return call(x, r)
-        if not built:
-            built.append((_prefill_fused(half, buf, torch.float32, m, out="f32") or
-                          _prefill(half, buf, torch.float32, m, out="f32"))[0])
-        return built[0](x.to(torch.bfloat16), r)
-    return either, specs
+    def on_bf16():
+        fn = (_prefill_fused(half, buf, torch.float32, m, out="f32") or
+              _prefill(half, buf, torch.float32, m, out="f32"))[0]
+        return lambda x, r: fn(x.to(torch.bfloat16), r)
+    return follow_precision(("bf16",), on_bf16, lambda: call), specs
 
 
 def _planes(spec: LowbitGemmSpec) -> bool:

@@ -89,8 +89,8 @@ def problem(m, metas: dict, consts: dict, inputs: list) -> str | None:
     const_inputs = {k: _describe(consts[v]) for k, v in m.inputs.items()
                     if isinstance(v, Node) and v in consts}
     flags = {k: v for k, v in m.inputs.items() if not isinstance(v, Node)}
-    # ATen's float32 matmuls follow torch's precision setting (bf16 products under "medium"):
-    # a verdict holds for the setting it was measured under
+    # ATen's float32 matmuls change with torch's precision setting (under "medium": oneDNN for
+    # MKL on Zen 5, bf16 products on AMX): a verdict holds for the setting it was measured under
     return json.dumps({"kind": m.name, "method": method(),
                        "float32_precision": float32_precision(),
                        "ops": [_op_name(c) for c in m.covers],
