@@ -96,7 +96,7 @@ def collecting(dump_dir=None):
         from ..runtime import kernel
         target = host_target()
         for spec in dict.fromkeys(specs):
-            kernel.dump(spec, target, str(kernel.emit(spec, target)), Path(dump_dir))
+            kernel.dump(spec, target, kernel.ir_text(spec, target), Path(dump_dir))
 
 
 def discard(fn) -> None:

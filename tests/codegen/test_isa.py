@@ -10,7 +10,7 @@ import pytest
 from kwker.kernels import blocking
 from kwker.kernels.specs import AttentionSpec, EltwiseSpec, GemmSpec, TopkGemmSpec
 from kwker.runtime.compiler import compile_assembly
-from kwker.runtime.kernel import emit
+from kwker.runtime.kernel import ir_text
 from kwker.runtime.target import make_target
 
 AVX512 = make_target("skylake-avx512", "+avx,+avx2,+fma,+avx512f,+avx512bw,+avx512vl,+avx512dq")
@@ -49,9 +49,9 @@ def specs(target):
 def test_kernel_uses_target_fma(isa, name):
     target, reg, lanes = TARGETS[isa]
     spec = specs(target)[name]
-    ir_text = str(emit(spec, target))
-    assert f"llvm.fma.v{lanes}f32" in ir_text
-    _, asm = compile_assembly(ir_text, target)
+    text = ir_text(spec, target)
+    assert f"llvm.fma.v{lanes}f32" in text
+    _, asm = compile_assembly(text, target)
     fmas = re.findall(r"vfn?m(?:add|sub)\d{3}ps\s+[^\n]*%" + reg, asm)
     assert fmas, f"no {reg} FMA in {spec.symbol}"
     if isa == "avx2":
@@ -67,7 +67,7 @@ def test_gemm_micro_kernel_keeps_accumulators_in_registers():
     target = AVX512
     spec = GemmSpec(240, 256, 256, 1, "packed", **blocking.choose(240, 256, 256, target)
                     .as_kwargs())
-    _, asm = compile_assembly(str(emit(spec, target)), target)
+    _, asm = compile_assembly(ir_text(spec, target), target)
     fma_lines = [ln for ln in asm.splitlines() if re.search(r"vfmadd231ps.*zmm", ln)]
     accs = {ln.split(",")[-1].strip() for ln in fma_lines}
     assert len(accs) >= 24
@@ -77,14 +77,14 @@ def test_gemm_micro_kernel_keeps_accumulators_in_registers():
 
 def test_sdpa_softmax_uses_vscalef_on_avx512():
     spec = specs(AVX512)["sdpa"]
-    _, asm = compile_assembly(str(emit(spec, AVX512)), AVX512)
+    _, asm = compile_assembly(ir_text(spec, AVX512), AVX512)
     assert "vscalefps" in asm
 
 
 def test_topk_bf16_screening_uses_vdpbf16ps():
     target = make_target("znver4", AVX512.features + ",+avx512bf16")
     spec = TopkGemmSpec(32, 20000, 128, 10, True, 8, 48, "bf16")
-    _, asm = compile_assembly(str(emit(spec, target)), target)
+    _, asm = compile_assembly(ir_text(spec, target), target)
     assert re.search(r"vdpbf16ps\s+[^\n]*%zmm", asm)
     assert re.search(r"vfmadd\d{3}ps\s+[^\n]*%zmm", asm)  # the float32 rescoring
 
@@ -94,7 +94,7 @@ def test_topk_int8_screening_uses_vpdpbusd():
     AVX512_VNNI (which cannot run it) still checks the code."""
     target = make_target("znver4")
     spec = TopkGemmSpec(1, 20000, 128, 10, True, 1, 64, "int8")
-    _, asm = compile_assembly(str(emit(spec, target)), target)
+    _, asm = compile_assembly(ir_text(spec, target), target)
     assert re.search(r"vpdpbusd\s+[^\n]*%zmm", asm)
     assert re.search(r"vfmadd\d{3}ps\s+[^\n]*%zmm", asm)  # the float32 rescoring
 
@@ -115,7 +115,7 @@ def test_bf16_gemm_instructions(isa, shape):
     m, n, k = shape
     blk = blocking.choose(m, n, k // 2, target, dtype="bf16").as_kwargs()
     spec = GemmSpec(m, n, k, 1, "packed", True, "gelu", True, **blk, dtype="bf16")
-    _, asm = compile_assembly(str(emit(spec, target)), target)
+    _, asm = compile_assembly(ir_text(spec, target), target)
     lines = [ln for ln in asm.splitlines() if re.search(rf"{step}\s+[^\n]*%{reg}", ln)]
     assert lines, f"no {step} on {reg} in {spec.symbol}"
     if isa != "avx512bf16":
@@ -127,6 +127,6 @@ def test_bf16_gemm_instructions(isa, shape):
         assert len(accs) >= (24 if reg == "zmm" else 8), accs
         # without the erf epilogue (whose constants may spill, outside the k loop): no spills
         plain = GemmSpec(m, n, k, 1, "packed", True, **blk, dtype="bf16")
-        _, asm = compile_assembly(str(emit(plain, target)), target)
+        _, asm = compile_assembly(ir_text(plain, target), target)
         assert not re.search(rf"vmovups\s+%{reg}\d+, -?\d*\(%rsp\)",
                              micro_kernels_asm(asm)), "accumulator spills"

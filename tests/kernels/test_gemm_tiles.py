@@ -31,7 +31,7 @@ from kwker.kernels.specs import GemmSpec, instruction_path
 from kwker.kernels.topk import make_linear_topk
 from kwker.runtime import cache, tile_permission
 from kwker.runtime.compiler import compile_assembly
-from kwker.runtime.kernel import emit
+from kwker.runtime.kernel import emit, ir_text
 from kwker.runtime.target import host_target, make_target, tile_mode
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -271,7 +271,7 @@ def test_int8_vector_build_uses_vpdpbusd():
     target = make_target("znver4", "")
     spec = GemmSpec(64, 96, 256, 1, "packed", True, **blocking.vnni_blocking(96, 64).as_kwargs(),
                     dtype="u8s8")
-    _, asm = compile_assembly(str(emit(spec, target)), target)
+    _, asm = compile_assembly(ir_text(spec, target), target)
     assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm) and not re.search(r"\btdp", asm)
     assert instruction_path(spec, target) == "avx512-vnni"
     with pytest.raises(ValueError, match="u8s8"):
@@ -300,7 +300,7 @@ def test_native_bf16_topk_on_tiles(case, threads, native_tiles):
 def test_int8_build_uses_tdpbusd():
     spec = GemmSpec(64, 96, 256, 1, "packed", True, **blocking.tile_blocking(96, 64).as_kwargs(),
                     dtype="u8s8")
-    _, asm = compile_assembly(str(emit(spec, SAPPHIRE)), SAPPHIRE)
+    _, asm = compile_assembly(ir_text(spec, SAPPHIRE), SAPPHIRE)
     assert re.search(r"\btdpbusd\b", asm) and not re.search(r"\btdpbf16ps\b", asm)
     with pytest.raises(ValueError, match="u8s8"):
         emit(GemmSpec(64, 96, 256, 1, "kn", **blocking.tile_blocking(96, 64).as_kwargs(),
@@ -318,7 +318,7 @@ def _tile_spec(m=200, n=300, k=402, layout="packed", epilogue="gelu", residual=T
 def test_native_build_keeps_tiles_in_registers(layout):
     """ldtilecfg once, tdpbf16ps in the K loop, tilerelease; no tile spilled to the stack."""
     spec = _tile_spec(layout=layout)
-    _, asm = compile_assembly(str(emit(spec, SAPPHIRE)), SAPPHIRE)
+    _, asm = compile_assembly(ir_text(spec, SAPPHIRE), SAPPHIRE)
     for op in ("ldtilecfg", "tdpbf16ps", "tilerelease", "tileloadd", "tilestored"):
         assert re.search(rf"\b{op}\b", asm), op
     assert len(re.findall(r"\btdpbf16ps\b", asm)) % 4 == 0   # whole 2 x 2 steps
@@ -328,7 +328,7 @@ def test_native_build_keeps_tiles_in_registers(layout):
 
 def test_emulated_build_has_no_tile_instructions():
     spec = _tile_spec()
-    _, asm = compile_assembly(str(emit(spec, EMULATED)), EMULATED)
+    _, asm = compile_assembly(ir_text(spec, EMULATED), EMULATED)
     assert not re.search(r"\b(tdpbf16ps|ldtilecfg|tileloadd|tilerelease)\b", asm)
     assert re.search(r"\bvdpbf16ps\b", asm)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kwker.kernels.norm import make_layer_norm
 from kwker.kernels.specs import LayerNormSpec
 from kwker.runtime.compiler import compile_assembly
-from kwker.runtime.kernel import emit
+from kwker.runtime.kernel import ir_text
 from kwker.runtime.target import make_target
 from kwker.spec import spec_from_json
 
@@ -243,11 +243,11 @@ def test_ir_exact_sqrt_no_fast_math_masked_tail(cpu, features, reg, lanes):
     approximate rsqrt) and no fast-math flags."""
     target = make_target(cpu, features)
     for dtype in ("f32", "bf16"):
-        ir_text = str(emit(LayerNormSpec(33, 0, 1e-5, True, True, dtype), target))
-        assert "llvm.sqrt.f32" in ir_text and f"llvm.fma.v{lanes}f32" in ir_text
-        assert f"llvm.masked.load.v{lanes}" in ir_text
-        assert not any(flag in ir_text.split() for flag in ("fast", "reassoc", "afn", "arcp"))
-        _, asm = compile_assembly(ir_text, target)
+        text = ir_text(LayerNormSpec(33, 0, 1e-5, True, True, dtype), target)
+        assert "llvm.sqrt.f32" in text and f"llvm.fma.v{lanes}f32" in text
+        assert f"llvm.masked.load.v{lanes}" in text
+        assert not any(flag in text.split() for flag in ("fast", "reassoc", "afn", "arcp"))
+        _, asm = compile_assembly(text, target)
         assert "rsqrt" not in asm and f"%{reg}" in asm
 
 

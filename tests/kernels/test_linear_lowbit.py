@@ -322,11 +322,11 @@ def test_int8_channel_vnni_kernel_holds_vpdpbusd():
 
     from kwker.kernels.specs import LowbitGemmSpec
     from kwker.runtime.compiler import compile_assembly
-    from kwker.runtime.kernel import emit
+    from kwker.runtime.kernel import ir_text
     from kwker.runtime.target import make_target
     target = make_target("cascadelake", "")
     spec = LowbitGemmSpec(1, 100, 300, 8, 300, bias=True, vnni=True)
-    _, asm = compile_assembly(str(emit(spec, target)), target)
+    _, asm = compile_assembly(ir_text(spec, target), target)
     assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm)
 
 
@@ -339,15 +339,15 @@ def test_decode_kernels_compile_for_each_isa(cpu, lanes):
 
     from kwker.kernels.specs import LowbitGemmSpec
     from kwker.runtime.compiler import compile_assembly
-    from kwker.runtime.kernel import emit
+    from kwker.runtime.kernel import ir_text
     from kwker.runtime.target import make_target
     target = make_target(cpu, "")
     reg = "zmm" if lanes == 16 else "ymm"
     int8 = LowbitGemmSpec(1, 100, 320, 8, 32, zero_point=True, bias=True, lanes=lanes)
-    _, asm = compile_assembly(str(emit(int8, target)), target)
+    _, asm = compile_assembly(ir_text(int8, target), target)
     assert "prefetchnta" in asm and re.search(rf"vcvtdq2ps\s[^\n]*%{reg}", asm)
     int4 = LowbitGemmSpec(0, 100, 320, 4, 32, zero_point=True, lanes=lanes, mr=3, rr=4)
-    _, asm = compile_assembly(str(emit(int4, target)), target)
+    _, asm = compile_assembly(ir_text(int4, target), target)
     assert bool(re.search(r"vpermps\s[^\n]*%zmm", asm)) == (lanes == 16)
     assert "prefetchnta" in asm or lanes == 16
 

@@ -191,14 +191,14 @@ def _sdpa_asm(spec_args, features):
     from kwker.kernels.specs import AttentionSpec
     from kwker.kernels.sdpa import _blocking
     from kwker.runtime.compiler import compile_assembly
-    from kwker.runtime.kernel import emit
+    from kwker.runtime.kernel import ir_text
     from kwker.runtime.target import make_target
     target = make_target("znver4", features)
     b, h, lq, lk, e, ev, causal = spec_args
     spec = AttentionSpec(b, h, lq, lk, e, ev, causal, 0.0, "none", (),
                          **_blocking(lq, lk, e, ev), dtype="bf16")
-    ir_text = str(emit(spec, target))
-    return ir_text, compile_assembly(ir_text, target)[1]
+    text = ir_text(spec, target)
+    return text, compile_assembly(text, target)[1]
 
 
 AVX512_FEATURES = "+avx,+avx2,+fma,+f16c,+bmi2,+avx512f,+avx512bw,+avx512vl,+avx512dq"

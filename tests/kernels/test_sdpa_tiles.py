@@ -17,7 +17,7 @@ import torch
 from kwker.kernels.sdpa import make_sdpa
 from kwker.kernels.specs import AttentionSpec
 from kwker.runtime.compiler import compile_assembly
-from kwker.runtime.kernel import emit
+from kwker.runtime.kernel import ir_text
 from kwker.runtime.target import host_target, make_target
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -92,7 +92,7 @@ def test_native_build_holds_tile_products():
     target = make_target("sapphirerapids")
     spec = AttentionSpec(2, 4, 100, 100, 64, 64, True, dtype="bf16", bq=32, bk=128, nr=32,
                          path="tile")
-    _, asm = compile_assembly(str(emit(spec, target)), target)
+    _, asm = compile_assembly(ir_text(spec, target), target)
     assert re.search(r"\btdpbf16ps\b", asm) and re.search(r"\bldtilecfg\b", asm)
     assert not re.findall(r"tile(?:stored|loadd)\s+[^\n]*(?:\(%rsp|-\d+\(%rbp)", asm)
 

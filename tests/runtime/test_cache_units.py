@@ -153,3 +153,31 @@ def test_directory_created_by_another_job_meanwhile_is_used(root, monkeypatch):
         return real_exists(self, *args, **kwargs)
     monkeypatch.setattr(Path, "exists", exists_after_another_job)
     assert cache.ensure_dir(root) == root and root.is_dir()
+
+
+def test_building_pauses_the_garbage_collector_and_restores_it():
+    """Emitting pauses the cyclic collector (its walks of the heap tripled the emit time); nested
+    and concurrent pauses share one, and the collector ends as it was before the first."""
+    import gc
+    import threading
+
+    from kwker.runtime.kernel import gc_paused
+    was = gc.isenabled()
+    try:
+        for before in (True, False):
+            gc.enable() if before else gc.disable()
+            with gc_paused():
+                assert not gc.isenabled()
+                inner_done = threading.Event()
+
+                def other():
+                    with gc_paused():
+                        pass
+                    inner_done.set()
+                t = threading.Thread(target=other)
+                t.start()
+                t.join()
+                assert inner_done.is_set() and not gc.isenabled()  # the outer pause holds
+            assert gc.isenabled() == before
+    finally:
+        gc.enable() if was else gc.disable()
