@@ -175,38 +175,19 @@ def emit_tile(module, spec, rr: int, prefetch, streamed: bool = False,
             step(const(i64, k // STEP * STEP), k % STEP)
 
     if streamed:
-        # two sets of plane sums, even and odd steps: one set is three chains of vpdpbusd,
-        # each step waiting out the last one's latency (Zen 5: 4.9 cycles a 64-byte step, hot);
-        # the sets' lanes add up exactly as one set's would (each lane's sum is bounded as a row's)
-        sets = [[f.var(I32x16, zero, f"s{s}_{p}") for p in range(3)] for s in range(2)]
+        acc = [f.var(I32x16, zero, f"s{p}") for p in range(3)]
         with f.for_range(0, rr, name="wr") as r:
             wrow = simd.gep(b, w, b.mul(r, const(i64, k)), i8)
-            for a in sets[0] + sets[1]:
+            for a in acc:
                 a.set(zero)
 
-            def step(at, active, acc):
+            def step(at, active):
                 q = weights(wrow, at, active)
                 for p in range(3):
                     acc[p].set(dot(acc[p].get(), plane(at, p), q))
-
-            def fetch(at):
-                prefetch(f, simd.gep(b, wrow, b.add(at, const(i64, ahead)), i8), False)
-            whole = k // STEP
-            if whole // 2:
-                with f.for_range(0, whole // 2, name="kv") as c:
-                    for s in range(2):
-                        at = b.mul(b.add(b.mul(c, const(i64, 2)), const(i64, s)),
-                                   const(i64, STEP))
-                        fetch(at)
-                        step(at, STEP, sets[s])
-            if whole % 2:
-                at = const(i64, (whole - 1) * STEP)
-                fetch(at)
-                step(at, STEP, sets[0])
-            if k % STEP:
-                step(const(i64, whole * STEP), k % STEP, sets[1])
-            _finish_row(f, [b.add(x.get(), y.get()) for x, y in zip(*sets)], factor, wsum, scale,
-                        sums, r)
+            k_loop(step, lambda at: prefetch(f, simd.gep(b, wrow, b.add(at, const(i64, ahead)),
+                                                         i8), False))
+            _finish_row(f, [a.get() for a in acc], factor, wsum, scale, sums, r)
     else:
         acc = [[f.var(I32x16, zero, f"s{r}_{p}") for p in range(3)] for r in range(rr)]
 
