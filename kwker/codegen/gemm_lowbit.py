@@ -480,6 +480,16 @@ def emit(spec, target) -> ir.Module:
     return module
 
 
+def tile_rows(spec) -> int:
+    """W rows a tile takes: its whole block, but half a block of int4 under tiles of several x
+    rows. int4 weights are packed once, in blocks of ``rr`` = 8 rows, for every row count (a
+    model's decode, prefill and dynamic-rows kernels; blocks of 4 for the last made GPT-2 int4
+    hold two copies, 124 MB for 62), and 2-4 x rows times 8 W rows would not fit the registers."""
+    if spec.bits == 4 and spec.mr > 1 and spec.rr % 2 == 0 and spec.rr > 4:
+        return spec.rr // 2
+    return spec.rr
+
+
 def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, rows, r0, n0,
            n1, wrow: int, foldable) -> None:
     """W rows ``r0 .. r0 + rr`` (fewer in the last block) against every x row tile (with
@@ -498,20 +508,33 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
                          i8),
                 simd.gep(b, planes[1], b.mul(i, const(i64, gemm_lowbit_vnni.HEAD)), i8))
 
+    part = [0]   # the first W row of the block the tiles are on (int4 half blocks)
+
     def run(rows_here: int, w_rows: int, i0, kind=None, exact=False):
         fn = tiles.get(kind or rows_here, w_rows, exact)
         if kind:
             f.call(fn, *_planes_of(i0), wp, sp, simd.gep(b, zp, r0, i32), tsums)
         else:
             xp = simd.gep(b, xbuf, b.mul(i0, const(i64, tiles.xstride)))
-            f.call(fn, xp, wp, sp, zpp, tsums)
+            h = part[0]   # an int4 chunk holds the block's rows one vector (L words) each
+            f.call(fn, xp, simd.gep(b, wp, const(i64, h * tiles.L * 4), i8),
+                   simd.gep(b, sp, const(i64, h * tiles.ng)),
+                   simd.gep(b, zpp, const(i64, h * tiles.ng), i8), tsums)
         for i in range(rows_here):
-            dst = b.add(b.mul(b.add(i0, const(i64, i)), width), col)
+            dst = b.add(b.add(b.mul(b.add(i0, const(i64, i)), width), col), const(i64, part[0]))
             for r in range(w_rows):
                 v = simd.load_scalar(b, tsums, const(i64, i * w_rows + r))
                 simd.store_scalar(b, v, sums, b.add(dst, const(i64, r)))
 
     def by_rows(w_rows: int):
+        """The block's ``w_rows`` W rows, in parts of ``tile_rows(spec)``."""
+        step = tile_rows(spec)
+        for h in range(0, w_rows, step):
+            part[0] = h
+            by_part(min(step, w_rows - h))
+        part[0] = 0
+
+    def by_part(w_rows: int):
         if foldable is not None:
             with f.if_else(foldable, likely=True) as (folded, unfolded):
                 with folded:

@@ -203,9 +203,10 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     # and one packed copy for every row count (blocks of 8 / 4 rows gave decode and the generic
     # kernels two)
     folded = gemm_lowbit_fold.folds(lw.bits, lanes)
+    # int4 is packed once, in blocks of 8 rows, for every row count (gemm_lowbit.tile_rows)
+    block = 1 if folded else ROWS_PER_BLOCK[1 if lw.bits == 4 else rows]
     spec = LowbitGemmSpec(m or 0, n, k, lw.bits, group, lw.zero_point is not None,
-                          bias is not None, epilogue, residual, dt, lanes, rows,
-                          1 if folded else ROWS_PER_BLOCK[rows])
+                          bias is not None, epilogue, residual, dt, lanes, rows, block)
     if _vnni(spec, lanes):  # one x row at a time, 3 accumulators a W row
         spec = replace(spec, vnni=True, mr=1, rr=ROWS_PER_BLOCK[1])
     elif m is not None and m >= PREFILL_ROWS:  # no decode tile: int4 packed as decode packs it

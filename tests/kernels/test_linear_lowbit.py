@@ -487,20 +487,26 @@ def test_int8_panels_packed_per_call_equal_the_tile_packer(n, k):
 
 
 def test_int4_kernels_of_one_weight_share_its_packing_and_free_it():
-    """The decode kernels and the prefill of one int4 weight read one packed copy (three
-    compiled graphs held three); it goes when the weight goes."""
+    """The decode kernels, the prefill and the kernels of a few or any rows of one int4 weight
+    read one packed copy (three compiled graphs held three; the dynamic-rows kernels packed
+    blocks of their own); it goes when the weight goes. 67 rows: the last block's 3 rows."""
     import gc
 
     import kwker.kernels.linear_lowbit as lowbit
-    lin = quantized("int4-group32", 64, 256)
+    lin = quantized("int4-group32", 67, 256)
     a = make_linear_lowbit(lin.weight, None, 1)
     b = make_linear_lowbit(lin.weight, None, 1, "relu")
     c = make_linear_lowbit(lin.weight, lin.bias.detach(), PREFILL_ROWS + 5)
-    assert a.buffers.w.data_ptr() == b.buffers.w.data_ptr() == c.buffers.w.data_ptr()
+    d = make_linear_lowbit(lin.weight, lin.bias.detach(), None)
+    e = make_linear_lowbit(lin.weight, lin.bias.detach(), 3)
+    assert len({f.buffers.w.data_ptr() for f in (a, b, c, d, e)}) == 1
     x = torch.randn(PREFILL_ROWS + 5, 256)
     assert_close(c(x), reference(lin, x), torch.float32)
+    assert_close(e(x[:3]), reference(lin, x[:3]), torch.float32)
+    for rows in (1, 2, 3, 4, 5, 7, PREFILL_ROWS - 1, PREFILL_ROWS + 5):
+        assert_close(d(x[:rows]), reference(lin, x[:rows]), torch.float32)
     entries = len(lowbit._OPERANDS)
-    del lin, a, b, c
+    del lin, a, b, c, d, e
     gc.collect()
     assert len(lowbit._OPERANDS) < entries
 
