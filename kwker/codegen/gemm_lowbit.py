@@ -482,9 +482,10 @@ def emit(spec, target) -> ir.Module:
 
 def tile_rows(spec) -> int:
     """W rows a tile takes: its whole block, but half a block of int4 under tiles of several x
-    rows. int4 weights are packed once, in blocks of ``rr`` = 8 rows, for every row count (a
-    model's decode, prefill and dynamic-rows kernels; blocks of 4 for the last made GPT-2 int4
-    hold two copies, 124 MB for 62), and 2-4 x rows times 8 W rows would not fit the registers."""
+    rows. int4 weights are packed once, in blocks of ``rr`` = 8 rows, for a model's decode,
+    prefill and dynamic-rows kernels alike (the last once packed blocks of 4 of their own: GPT-2
+    int4 held two copies, 124 MB for 62), and 2-4 x rows times 8 W rows would not fit the
+    registers."""
     if spec.bits == 4 and spec.mr > 1 and spec.rr % 2 == 0 and spec.rr > 4:
         return spec.rr // 2
     return spec.rr

@@ -199,11 +199,10 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     group = lw.group
     if lw.bits == 4 and group >= k:  # one group a row: it spans the row's padding too
         group = -(-k // gemm_lowbit.chunk(4, lanes)) * gemm_lowbit.chunk(4, lanes)
-    # int4 on AVX2 (folded tiles) takes one W row at a time: blocks of one row, read in order,
-    # and one packed copy for every row count (blocks of 8 / 4 rows gave decode and the generic
-    # kernels two)
+    # int4 is packed once for every row count (blocks of 8 / 4 rows gave decode and the generic
+    # kernels two copies): blocks of 8 rows (gemm_lowbit.tile_rows), or on AVX2 (folded tiles),
+    # which takes one W row at a time, blocks of one row, read in order
     folded = gemm_lowbit_fold.folds(lw.bits, lanes)
-    # int4 is packed once, in blocks of 8 rows, for every row count (gemm_lowbit.tile_rows)
     block = 1 if folded else ROWS_PER_BLOCK[1 if lw.bits == 4 else rows]
     spec = LowbitGemmSpec(m or 0, n, k, lw.bits, group, lw.zero_point is not None,
                           bias is not None, epilogue, residual, dt, lanes, rows, block)
