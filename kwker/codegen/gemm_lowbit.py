@@ -509,20 +509,19 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
                          i8),
                 simd.gep(b, planes[1], b.mul(i, const(i64, gemm_lowbit_vnni.HEAD)), i8))
 
-    part = [0]   # the first W row of the block the tiles are on (int4 half blocks)
-
-    def run(rows_here: int, w_rows: int, i0, kind=None, exact=False):
+    def run(rows_here: int, w_rows: int, i0, kind=None, exact=False, h: int = 0):
+        """x rows ``i0 ..`` against the block's W rows ``h .. h + w_rows``."""
         fn = tiles.get(kind or rows_here, w_rows, exact)
         if kind:
             f.call(fn, *_planes_of(i0), wp, sp, simd.gep(b, zp, r0, i32), tsums)
         else:
             xp = simd.gep(b, xbuf, b.mul(i0, const(i64, tiles.xstride)))
-            h = part[0]   # an int4 chunk holds the block's rows one vector (L words) each
+            # an int4 chunk holds the block's rows one vector (L words) each
             f.call(fn, xp, simd.gep(b, wp, const(i64, h * tiles.L * 4), i8),
                    simd.gep(b, sp, const(i64, h * tiles.ng)),
                    simd.gep(b, zpp, const(i64, h * tiles.ng), i8), tsums)
         for i in range(rows_here):
-            dst = b.add(b.add(b.mul(b.add(i0, const(i64, i)), width), col), const(i64, part[0]))
+            dst = b.add(b.add(b.mul(b.add(i0, const(i64, i)), width), col), const(i64, h))
             for r in range(w_rows):
                 v = simd.load_scalar(b, tsums, const(i64, i * w_rows + r))
                 simd.store_scalar(b, v, sums, b.add(dst, const(i64, r)))
@@ -531,19 +530,17 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
         """The block's ``w_rows`` W rows, in parts of ``tile_rows(spec)``."""
         step = tile_rows(spec)
         for h in range(0, w_rows, step):
-            part[0] = h
-            by_part(min(step, w_rows - h))
-        part[0] = 0
+            by_part(min(step, w_rows - h), h)
 
-    def by_part(w_rows: int):
+    def by_part(w_rows: int, h: int):
         if foldable is not None:
             with f.if_else(foldable, likely=True) as (folded, unfolded):
                 with folded:
-                    by_rows_of(w_rows, False)
+                    by_rows_of(w_rows, False, h)
                 with unfolded:
-                    by_rows_of(w_rows, True)
+                    by_rows_of(w_rows, True, h)
         else:
-            by_rows_of(w_rows, False)
+            by_rows_of(w_rows, False, h)
 
     def by_planes(w_rows: int, kind: str):
         with f.for_range(0, rows, name="xi") as i:
@@ -554,8 +551,9 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
                 with floats:
                     run(1, w_rows, i)
 
-    def by_rows_of(w_rows: int, exact: bool):
+    def by_rows_of(w_rows: int, exact: bool, h: int):
         if spec.vnni:  # a lone x row streams its W rows; several share each plane load
+            # (int8 in place: whole blocks, h == 0)
             if spec.m:
                 by_planes(w_rows, "vnnis" if spec.m == 1 else "vnni")
                 return
@@ -567,14 +565,14 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
             return
         full = b.udiv(rows, const(i64, mr))
         with f.for_range(0, full, name="xt") as t:
-            run(mr, w_rows, b.mul(t, const(i64, mr)), exact=exact)
+            run(mr, w_rows, b.mul(t, const(i64, mr)), exact=exact, h=h)
         left = b.urem(rows, const(i64, mr))
         i0 = b.mul(full, const(i64, mr))
         for count in range(1, mr):
             if spec.m and spec.m % mr != count:
                 continue
             with f.if_(b.icmp_unsigned("==", left, const(i64, count))):
-                run(count, w_rows, i0, exact=exact)
+                run(count, w_rows, i0, exact=exact, h=h)
 
     edge = n % rr
     if edge:
