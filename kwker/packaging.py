@@ -42,6 +42,7 @@ import torch
 
 from . import __version__
 from .lowering import build as B
+from .lowering import make
 from .lowering.exported import (
     ExportError,
     build_tree,
@@ -223,7 +224,7 @@ def _lower(doc: dict, tensors: dict):
     graph, metas = rebuild(doc, tensors)
     # the rest runs as ATen calls in the flat program, as under inner="eager"
     report = Report(new_graph_id(), "eager", shapes=_inputs_text(doc["inputs"]))
-    with B.collecting() as specs, B.specialising():
+    with make.collecting() as specs, B.specialising():
         program, _ = lower_graph(graph, metas, const_nodes(graph, []), report)
     report.specs = list(dict.fromkeys(specs))
     return program, report, report.specs

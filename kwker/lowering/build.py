@@ -14,47 +14,19 @@ their sizes from the tensors. Sizes that are ints specialise the kernel.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import math
-import pkgutil
 import threading
-from pathlib import Path
 
 import torch
 from torch.fx import Node
 
-from ..codegen.attention_tile import tile_path_fits
 from ..kernels.linear_lowbit import is_quantized
 from ..runtime import kernel
-from ..runtime.collect import Collector
-from ..runtime.target import host_target
 from . import sorting as S
-from .fold import ATTR as _FOLDED_ATTR
+from .build_attention import build_sdpa
 from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes, pinned
+from .make import collecting, known, make_kernel, mark_generic
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides, same_layout
-
-_factories: dict[str, object] = {}
-
-
-def factory(name: str):
-    """``kwker.kernels.<name>``, looked up in the package and then its modules; None if absent."""
-    if name in _factories:
-        return _factories[name]
-    fn = None
-    try:
-        pkg = importlib.import_module("kwker.kernels")
-        fn = getattr(pkg, name, None)
-        if fn is None:
-            for info in pkgutil.iter_modules(pkg.__path__):
-                mod = importlib.import_module(f"kwker.kernels.{info.name}")
-                fn = getattr(mod, name, None)
-                if fn is not None:
-                    break
-    except ImportError:
-        fn = None
-    _factories[name] = fn
-    return fn
 
 
 def _prod(xs) -> int:
@@ -62,65 +34,6 @@ def _prod(xs) -> int:
     for x in xs:
         p *= x
     return p
-
-
-def known(*dims) -> bool:
-    """Whether every size is a plain int (else the kernel is built generic over it)."""
-    return all(type(d) is int for d in dims)
-
-
-def generic(fn) -> bool:
-    """Whether a built callable serves every size of its varying dims (for the report)."""
-    return bool(getattr(fn, "kwker_generic", False))
-
-
-def mark_generic(fn, is_generic: bool):
-    if fn is not None:
-        fn.kwker_generic = is_generic
-    return fn
-
-
-_built = Collector()
-
-
-@contextlib.contextmanager
-def collecting(dump_dir=None):
-    """Yield the list of specs of every kernel built inside; dump their IR and assembly.
-
-    The runtime dumps only what it compiles; kernels already in the object cache are emitted
-    again here, so ``dump_dir`` always receives every kernel the graph uses.
-    """
-    with _built.collecting() as specs:
-        yield specs
-    if dump_dir:
-        from ..runtime import kernel
-        target = host_target()
-        for spec in dict.fromkeys(specs):
-            kernel.dump(spec, target, kernel.ir_text(spec, target), Path(dump_dir))
-
-
-def discard(fn) -> None:
-    """Take back the specs of a kernel built but not used (ATen measured faster), so the
-    report does not list them."""
-    specs = _built.active()
-    for s in getattr(fn, "kwker_specs", ()) if specs is not None else ():
-        if s in specs:
-            specs.remove(s)
-
-
-def _make(name: str, *args, **kwargs):
-    f = factory(name)
-    if f is None:
-        return None, f"kwker.kernels.{name} does not exist yet"
-    try:
-        fn = f(*args, **kwargs)
-    except NotImplementedError as e:
-        return None, f"{name}: {e}"
-    for attr in ("spec", "specs"):
-        v = getattr(fn, attr, None)
-        for spec in v if isinstance(v, (list, tuple)) else [v] if v is not None else []:
-            _built.add(spec)
-    return fn, None
 
 
 def build(m: Match, metas: dict, consts: dict):
@@ -241,8 +154,8 @@ def _linear(m: Match, metas, consts):
             extra["out_dtype"] = rm.dtype
     bias = consts[m.inputs["bias"]].detach() if m.inputs["bias"] is not None else None
     if not known(*lead):
-        fn, why = _make(maker, w, bias, None, epilogue=m.params["epilogue"],
-                        residual=res is not None, dtype=xm.dtype, **extra)
+        fn, why = make_kernel(maker, w, bias, None, epilogue=m.params["epilogue"],
+                              residual=res is not None, dtype=xm.dtype, **extra)
         if fn is None or len(lead) == 1:
             return mark_generic(fn, True), why
         if res is None:
@@ -254,8 +167,8 @@ def _linear(m: Match, metas, consts):
     if rows == 0 or k_in == 0:
         return None, "empty input"
     # the kernel takes x, the residual and its output with their leading dims as they are
-    fn, why = _make(maker, w, bias, rows, epilogue=m.params["epilogue"],
-                    residual=res is not None, dtype=xm.dtype, lead=tuple(lead), **extra)
+    fn, why = make_kernel(maker, w, bias, rows, epilogue=m.params["epilogue"],
+                          residual=res is not None, dtype=xm.dtype, lead=tuple(lead), **extra)
     if fn is None:
         return None, why
     if res is None or tuple(metas[res].shape) == out_shape:
@@ -273,13 +186,13 @@ def _linear_topk(m: Match, metas, consts):
     lead = xm.shape[:-1]
     wrap = torch.return_types.topk
     if not known(*lead):
-        fn, why = _make("make_linear_topk", w, None, k, largest=m.params["largest"],
-                        dtype=xm.dtype)
+        fn, why = make_kernel("make_linear_topk", w, None, k, largest=m.params["largest"],
+                              dtype=xm.dtype)
         if fn is None:
             return None, why
         if _hot_single_row():
-            fn = _single_row_first(fn, _make("make_linear_topk", w, 1, k,
-                                             largest=m.params["largest"], dtype=xm.dtype)[0])
+            fn = _single_row_first(fn, make_kernel("make_linear_topk", w, 1, k,
+                                                   largest=m.params["largest"], dtype=xm.dtype)[0])
 
         if len(lead) == 1:  # no reshape or views: each costs 1-2 us, the kernel 23 at one row
             return mark_generic(lambda x: wrap(fn(x)), True), None
@@ -292,8 +205,8 @@ def _linear_topk(m: Match, metas, consts):
     rows = _prod(lead)
     if rows == 0:
         return None, "empty input"
-    fn, why = _make("make_linear_topk", w, rows, k, largest=m.params["largest"],
-                    dtype=xm.dtype)
+    fn, why = make_kernel("make_linear_topk", w, rows, k, largest=m.params["largest"],
+                          dtype=xm.dtype)
     if fn is None:
         return None, why
     if len(lead) == 1:
@@ -367,8 +280,8 @@ def _matmul(m: Match, metas, consts):
     # b = c.mT with c contiguous (q @ k.mT): read c as is instead of copying b
     bt = transposed_view(bm)
     b_shape = (batch, nn, kb) if bt else (batch, kb, nn)
-    fn, why = _make("make_matmul", c_rows, ka, nn, batch=batch, b_transposed=bt,
-                    dtype=am.dtype)
+    fn, why = make_kernel("make_matmul", c_rows, ka, nn, batch=batch, b_transposed=bt,
+                          dtype=am.dtype)
     if fn is None:
         return None, why
     if bt:
@@ -386,7 +299,7 @@ def _matmul_generic(am, bm, k: int, n: int, bt: bool | None):
         return None, "broadcast batch dimensions"
     if bt is None:
         bt = transposed_view(bm)
-    fn, why = _make("make_matmul", None, k, n, batch=None, b_transposed=bt, dtype=am.dtype)
+    fn, why = make_kernel("make_matmul", None, k, n, batch=None, b_transposed=bt, dtype=am.dtype)
     if fn is None:
         return None, why
     if len(bm.shape) == 2:     # (..., m, k) @ (k, n): the batch folds into the rows
@@ -414,7 +327,7 @@ def _gelu(m: Match, metas, consts):
     approximate = m.params["approximate"]
     limit = GELU_ERF_MAX if xm.dtype == torch.float32 else GELU_ERF_MAX_BF16
     if not known(*xm.shape):
-        fn, why = _make("make_gelu", None, approximate=approximate, dtype=xm.dtype)
+        fn, why = make_kernel("make_gelu", None, approximate=approximate, dtype=xm.dtype)
         if fn is None:
             return None, why
         erf = approximate == "none"
@@ -429,7 +342,7 @@ def _gelu(m: Match, metas, consts):
         return None, "non-contiguous or empty input"
     if approximate == "none" and xm.numel > limit:
         return None, f"erf GELU of {xm.numel} elements: ATen's is faster above {limit}"
-    return _make("make_gelu", xm.numel, approximate=approximate, dtype=xm.dtype)
+    return make_kernel("make_gelu", xm.numel, approximate=approximate, dtype=xm.dtype)
 
 
 def _dense(meta: TensorMeta) -> bool:
@@ -446,10 +359,10 @@ def _silu_mul(m: Match, metas, consts):
     if not (_dense(xm) and _dense(ym)):
         # rows a stride apart (the two halves of a fused gate/up projection's chunk): the
         # row kernel, one for every size (inputs that are not rows of a stride go to ATen)
-        fn, why = _make("make_silu_mul_rows", dtype=xm.dtype)
+        fn, why = make_kernel("make_silu_mul_rows", dtype=xm.dtype)
         return (mark_generic(fn, True), None) if fn is not None else (None, why)
     if not known(*xm.shape):
-        fn, why = _make("make_silu_mul", None, dtype=xm.dtype)
+        fn, why = make_kernel("make_silu_mul", None, dtype=xm.dtype)
         if fn is None:
             return None, why
 
@@ -460,7 +373,7 @@ def _silu_mul(m: Match, metas, consts):
         return mark_generic(run, True), None
     if xm.numel == 0:
         return None, "empty input"
-    return _make("make_silu_mul", xm.numel, dtype=xm.dtype)
+    return make_kernel("make_silu_mul", xm.numel, dtype=xm.dtype)
 
 
 def norm_aten(norm: str, d: int, w, b, eps: float, out_dtype=None):
@@ -491,8 +404,8 @@ def _layer_norm(m: Match, metas, consts):
             for k in ("weight", "bias"))
     lead, out = xm.shape[:-1], m.params.get("out")   # out: bf16, autocast's cast fused
     if not known(*lead):
-        fn, why = _make("make_layer_norm", d, w, b, eps, None, dtype=xm.dtype, norm=norm,
-                        out_dtype=out)
+        fn, why = make_kernel("make_layer_norm", d, w, b, eps, None, dtype=xm.dtype, norm=norm,
+                              out_dtype=out)
         if fn is None:
             return None, why
         aten = norm_aten(norm, d, w, b, eps, out)
@@ -502,147 +415,8 @@ def _layer_norm(m: Match, metas, consts):
         return mark_generic(run, True), None
     if not xm.contiguous or xm.numel == 0:
         return None, "non-contiguous or empty input"
-    return _make("make_layer_norm", d, w, b, eps, _prod(lead), dtype=xm.dtype, norm=norm,
-                 out_dtype=out)
-
-
-# measured on Emerald Rapids: Kwker's bf16 attention with vector products at 0.37-0.84x
-# ATen's flash attention, whose products run on the tile unit; shapes without a tile path
-# (codegen/attention_tile.py) stay on ATen there
-ATTENTION_ON_ATEN = ("bf16 attention of this shape stays on ATen on a CPU with AMX tiles "
-                     "(ATen's runs on them; Kwker's tile path needs equal head sizes, a "
-                     "multiple of 32, and more than 4 queries)")
-
-
-def written_attention_aten(q, k, v, mask, scale: float, fill: float = -math.inf) -> torch.Tensor:
-    """``softmax(q @ k^T * scale [+ mask | masked_fill(mask, fill)]) @ v`` as ATen computes it
-    written out (a bool mask is ``masked_fill``'s condition): for inputs the kernel does not
-    take."""
-    s = (q @ k.transpose(-2, -1)) * scale
-    if mask is not None:
-        s = s.masked_fill(mask, fill) if mask.dtype == torch.bool else s + mask
-    return s.softmax(-1) @ v
-
-
-FOLDED = _FOLDED_ATTR.format("")   # the graph attributes fold.py makes
-# an additive mask entry this low is a masked key: score + it underflows exp to 0 next to any
-# visible key's score
-MASKED_BELOW = -1e30
-
-
-def causal_mask(m: Match, consts, lq: int, lk: int) -> bool:
-    """Whether written attention's mask is a constant Kwker folded (fold.py) that is the
-    causal pattern: an additive mask of 0 on and below the diagonal and -inf or a value below
-    ``MASKED_BELOW`` above it (transformers' masks of finfo.min), or a ``masked_fill``
-    condition true exactly above it, filled with such a value (``tril(ones(T, T)) == 0`` built
-    in forward). Such a mask runs as ``causal``, skipping the masked blocks, where a row always
-    keeps its first key (no row is fully masked)."""
-    node, kind = m.inputs["mask"], m.params["mask"]
-    if not (m.params.get("written") and kind in ("float", "fill") and node in consts and
-            node.op == "get_attr" and str(node.target).startswith(FOLDED)):
-        return False
-    t = consts[node]
-    if t.dim() < 2 or tuple(t.shape[-2:]) != (lq, lk):
-        return False
-    keep = torch.ones(lq, lk, dtype=torch.bool).tril()
-    if kind == "fill":
-        return m.params["fill"] < MASKED_BELOW and torch.equal(t, ~keep.expand_as(t))
-    return bool((t[..., keep] == 0).all()) and bool((t[..., ~keep] < MASKED_BELOW).all())
-
-
-def _sdpa(m: Match, metas, consts):
-    qm, km, vm = (metas[m.inputs[k]] for k in "qkv")
-    target = host_target()
-    if qm.dtype == torch.bfloat16 and target.tiles == "amx":
-        lq, e, ev = qm.shape[-2], qm.shape[-1], vm.shape[-1]
-        if not (known(e, ev) and tile_path_fits(lq if known(lq) else None, e, ev, target)):
-            return None, ATTENTION_ON_ATEN
-    three = len(qm.shape) == 3
-    if not len(qm.shape) == len(km.shape) == len(vm.shape):
-        return None, "q, k, v of different ranks"
-    q4, k4, v4 = ((1, *t.shape) if three else t.shape for t in (qm, km, vm))
-    (b, h, lq, e), (bk, hk, lk, ek), (bv, hv, lv, ev) = q4, k4, v4
-    # heads and head sizes shape the kernel: symbolic ones are pinned (dynamo guards on them;
-    # under dynamic=True every size is symbolic, these never vary in practice)
-    h, hk, hv, e, ek, ev = (pinned(d, True) for d in (h, hk, hv, e, ek, ev))
-    if not known(h, hk, hv, e, ek, ev):
-        return None, "heads or head sizes vary at run time (they shape the kernel)"
-    if not known(b, lq, lk, bk, bv, lv):
-        return _sdpa_generic(m, metas, three, h, hk, e, ev)
-    if b != bk or b != bv or hk != hv or h % hk or e != ek or lk != lv or (three and h != hk):
-        return None, "broadcast batch or heads"
-    if 0 in (b, h, lq, lk, e, ev):
-        return None, "empty input"
-    mask_shape, causal, kind = None, m.params["causal"], m.params["mask"]
-    if causal_mask(m, consts, lq, lk):
-        causal, kind = True, None
-    elif m.inputs["mask"] is not None:
-        ms = metas[m.inputs["mask"]].shape
-        if len(ms) > 4:
-            return None, "mask of rank > 4"
-        mask_shape = (1,) * (4 - len(ms)) + tuple(ms)
-        if any(s not in (1, full) for s, full in zip(mask_shape, (b, h, lq, lk))):
-            return None, f"mask shape {ms} does not broadcast to {(b, h, lq, lk)}"
-    # 4-D q/k/v views with a unit last stride (e.g. heads side by side in one projection) are
-    # read in place, and the output is written in the layout ATen gives it
-    strides = None
-    om = metas.get(m.output)
-    if not three and isinstance(om, TensorMeta) and all(
-            t.stride[-1] == 1 and min(t.stride) >= 0 for t in (qm, km, vm, om)):
-        strides = (qm.stride, km.stride, vm.stride, om.stride)
-    gqa = {} if hk == h else {"kv_heads": hk}  # grouped-query: kv head h // (H / Hkv)
-    fn, why = _make("make_sdpa", b, h, lq, lk, e, ev, causal, m.params["scale"],
-                    kind, mask_shape=mask_shape, strides=strides,
-                    dtype=qm.dtype, written=m.params.get("written", False),
-                    fill=m.params.get("fill", -math.inf), **gqa)
-    if fn is None:
-        return None, why
-    if kind is None and m.inputs["mask"] is not None:   # a causal mask, not read
-        fn3 = fn
-        if three:
-            return (lambda q, k, v, mask: fn3(q[None], k[None], v[None])[0]), None
-        return (lambda q, k, v, mask: fn3(q, k, v)), None
-    if three:
-        if mask_shape is None:
-            return (lambda q, k, v: fn(q[None], k[None], v[None])[0]), None
-        return (lambda q, k, v, mask: fn(q[None], k[None], v[None],
-                                         mask.reshape(mask_shape))[0]), None
-    if mask_shape is None:
-        return fn, None
-    return (lambda q, k, v, mask: fn(q, k, v, mask.reshape(mask_shape))), None
-
-
-def _sdpa_generic(m: Match, metas, three: bool, h: int, hk: int, e: int, ev: int):
-    """Attention whose batch or lengths vary: one kernel generic over them (q, k and v are read
-    in place where their rows are contiguous; the output comes in ATen's layout)."""
-    if h % hk or e != metas[m.inputs["k"]].shape[-1] or (three and h != hk):
-        return None, "broadcast batch or heads"
-    pattern = None
-    if m.inputs["mask"] is not None:
-        ms = metas[m.inputs["mask"]].shape
-        if len(ms) > 4:
-            return None, "mask of rank > 4"
-        # 1: broadcast along that dim; 0: as long as q/k (checked by the kernel per call)
-        pattern = tuple(1 if d == 1 else 0 for d in (1,) * (4 - len(ms)) + tuple(ms))
-    gqa = {} if hk == h else {"kv_heads": hk}
-    fn, why = _make("make_sdpa", None, h, None, None, e, ev, m.params["causal"],
-                    m.params["scale"], m.params["mask"], mask_shape=pattern,
-                    dtype=metas[m.inputs["q"]].dtype, written=m.params.get("written", False),
-                    fill=m.params.get("fill", -math.inf), **gqa)
-    if fn is None:
-        return None, why
-    lead = (1,) * (4 - len(pattern or ()))
-
-    def as4d(mask):
-        return mask.reshape(*lead, *mask.shape)
-    if three:
-        if pattern is None:
-            return mark_generic(lambda q, k, v: fn(q[None], k[None], v[None])[0], True), None
-        return mark_generic(lambda q, k, v, mask: fn(q[None], k[None], v[None], as4d(mask))[0],
-                            True), None
-    if pattern is None:
-        return mark_generic(fn, True), None
-    return mark_generic(lambda q, k, v, mask: fn(q, k, v, as4d(mask)), True), None
+    return make_kernel("make_layer_norm", d, w, b, eps, _prod(lead), dtype=xm.dtype, norm=norm,
+                       out_dtype=out)
 
 
 def _sorting(m: Match, metas, consts):
@@ -665,12 +439,12 @@ def _rope(m: Match, metas, consts):
     """One kernel per row length and dtype: sizes, strides and broadcasting are read per call
     (and a layout it does not take runs the ATen composition), so it serves every size."""
     x_dtype, dtype = metas[m.inputs["x"]].dtype, metas[m.inputs["cos"]].dtype
-    fn, why = _make("make_rope", m.params["d"], dtype=dtype, x_dtype=x_dtype)
+    fn, why = make_kernel("make_rope", m.params["d"], dtype=dtype, x_dtype=x_dtype)
     return mark_generic(fn, True), why
 
 
 _BUILDERS = {"linear": _linear, "linear_topk": _linear_topk, "matmul": _matmul, "gelu": _gelu,
-             "sdpa": _sdpa, "layer_norm": _layer_norm, "silu_mul": _silu_mul, "rope": _rope,
+             "sdpa": build_sdpa, "layer_norm": _layer_norm, "silu_mul": _silu_mul, "rope": _rope,
              "sorting": _sorting}
 
 

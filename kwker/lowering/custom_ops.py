@@ -27,7 +27,9 @@ from ..kernels._call import float32_precision
 from ..kernels.rope import rotate_half_rope
 from . import build as B
 from . import sorting as S
+from .build_attention import written_attention_aten
 from .generic import generic_shapes
+from .make import make_kernel
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides
 
@@ -306,7 +308,7 @@ def _silu_mul(x, y):
             fn, _ = silu_mul_kernel(None, x.dtype)
     else:   # rows a stride apart (a chunk's halves): the row kernel, built on first use
         fn, _ = kernel_for(("silu_mul_rows", x.dtype), (),
-                           lambda: B._make("make_silu_mul_rows", dtype=x.dtype))
+                           lambda: make_kernel("make_silu_mul_rows", dtype=x.dtype))
     if fn is not None:
         return fn(x, y)
     return (F.silu(x) * y).contiguous()
@@ -366,7 +368,7 @@ def _sdpa(q, k, v, mask, causal, scale, written=False, fill=None):
     if fn is not None:
         return (fn(q, k, v) if mask is None else fn(q, k, v, mask)).contiguous()
     if written:
-        return B.written_attention_aten(q, k, v, mask, scale, fill)
+        return written_attention_aten(q, k, v, mask, scale, fill)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=_gqa(q, k)).contiguous()
 

@@ -18,8 +18,8 @@ from torch.fx.node import map_arg
 from ..kernels.linear_lowbit import is_quantized
 from . import build as B
 from . import custom_ops as C
+from . import make, tune
 from . import sorting as S
-from . import tune
 from .autocast import make_explicit
 from .fold import fold_constants
 from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes
@@ -104,7 +104,7 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
         if measured:
             report.tuned.append((m.output.name, m.name, measured))
     specs.extend(getattr(fn, "kwker_specs", ()))
-    return (None if fn is not None else why), B.generic(fn)
+    return (None if fn is not None else why), make.generic(fn)
 
 
 def compile_inductor(gm: GraphModule, example_inputs: list, graph_id: int, mode: str | None,
@@ -229,7 +229,7 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir,
         for f in m.fallback:
             lower(f)
 
-    with B.collecting(dump_dir) as specs:
+    with make.collecting(dump_dir) as specs:
         for m in matches:
             lower(m)
     report.specs = list(dict.fromkeys(specs))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch.fx import Node
 
 from ..kernels.kv_cache import make_kv_append
-from .build import mark_generic
+from .make import mark_generic
 from .ops import bind, canon
 from .patterns import Match
 from .shapes import TensorMeta

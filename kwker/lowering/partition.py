@@ -23,6 +23,7 @@ from . import tune
 from .autocast import make_explicit
 from .fold import fold_constants
 from .kv_append import append_matches, build_append
+from .make import collecting, discard, generic
 from .ops import is_inplace, is_view
 from .patterns import Matcher, why_not
 from .report import Report, fill, kernel_dtype, publish
@@ -96,7 +97,7 @@ def specialise(gm: GraphModule, args: list, graph_id: int, inner: str, note: str
     """Build the flat program for ``args`` (tensors and ints); ``symbolic``: for the sizes
     dynamo traced (its fake inputs), with kernels generic over the symbolic ones."""
     try:
-        with B.collecting(dump_dir) as specs:
+        with collecting(dump_dir) as specs:
             plan = _specialise(gm, args, graph_id, inner, note, decomposed, symbolic)
     except Exception as e:  # a lowering bug must cost speed, never the user's answer
         log.warning("kwker: lowering graph %d failed, it runs on ATen: %s", graph_id, e,
@@ -148,7 +149,7 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
             fn, why = B.build(m, metas, consts)
             slower, measured = tune.verdict(m, metas, consts, fn, B.runtime_inputs(m))
             if slower:
-                B.discard(fn)
+                discard(fn)
                 fn, why = None, slower
             elif measured:
                 report.tuned.append((m.output.name, m.name, measured))
@@ -162,7 +163,7 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
                 lower(f)
             return
         if m.kind != "sorting" and isinstance(metas.get(m.output), TensorMeta) \
-                and not B.generic(fn):  # a generic kernel returns eager's layout itself
+                and not generic(fn):  # a generic kernel returns eager's layout itself
             fn = B.restrided(fn, metas[m.output])
         steps.append(KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name))
         used.update(v for v in m.inputs.values() if isinstance(v, Node) and v in consts)
@@ -179,7 +180,7 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
         if n not in failures and n not in covered:
             failures[n] = why_not(n, metas)
     program = build_program(gm, steps, metas)
-    fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas), B.generic(s.fn))
+    fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas), generic(s.fn))
                          for s in steps], failures)
     return program, used
 

@@ -17,7 +17,7 @@ import torch
 
 import kwker.dynamo as kd
 from kwker.lowering import build as B
-from kwker.lowering import tune
+from kwker.lowering import make, tune
 from kwker.runtime import tuning
 from kwker.runtime.target import host_target
 
@@ -59,7 +59,7 @@ def _verdicts() -> list[dict]:
 
 def _slow_factory(monkeypatch, name: str, delay_s: float):
     """The factory ``name`` with every kernel it makes busy-waiting ``delay_s`` per call."""
-    real = B.factory(name)
+    real = make.factory(name)
 
     def slow(*args, **kwargs):
         fn = real(*args, **kwargs)
@@ -71,7 +71,7 @@ def _slow_factory(monkeypatch, name: str, delay_s: float):
             return fn(*a)
         run.spec = getattr(fn, "spec", None)
         return run
-    monkeypatch.setitem(B._factories, name, slow)
+    monkeypatch.setitem(make._factories, name, slow)
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
