@@ -52,8 +52,9 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import bf16 as bf
-from . import simd, vmath
-from .gemm_bf16 import bound_factor, emit_dot, emit_micro_bf16, emit_pack_bf16
+from . import simd
+from .fused_topk_screen import ScreenBounds
+from .gemm_bf16 import emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
 from .gemm_tile import block_product, block_registers, emit_pad_rows, padded_k
@@ -77,7 +78,7 @@ def emit(spec, target) -> ir.Module:
     return _Emitter(spec, target).module
 
 
-class _Emitter:
+class _Emitter(ScreenBounds):
     def __init__(self, spec, target):
         self.s = s = spec
         self.L = simd.float_lanes(target)
@@ -326,25 +327,6 @@ class _Emitter:
         root = simd.load_scalar(b, hv, b.mul(i, const(i64, self.s.k)))
         simd.store_scalar(b, b.select(full, root, ir.Constant(f32, float("nan"))), roots, i)
 
-    def update_screen_root(self, b, i, hv, cnt, roots, qn, e_max):
-        """roots[i] = row i's heap root moved by the widest bound of the row, rounded outward
-        (a lane whose approximation does not pass it cannot pass its own bound: see
-        ``screen_lanes``), once the heap is full, else NaN (every lane passes). An infinite or
-        NaN bound makes the moved root NaN: every lane passes."""
-        c1, c2 = _denormal_slack(self.s.k_dim)
-        full = b.icmp_signed("==", simd.load_scalar(b, cnt, i, i64), const(i64, self.s.k))
-        root = simd.load_scalar(b, hv, b.mul(i, const(i64, self.s.k)))
-        fc = lambda v: ir.Constant(f32, v)  # noqa: E731
-        margin = b.fadd(b.fmul(e_max, b.fadd(qn, fc(c1))), b.fmul(b.fadd(qn, fc(1.0)), fc(c2)))
-        # each rounding above and below is within 2^-24 of its result: widen by 2^-20 of
-        # |root| + margin (and 2^-100 for zeros and denormals) so the moved root errs outward
-        slack = b.fadd(b.fmul(b.fadd(self.f.call_intrinsic("llvm.fabs.f32", f32, [root]),
-                                     margin), fc(2.0 ** -20)),
-                       fc(2.0 ** -100))
-        widened = b.fadd(margin, slack)
-        moved = b.fsub(root, widened) if self.s.largest else b.fadd(root, widened)
-        simd.store_scalar(b, b.select(full, moved, ir.Constant(f32, float("nan"))), roots, i)
-
     def row_tiles(self, b, m):
         """(row tiles, rows in the last one) of ``m`` rows: ints when specialised, else IR."""
         mr = self.s.mr
@@ -440,44 +422,6 @@ class _Emitter:
                 word.set(b.and_(wv, b.sub(wv, const(i64, 1))))
                 push(b.add(const(i64, v * L), lane))
         return f.finish()
-
-    def screen_setup(self, b, qn):
-        """Per-row broadcasts of the screening bound. int8: ``qn`` points at the row's (t,
-        alpha, beta, 128 sum q8) (emit_pack_int8); bf16: ``qn`` is |x_row| rounded up."""
-        L, kd = self.L, self.s.k_dim
-        if self.int8:
-            t_v, al_v, be_v = (simd.broadcast(b, simd.load_scalar(b, qn, const(i64, j)), L)
-                               for j in range(3))
-            c_v = simd.broadcast(b, simd.load_scalar(b, qn, const(i64, 3), i32), L)
-            slack_v = simd.broadcast(b, ir.Constant(f32, (kd + 64) * 2.0 ** -122), L)
-            return t_v, al_v, be_v, c_v, slack_v
-        c1, c2 = _denormal_slack(kd)
-        return (simd.broadcast(b, b.fadd(qn, ir.Constant(f32, c1)), L),
-                simd.broadcast(b, b.fmul(b.fadd(qn, ir.Constant(f32, 1.0)),
-                                         ir.Constant(f32, c2)), L))
-
-    def screen_lanes(self, b, setup, row, ev, col0, v, live):
-        """(approx score, its bound e) of 16 tile lanes from column ``col0 + 16 v``:
-        |float32 score - approx| <= e. bf16: the tile holds the approximations and
-        e = e_j |q| + slack. int8: the tile holds sum_i (w8_ij + 128) q8_i; less 128 sum_i
-        q8_i that is D = q8 . w8, exact in float32 (|D| <= K 127^2 < 2^24), approx = D s_j t
-        = q^ . w^, and with ``ev`` (s_j, E1_j, E2_j) by column, e = alpha E1_j + beta E2_j +
-        slack (see ``emit_pack_int8``)."""
-        L, n = self.L, self.s.n
-        col = b.add(col0, const(i64, v * L))
-        if self.bf16:
-            qn_v, slack_v = setup
-            return (simd.load_vec(b, row, const(i64, v * L), L),
-                    vmath.fma(b, simd.masked_load(b, ev, col, live, L), qn_v, slack_v))
-        t_v, al_v, be_v, c_v, slack_v = setup
-        acc = b.load(simd.gep(b, row, const(i64, v * L), i32), typ=ir.VectorType(i32, L),
-                      align=4)
-        d = b.sitofp(b.sub(acc, c_v), simd.vty(L))
-        sj, e1, e2 = (simd.masked_load(b, ev, b.add(col, const(i64, j * n)), live, L)
-                      for j in range(3))
-        approx = b.fmul(b.fmul(d, sj), t_v)
-        e = b.fadd(vmath.fma(b, e1, al_v, b.fmul(e2, be_v)), slack_v)
-        return approx, e
 
     def push(self, f, i, rhv, rhi, rcnt, v, col, log):
         """One exact heap step; in column mode, log the element if it entered the heap."""
@@ -591,12 +535,6 @@ class _Emitter:
                     b.call(self.heap.push, [rhv, rhi, rcnt, k, simd.load_scalar(b, logv, pos),
                                             simd.load_scalar(b, logi, pos, i32)])
             self.emit_output(f, i, rhv, rhi, vals, idx)
-
-
-def _denormal_slack(kd: int) -> tuple[float, float]:
-    """(C1, C2) of the bf16 screen's bound: denormals (flushed by vdpbf16ps) add at most
-    2^-126 K (|w| + |q| + 1); with e_j = c |w_j| that is e_j * C1 + (|q| + 1) * C2."""
-    return 2.0 ** -126 * kd / bound_factor(kd), 2.0 ** -126 * kd * 1.01
 
 
 def _nonzero(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
