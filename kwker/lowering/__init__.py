@@ -8,8 +8,10 @@ The stages, in order (each module imports only earlier ones):
     shapes.py      concrete (or dynamo's symbolic) shapes, strides and dtypes of every node
     patterns.py    nodes -> Matches: which kernel replaces which nodes (structure only)
     generic.py     which sizes of an op vary: the key of its size-generic kernel
+    make.py        kernel factories by name; the specs of every kernel a lowering builds
     build.py       Match + sizes -> callable running a Kwker kernel (specialised to int sizes,
-                   generic over symbolic ones; a new size never waits for a compile)
+                   generic over symbolic ones; a new size never waits for a compile);
+                   build_attention.py: attention's builder
     runner.py      inner="eager": the flat list of native calls
     partition.py   inner="eager": kernels + ATen steps, one program per graph
     custom_ops.py  inner="inductor": torch.ops.kwker.* with symbolic-size fake implementations

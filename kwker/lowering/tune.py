@@ -39,10 +39,11 @@ MARGIN = (MARGIN_FACTOR, MARGIN_US, MARGIN_SHARE)
 
 @functools.cache
 def method() -> str:
-    """How verdicts are measured: a hash of this file and of the kernels' wrappers (build.py),
-    part of each problem's key, so a change to either measures the problems again."""
+    """How verdicts are measured: a hash of this file and of the kernels' wrappers (build.py,
+    build_attention.py, make.py), part of each problem's key, so a change to any of them
+    measures the problems again."""
     here, h = Path(__file__).resolve().parent, hashlib.sha256()
-    for name in ("tune.py", "build.py"):
+    for name in ("tune.py", "build.py", "build_attention.py", "make.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 
