@@ -11,6 +11,7 @@ import importlib
 import pkgutil
 from pathlib import Path
 
+from ..runtime import kernel
 from ..runtime.collect import Collector
 from ..runtime.target import host_target
 
@@ -66,7 +67,6 @@ def collecting(dump_dir=None):
     with _built.collecting() as specs:
         yield specs
     if dump_dir:
-        from ..runtime import kernel
         target = host_target()
         for spec in dict.fromkeys(specs):
             kernel.dump(spec, target, kernel.ir_text(spec, target), Path(dump_dir))
