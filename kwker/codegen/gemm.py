@@ -52,10 +52,10 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import gemm_lowbit, gemm_lowbit_unpack, gemm_tile, omp, simd
+from . import gemm_lowbit, gemm_lowbit_unpack, gemm_lowbit_vnni, gemm_tile, omp, simd
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, aligned_malloc, const, f32, i16, i64, intrinsic, new_module, ptr
+from .irutil import Fn, aligned_malloc, const, f32, i8, i16, i32, i64, intrinsic, new_module, ptr
 
 MIN_FLOPS_PER_THREAD = 1 << 18  # ~2.5 us of FMAs: a fork (~1 us) pays off above it
 # pre-packed weights are streamed from memory once a call: a thread per this many bytes of them
@@ -99,10 +99,16 @@ class _Plan:
                              f"{gemm_tile.TILE_BLOCK} block, not {spec.dtype} "
                              f"{spec.mr}x{spec.nr}")
         vnni = self.lanes == 16 and target.has("avx512vnni")
+        self.planes = spec.planes
         if self.int8 and not ((self.tiles or vnni) and spec.b_layout == "packed" and
-                              not spec.residual):
+                              (not spec.residual or self.planes)):
             raise ValueError("kwker gemm: u8s8 runs on the tile path or on a CPU with "
                              "AVX512_VNNI, with packed weights and no residual")
+        if self.planes and not (self.int8 and not self.tiles and spec.batch == 1
+                                and spec.planes in (2, 3) and spec.mr % spec.planes == 0):
+            raise ValueError(f"kwker gemm: byte planes ({spec.planes}) are u8s8 on the vector "
+                             f"path, one batch, tiles of whole x rows (mr={spec.mr})")
+        self.ldo = spec.ldo or spec.n             # planes: the output's row stride
         if spec.out not in ("", spec.dtype) and not (
                 spec.out == "f32" and self.bf16 and spec.b_layout in ("packed", "nk")):
             raise ValueError(f"kwker gemm: a {spec.out} output is for bf16 packed or "
@@ -124,7 +130,7 @@ class _Plan:
         self.nr_edge = spec.n - (self.np - 1) * spec.nr
         self.kc = self.kw if not spec.a_pack else min(spec.kc, self.kw)
         self.weights = self._lowbit_weights(target) if self.lowbit else None
-        self.n_ptrs = 7 if self.lowbit else 5
+        self.n_ptrs = 7 if self.lowbit else 8 if self.planes else 5
         self.pack_b = spec.b_layout == "nk" or (spec.b_layout == "kn" and
                                                  (spec.a_pack or self.bf16))
         self.one_block = self.kc >= self.kw
@@ -173,15 +179,19 @@ class _Plan:
             ldb, masked = s.nr, False
         else:
             ldb, masked = s.n, True
-        # bf16 partial sums: a scratch tile (one K block) or a scratch chunk of full rows
-        ldc = s.n if not self.bf16 or not (self.one_block or in_place) else s.nr
+        # bf16 (and planes) partial sums: a scratch tile (one K block) or a scratch chunk of
+        # full rows
+        scratch = self.bf16 or self.planes
+        ldc = s.n if not scratch or not (self.one_block or in_place) else s.nr
         ksplit = s.ksplit
         if self.dyn_m and rows < s.mr:  # few rows: more accumulator sets for FMA chains
             ksplit = max(ksplit, 1 << max(0, min(2, (8 // (rows * nv)).bit_length() - 1)))
         return Micro(rows, nv, L, cols, a_rs, a_ks, ldb, masked, ldc, s.epilogue, s.bias,
-                     s.residual, ksplit, s.unroll, self.dot, s.n if self.bf16 else 0,
+                     s.residual, ksplit, s.unroll, self.dot,
+                     s.n if self.bf16 else self.ldo if self.planes else 0,
                      out="" if self.out == s.dtype else self.out,
-                     bias_at=self.np * s.nr if self.int8 and s.bias else 0)
+                     bias_at=self.np * s.nr if self.int8 and s.bias and not self.planes else 0,
+                     planes=self.planes)
 
     def sizes(self, f: Fn, ctx) -> tuple:
         """(M, batch, row tiles) as IR values: constants, or read from the call's arguments."""
@@ -271,6 +281,8 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
     b = f.b
     a_all, b_all, bias, res_all, c_all = (ctx.ptr(i) for i in range(5))
     quant = (ctx.ptr(5), ctx.ptr(6)) if p.lowbit else None  # the low-bit B's scales, zps
+    if p.planes:  # the x rows' heads, the columns' scales and sums of q
+        quant = (ctx.ptr(5), ctx.ptr(6), ctx.ptr(7))
     m_rows, n_batch, mt = p.sizes(f, ctx)
 
     # -- who does what: batch items, else row tiles or column panels -------------------------
@@ -336,7 +348,7 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
             raw, rows_buf = aligned_malloc(f, s.nr * p.kc * 4)
             raws.append(raw)
             quant = quant + (rows_buf,)
-        if p.bf16:
+        if p.bf16 or p.planes:
             rows = s.mr if p.one_block else p.tiles_per_chunk * s.mr
             raw, acc = aligned_malloc(f, rows * (s.nr if p.one_block else s.n) * 4)
             raws.append(raw)
@@ -452,18 +464,35 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs,
                             r_tile = at(r_mat, off, ot) if s.residual else r_mat
                             # (int8: the column scales sit where the bias would)
                             bias_t = simd.gep(b, bias, b.mul(q, const(i64, s.nr))) \
-                                if s.bias or p.int8 else bias
+                                if s.bias or p.int8 and not p.planes else bias
                             args = [a_tile, b_tile, c_tile, kcl, mode, bias_t, r_tile]
-                            if p.bf16:  # float32 partial sums in the scratch, bf16 out
+                            if p.planes:
+                                c_tile, r_tile, more = _planes_tile(f, p, c_mat, r_mat, quant,
+                                                                    t, q)
+                            if p.bf16 or p.planes:  # partial sums in the scratch, C apart
                                 a_off = acc if p.one_block else simd.gep(b, acc, b.add(
                                     b.mul(b.sub(t, tc0), const(i64, s.mr * s.n)),
                                     b.mul(q, const(i64, s.nr))))
                                 args = [a_tile, b_tile, a_off, kcl, mode, bias_t, r_tile,
-                                        c_tile]
+                                        c_tile] + (more if p.planes else [])
                             unit = b.add(b.mul(q, mt), t)
                             with f.if_(b.and_(b.icmp_signed(">=", unit, u0.get()),
                                               b.icmp_signed("<", unit, u1.get()))):
                                 _dispatch(f, p, variants, t, q, args, mt, m_rows)
+
+
+def _planes_tile(f: Fn, p: _Plan, c_mat, r_mat, quant, t, q) -> tuple:
+    """(out tile, residual tile, [heads, scales, sums of q]) of tile (t, q) of byte planes:
+    its ``mr / planes`` x rows, ``ldo`` apart."""
+    b, s = f.b, p.s
+    heads, scale, qsum = quant
+    row = b.mul(t, const(i64, s.mr // p.planes))
+    col = b.mul(q, const(i64, s.nr))
+    off = b.add(b.mul(row, const(i64, p.ldo)), col)
+    res = simd.gep(b, r_mat, off, p.out_t) if s.residual else r_mat
+    head = simd.gep(b, heads, b.mul(row, const(i64, gemm_lowbit_vnni.HEAD)), i8)
+    return (simd.gep(b, c_mat, off, p.out_t), res,
+            [head, simd.gep(b, scale, col), simd.gep(b, qsum, col, i32)])
 
 
 def _pack_lowbit(f: Fn, p: _Plan, w, quant, unpack, pack_b, qb0, qb1, k0, kcl, bp) -> None:

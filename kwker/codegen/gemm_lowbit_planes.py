@@ -2,7 +2,7 @@
 
 The decode kernel's byte planes (gemm_lowbit_vnni.py) make many x rows an unsigned int8 matrix
 of three rows per x row; times the int8 weights on the u8s8 tile GEMM (``tdpbusd``, gemm_tile.py)
-they give each plane's int32 sums, which this module's combine kernel turns into the linear:
+they give each plane's int32 sums, which combine into the linear (``combine_planes``):
 
     y = (S0 + 2**8 S1 + 2**16 S2 - 2**23 sum_k q) * 2**(E - 22) * scale[n] + bias[n]
 
@@ -17,26 +17,35 @@ value):
 
 which is the cost of a bf16 product on the tiles, and on ``vpdpbusd`` 2/3 of the three planes'.
 
-Three kernels, per call:
+The kernels of this module, per call:
 
 - ``lowbit_planes``: x rows -> their planes (rows of ``plane_stride(K)`` bytes) and heads;
 - ``lowbit_panels``: a block of W rows (int8, row-major, read in place) -> AMX's B layout, the
   u8s8 GEMM's pre-packed panels (32 columns, a 32-bit word of 4 k per column, K zero-padded to
   whole tile steps), so no packed copy of the weights outlives the call;
-- ``lowbit_combine``: the GEMM's float32 plane sums (exact integers below 2**24, rounded to
-  float32 above) -> the output columns of the block. Rows whose head says "float path"
-  (non-finite or tiny x) are left alone: the factory runs them through the decode kernel.
+- ``lowbit_combine``: after the tile GEMM, its float32 plane sums (exact integers below 2**24,
+  rounded to float32 above) -> the output columns of the block. (On ``vpdpbusd`` the GEMM's
+  micro-kernel combines them in its epilogue, ``GemmSpec.planes``: its 12-row tiles hold whole
+  x rows, the tiles' 32-row blocks do not.) Rows whose head says "float path" (non-finite or
+  tiny x) are left alone: the factory runs them through the decode kernel.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from . import bf16, omp, simd, vmath
-from .gemm_lowbit_vnni import HEAD, emit_planes, is_ready, row_bytes
+from . import bf16, omp, simd
+from .gemm_lowbit_vnni import (
+    HEAD,
+    combine_planes,
+    emit_planes,
+    is_ready,
+    load_factor,
+    row_bytes,
+)
 from .gemm_micro import epilogue_masked
 from .gemm_tile import STEP as TILE_STEP
 from .gemm_tile import TILE_BLOCK
-from .irutil import const, f32, i8, i32, i64, new_module, ptr
+from .irutil import const, i8, i32, i64, new_module, ptr
 
 NR = TILE_BLOCK[1]
 
@@ -153,7 +162,7 @@ def _emit_combine(spec, target) -> ir.Module:
     with body.for_range(begin, end, name="r") as r:
         head = simd.gep(b, heads, b.mul(r, const(i64, HEAD)), i8)
         with body.if_(is_ready(b, head)):
-            factor = simd.broadcast(b, b.fptrunc(b.load(head, typ=ir.DoubleType()), f32), L)
+            factor = load_factor(b, head, L)
             srow = b.mul(r, const(i64, count * n))
             orow = b.mul(r, const(i64, spec.ld))
             with body.for_range(0, n, step=L, name="c") as c:
@@ -161,12 +170,8 @@ def _emit_combine(spec, target) -> ir.Module:
                 s = [simd.masked_load(b, sums, b.add(srow, b.add(c, const(i64, p * n))), mask, L)
                      for p in range(count)]
                 qs = b.sitofp(simd.masked_load(b, wsum, c, mask, L, elem=i32), vt)
-                # the two large terms first, each product exact: one rounding, then the rest
-                t = vmath.fma(b, s[-1], vmath.splat(vt, float(1 << 8 * (count - 1))),
-                              b.fmul(qs, vmath.splat(vt, -float(1 << 8 * count - 1))))
-                low = s[0] if count == 2 else vmath.fma(b, s[1], vmath.splat(vt, 256.0), s[0])
-                t = b.fadd(low, t)
-                v = b.fmul(b.fmul(t, factor), simd.masked_load(b, scale, c, mask, L))
+                v = combine_planes(b, s, qs, factor, simd.masked_load(b, scale, c, mask, L),
+                                   count)
                 epilogue_masked(b, v, simd.masked_load(b, bias, c, mask, L) if spec.bias
                                 else None, spec.epilogue, res if spec.residual else None, out,
                                 b.add(orow, c), mask, L, spec.dtype)

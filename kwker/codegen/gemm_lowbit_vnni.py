@@ -134,6 +134,25 @@ def is_ready(b, head) -> ir.Value:
     return b.icmp_signed("!=", simd.load_scalar(b, head, const(i64, 8 // 4), i32), const(i32, 0))
 
 
+def combine_planes(b: ir.IRBuilder, sums: list, qsum, factor, scale, count: int) -> ir.Value:
+    """One output vector of the prefill from the float32 sums of an x row's ``count`` planes
+    (each exact below 2**24, else rounded once), the columns' ``sum_k q`` (float32, exact) and
+    scales, and the row's factor (float32 broadcast):
+    ``(S0 + 2**8 S1 (+ 2**16 S2) - 2**(8 count - 1) sum q) * factor * scale``. The two large
+    terms first, each product exact: one rounding, then the rest. The combine kernel and the
+    fused epilogue of the u8s8 micro-kernel share it, so both give the same bits."""
+    vt = sums[0].type
+    t = vmath.fma(b, sums[-1], vmath.splat(vt, float(1 << 8 * (count - 1))),
+                  b.fmul(qsum, vmath.splat(vt, -float(1 << 8 * count - 1))))
+    low = sums[0] if count == 2 else vmath.fma(b, sums[1], vmath.splat(vt, 256.0), sums[0])
+    return b.fmul(b.fmul(b.fadd(low, t), factor), scale)
+
+
+def load_factor(b: ir.IRBuilder, head, lanes: int) -> ir.Value:
+    """An x row's factor from its head, as float32 in ``lanes`` lanes."""
+    return simd.broadcast(b, b.fptrunc(b.load(head, typ=F64), f32), lanes)
+
+
 def emit_tile(module, spec, rr: int, prefetch, streamed: bool = False,
               ahead: int = 4096) -> ir.Function:
     """``tile(row, head, w, scale, wsum, sums)``: ``sums[r]`` = x row . dequantised W row

@@ -29,7 +29,11 @@ int8 (``dot="vnni"``, CPUs with AVX512_VNNI): A and B hold k *quads*, a 32-bit w
 u8 (A) or s8 (B) per element, and a step is one ``vpdpbusd`` per accumulator into int32 sums
 (exact). The last K block converts them to float32 times their column's scale, read where the
 bias would be, and adds the bias ``bias_at`` floats further (the u8s8 contract of the tile path,
-gemm_tile.py); partial sums cross K blocks as their bits in ``c``.
+gemm_tile.py); partial sums cross K blocks as their bits in ``c``. With ``planes`` (the int8
+prefill's byte planes, gemm_lowbit_vnni.py) every ``planes`` rows of the tile are one x row's
+planes: the last K block combines them in the registers into that row of ``out`` (row stride
+``ldo``), from the row's factor in its head and the columns' scales and sums of q, and runs the
+epilogue on the ``mr / planes`` rows; ``c`` is then a scratch for partial sums, as in bf16.
 
 Screened tiles (``screen`` = 1 largest, -1 smallest; the fused top-k): the last K block stores
 no epilogue. It compares the float32 tile in the registers against ``thr[r]``, a stale heap root
@@ -42,12 +46,13 @@ Fast-math: none; the products are explicit ``llvm.fma`` (one rounding per step, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llvmlite import ir
 
 from . import bf16, simd, vmath
-from .irutil import Fn, const, defined, f32, i16, i32, i64, intrinsic, ptr, void
+from .gemm_lowbit_vnni import HEAD, combine_planes, load_factor
+from .irutil import Fn, const, defined, f32, i8, i16, i32, i64, intrinsic, ptr, void
 
 FIRST, LAST = 1, 2  # bits of the ``mode`` argument
 
@@ -74,6 +79,7 @@ class Micro:
     screen: int = 0    # 1 / -1: screened tile against per-row roots (see module doc)
     out: str = ""      # type of out and the residual when not the inputs' ("f32" with bf16)
     bias_at: int = 0   # int8: elements from the column scales to the bias (both at ``bias``)
+    planes: int = 0    # int8: rows of the tile per x row, combined by the epilogue (module doc)
 
     @property
     def bf16(self) -> bool:
@@ -82,6 +88,15 @@ class Micro:
     @property
     def int8(self) -> bool:
         return self.dot == "vnni"
+
+    @property
+    def has_out(self) -> bool:
+        """Whether ``out`` is an argument of its own (``c`` then holds partial sums only)."""
+        return self.bf16 or bool(self.planes)
+
+    @property
+    def ld_out(self) -> int:
+        return self.ldo if self.has_out else self.ldc
 
     @property
     def out_dtype(self) -> str:
@@ -94,24 +109,26 @@ class Micro:
                 + ("" if self.dot == "fma" else f".{self.dot}.o{self.ldo}")
                 + (f".screen{self.screen}" if self.screen else "")
                 + (f".o{self.out}" if self.out else "")
-                + (f".ba{self.bias_at}" if self.bias_at else ""))
+                + (f".ba{self.bias_at}" if self.bias_at else "")
+                + (f".pl{self.planes}o{self.ldo}" if self.planes else ""))
 
 
 def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
     """``void uk(ptr a, ptr b, ptr c, i64 kc, i64 mode, ptr bias, ptr residual)``, and for bf16
-    an eighth argument ``ptr out``; screened: ``i64 uk(..., ptr thr)``, the rows that may
-    enter (``c`` stored if any). Emitted once per variant."""
+    an eighth argument ``ptr out``; with ``planes`` ``out`` and then ``ptr heads, ptr scale, ptr
+    qsum``; screened: ``i64 uk(..., ptr thr)``, the rows that may enter (``c`` stored if any).
+    Emitted once per variant."""
     existing = defined(module, mk.name)
     if existing is not None:
         return existing
-    names = ["a", "b", "c", "kc", "mode", "bias", "res"] + (["out"] if mk.bf16 else []) \
-        + (["thr"] if mk.screen else [])
+    names = ["a", "b", "c", "kc", "mode", "bias", "res"] + (["out"] if mk.has_out else []) \
+        + (["heads", "scale", "qsum"] if mk.planes else []) + (["thr"] if mk.screen else [])
     f = Fn(module, mk.name, i64 if mk.screen else void,
-           [ptr, ptr, ptr, i64, i64, ptr, ptr] + [ptr] * (mk.bf16 + bool(mk.screen)), names)
+           [ptr, ptr, ptr, i64, i64, ptr, ptr] + [ptr] * (len(names) - 7), names)
     # noinline: a constant kc must not let LLVM unroll the k loop completely (compile time)
     f.fn.attributes.add("noinline")
     a, bp, c, kc, mode, bias, res = f.args[:7]
-    out = f.args[7] if mk.bf16 else c
+    out = f.args[7] if mk.has_out else c
     for arg in f.args:
         if arg.type == ptr:
             arg.add_attribute("noalias")
@@ -168,6 +185,8 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
         with then:
             if mk.screen:
                 stored.set(_screen(f, mk, total, c, f.args[-1], last_active))
+            elif mk.planes:
+                _epilogue_planes(f, mk, total, bias, res, out, last_active)
             else:
                 if mk.int8:  # the int32 sums as float32 times their column's scale (``bias``)
                     scales = [simd.load_any(b, bias, const(i64, v * L), L,
@@ -206,12 +225,32 @@ def _epilogue(f: Fn, mk: Micro, total, bias, res, out, last_active: int) -> None
             if act:
                 _store_c(b, x, c, r * mk.ldc + v * L, last_active, v == nv - 1)
                 continue
-            oidx = const(i64, r * (mk.ldo if mk.bf16 else mk.ldc) + v * L)
+            oidx = const(i64, r * mk.ld_out + v * L)
             if mk.residual:
                 x = b.fadd(x, bf16.load_as(b, dtype, res, oidx, L, active))
             bf16.store_as(b, dtype, x, out, oidx, active, native=mk.dot == "dpbf16")
     if act:
         _epilogue_pass(f, mk, c, res, out, last_active)
+
+
+def _epilogue_planes(f: Fn, mk: Micro, total, bias, res, out, last_active: int) -> None:
+    """The last K block of a tile of x rows' planes (module doc): each row's ``planes`` int32
+    sums combined in the registers (gemm_lowbit_vnni.combine_planes), then the epilogue of the
+    ``mr / planes`` x rows."""
+    b, L, nv, count = f.b, mk.lanes, mk.nv, mk.planes
+    heads, scale, qsum = f.args[8:11]
+    vt = simd.vty(L)
+    active = [last_active if v == nv - 1 else L for v in range(nv)]
+    scales = [simd.load_any(b, scale, const(i64, v * L), L, active[v]) for v in range(nv)]
+    qsums = [b.sitofp(simd.load_any(b, qsum, const(i64, v * L), L, active[v], elem=i32), vt)
+             for v in range(nv)]
+    rows = []
+    for g in range(mk.mr // count):
+        factor = load_factor(b, simd.gep(b, heads, const(i64, g * HEAD), i8), L)
+        rows.append([combine_planes(b, [b.sitofp(total[g * count + p][v], vt)
+                                        for p in range(count)], qsums[v], factor, scales[v],
+                                    count) for v in range(nv)])
+    _epilogue(f, replace(mk, mr=len(rows)), rows, bias, res, out, last_active)
 
 
 def _screen(f: Fn, mk: Micro, total, c, thr, last_active: int) -> ir.Value:
@@ -243,7 +282,7 @@ def _epilogue_pass(f: Fn, mk: Micro, c, res, out, last_active: int) -> None:
     round trip per vector. bf16: C is float32, the residual and out bf16 (rounded once) or
     float32 (``mk.out``)."""
     epilogue_rows(f, const(i64, mk.mr), mk.nv, mk.lanes, last_active, c, mk.ldc, out,
-                  mk.ldo if mk.bf16 else mk.ldc, mk.epilogue, None, res if mk.residual else None,
+                  mk.ld_out, mk.epilogue, None, res if mk.residual else None,
                   mk.out_dtype, native=mk.dot == "dpbf16")
 
 

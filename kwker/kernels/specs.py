@@ -79,6 +79,12 @@ class GemmSpec(Spec):
     b_zp: bool = False
     b_rr: int = 1
     b_lanes: int = 0
+    # u8s8 on x's byte planes (the int8 prefill, codegen/gemm_lowbit_planes.py): A holds
+    # ``planes`` rows per x row, and the epilogue combines them into one row of C, ``ldo`` floats
+    # apart (0: n; more when C is a block of a wider output's columns), from three more
+    # pointers after the five: the x rows' heads, the columns' scales and their sums of q
+    planes: int = 0
+    ldo: int = 0
     family = "gemm"
 
     @property
@@ -92,7 +98,8 @@ class GemmSpec(Spec):
                 + ("" if self.path == "vector" else "_" + self.path)
                 + (f"_o{self.out}" if self.out else "")
                 + (f"_q{self.b_bits}g{self.b_group}{'z' if self.b_zp else ''}r{self.b_rr}"
-                   f"l{self.b_lanes}" if self.b_bits else ""))
+                   f"l{self.b_lanes}" if self.b_bits else "")
+                + (f"_pl{self.planes}o{self.ldo}" if self.planes else ""))
 
 
 @register_spec
