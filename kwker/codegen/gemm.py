@@ -109,6 +109,11 @@ class _Plan:
             raise ValueError(f"kwker gemm: byte planes ({spec.planes}) are u8s8 on the vector "
                              f"path, one batch, tiles of whole x rows (mr={spec.mr})")
         self.ldo = spec.ldo or spec.n             # planes: the output's row stride
+        # planes against grouped panels (int4): b_group is their 32 k a group
+        self.grouped = bool(self.planes and spec.b_group)
+        if self.grouped and spec.b_group != 4 * gemm_lowbit_vnni.GROUP_QUADS:
+            raise ValueError(f"kwker gemm: grouped panels take {4 * gemm_lowbit_vnni.GROUP_QUADS}"
+                             f" k a group, not {spec.b_group}")
         if spec.out not in ("", spec.dtype) and not (
                 spec.out == "f32" and self.bf16 and spec.b_layout in ("packed", "nk")):
             raise ValueError(f"kwker gemm: a {spec.out} output is for bf16 packed or "
@@ -184,14 +189,14 @@ class _Plan:
         scratch = self.bf16 or self.planes
         ldc = s.n if not scratch or not (self.one_block or in_place) else s.nr
         ksplit = s.ksplit
-        if self.dyn_m and rows < s.mr:  # few rows: more accumulator sets for FMA chains
+        if self.dyn_m and rows < s.mr and not self.grouped:  # few rows: more FMA chains
             ksplit = max(ksplit, 1 << max(0, min(2, (8 // (rows * nv)).bit_length() - 1)))
         return Micro(rows, nv, L, cols, a_rs, a_ks, ldb, masked, ldc, s.epilogue, s.bias,
                      s.residual, ksplit, s.unroll, self.dot,
                      s.n if self.bf16 else self.ldo if self.planes else 0,
                      out="" if self.out == s.dtype else self.out,
                      bias_at=self.np * s.nr if self.int8 and s.bias and not self.planes else 0,
-                     planes=self.planes)
+                     planes=self.planes, grouped=self.grouped)
 
     def sizes(self, f: Fn, ctx) -> tuple:
         """(M, batch, row tiles) as IR values: constants, or read from the call's arguments."""
@@ -209,6 +214,16 @@ class _Plan:
     def row_tiles(self, b: ir.IRBuilder, m: ir.Value) -> ir.Value:
         """ceil(m / mr) for a row count known at call time."""
         return b.sdiv(b.add(m, const(i64, self.s.mr - 1)), const(i64, self.s.mr))
+
+    def panel_rows(self, k, b: ir.IRBuilder | None = None):
+        """Rows of a pre-packed panel before k word ``k`` (an int, or an IR value with ``b``):
+        ``k``, or with grouped panels the group rows too."""
+        if not self.grouped:
+            return k
+        rows, quads = gemm_lowbit_vnni.GROUP_ROWS, gemm_lowbit_vnni.GROUP_QUADS
+        if b is None:
+            return k // quads * rows
+        return b.mul(b.udiv(k, const(i64, quads)), const(i64, rows))
 
     @property
     def int_args(self) -> int:
@@ -454,8 +469,8 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs,
                                                                b.mul(kcl, const(i64, s.nr))))
                             elif s.b_layout == "packed":
                                 b_tile = simd.gep(b, b_mat, b.add(
-                                    b.mul(q, const(i64, p.kw_panel * s.nr)),
-                                    b.mul(k0, const(i64, s.nr))))
+                                    b.mul(q, const(i64, p.panel_rows(p.kw_panel) * s.nr)),
+                                    b.mul(p.panel_rows(k0, b), const(i64, s.nr))))
                             else:
                                 b_tile = simd.gep(b, b_mat, b.add(
                                     b.mul(k0, const(i64, s.n)), b.mul(q, const(i64, s.nr))))

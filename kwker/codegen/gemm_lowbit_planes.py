@@ -33,8 +33,10 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import bf16, omp, simd
+from . import bf16, gemm_lowbit, omp, simd
 from .gemm_lowbit_vnni import (
+    GROUP_QUADS,
+    GROUP_ROWS,
     HEAD,
     combine_planes,
     emit_planes,
@@ -45,7 +47,7 @@ from .gemm_lowbit_vnni import (
 from .gemm_micro import epilogue_masked
 from .gemm_tile import STEP as TILE_STEP
 from .gemm_tile import TILE_BLOCK
-from .irutil import const, i8, i32, i64, new_module, ptr
+from .irutil import const, i8, i32, i64, intrinsic, new_module, ptr
 
 NR = TILE_BLOCK[1]
 
@@ -57,8 +59,16 @@ def panel_words(k: int) -> int:
 
 
 def emit(spec, target) -> ir.Module:
+    if spec.family == "lowbit_panels" and spec.bits == 4:
+        return _emit_panels4(spec, target)
     return {"lowbit_planes": _emit_planes, "lowbit_panels": _emit_panels,
             "lowbit_combine": _emit_combine}[spec.family](spec, target)
+
+
+def grouped_words(k: int) -> int:
+    """Words of one grouped panel (int4, ``_emit_panels4``): per group of ``GROUP_QUADS`` k
+    quads, ``GROUP_ROWS`` rows of ``NR`` words."""
+    return panel_words(k) // GROUP_QUADS * GROUP_ROWS * NR
 
 
 def _parallel(spec, slots: int, total_of):
@@ -130,6 +140,89 @@ def _emit_panels(spec, target) -> ir.Module:
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 2, body.fn)
     return module
+
+
+def _emit_panels4(spec, target) -> ir.Module:
+    """``sym(w, scale, zp, panels, nthreads)``: int4 W rows ``0 .. n`` in gemm_lowbit.py's
+    layout (nibbles ``q + 8``; float32 scales and int8 zero points per group) -> ``ceil(n /
+    32)`` grouped panels (``grouped_words``): per 32 k, 8 rows of 32 quad words of ``q - zp``
+    (s8, zero past N and K), then the columns' sums of those (int32, one ``vpdpbusd`` by ones a
+    row) and their scales (float32). Threads split the panels; per 16 rows and 64 k, a load of
+    16 nibble words a row (4 of their nibbles are the 64 k), a 16 x 16 transpose of words."""
+    n, k, L = spec.n, spec.k, spec.lanes
+    module, body, (w, scale, zp, panels), (begin, end) = _parallel(
+        spec, 4, lambda ctx: const(i64, -(-n // NR)))
+    b = body.b
+    kp = gemm_lowbit.padded_k(spec, L)
+    chunks, groups = kp // gemm_lowbit.chunk(4, L), gemm_lowbit.groups(spec, L)
+    vt, bt = ir.VectorType(i32, 16), ir.VectorType(i8, 64)
+    ones = ir.Constant(vt, [0x01010101] * 16)
+    dot = intrinsic(module, "llvm.x86.avx512.vpdpbusd.512", vt, [vt, vt, vt])
+    lane = ir.Constant(ir.VectorType(i64, 64), list(range(64)))
+    low_half = ir.Constant(ir.VectorType(ir.IntType(1), 64), [i < 32 for i in range(64)])
+    with body.for_range(begin, end, name="p") as p:
+        dst = simd.gep(b, panels, b.mul(p, const(i64, grouped_words(k))), i32)
+        for half in range(NR // 16):
+            rows = [b.add(b.mul(p, const(i64, NR)), const(i64, half * 16 + j)) for j in range(16)]
+            live = [b.icmp_signed("<", r, const(i64, n)) for r in rows]
+            # a row past N reads row N - 1 (valid memory) and is zeroed
+            rows = [b.select(ok, r, const(i64, n - 1)) for r, ok in zip(rows, live)]
+            src = [simd.gep(b, w, b.add(b.mul(b.udiv(r, const(i64, spec.rr)),
+                                              const(i64, chunks * spec.rr * L)),
+                                        b.mul(b.urem(r, const(i64, spec.rr)), const(i64, L))),
+                            i32) for r in rows]
+            with body.for_range(0, panel_words(k) // 16, name="h") as h:   # 64 k a step
+                k0 = b.mul(h, const(i64, 64))
+                g = [b.udiv(b.add(k0, const(i64, 32 * s)), const(i64, spec.group))
+                     for s in range(2)]
+                in_k = b.icmp_signed("<", b.add(simd.broadcast(b, k0, 64), lane),
+                                     simd.broadcast(b, const(i64, k), 64))
+                at = b.mul(b.lshr(h, const(i64, 1)), const(i64, spec.rr * L))
+                shift = b.trunc(b.mul(b.and_(h, const(i64, 1)), const(i64, 16)), i32)
+                vs = []
+                for row, src_row, ok in zip(rows, src, live):
+                    words = simd.load_vec(b, src_row, at, 16, elem=i32)
+                    parts = [b.trunc(b.and_(b.lshr(words, simd.broadcast(
+                        b, b.add(shift, const(i32, 4 * j)), 16)),
+                        ir.Constant(vt, [15] * 16)), ir.VectorType(i8, 16)) for j in range(4)]
+                    u = _concat(b, _concat(b, parts[0], parts[1]), _concat(b, parts[2], parts[3]))
+                    if spec.zero_point:
+                        z = [b.add(simd.load_scalar(b, zp, b.add(b.mul(row, const(
+                            i64, groups)), gi), i8), const(i8, 8)) for gi in g]
+                        off = b.select(low_half, simd.broadcast(b, z[0], 64),
+                                       simd.broadcast(b, z[1], 64))
+                    else:
+                        off = ir.Constant(bt, [8] * 64)
+                    q = b.select(b.and_(in_k, simd.broadcast(b, ok, 64)),
+                                 b.sub(u, off), ir.Constant(bt, [0] * 64))
+                    vs.append(b.bitcast(q, vt))
+                quads = _transpose16(b, vs)
+                for s in range(2):
+                    grp = b.add(b.mul(h, const(i64, 2)), const(i64, s))
+                    base = b.add(b.mul(grp, const(i64, GROUP_ROWS * NR)), const(i64, half * 16))
+                    sums = ir.Constant(vt, [0] * 16)
+                    for t in range(GROUP_QUADS):
+                        quad = quads[s * GROUP_QUADS + t]
+                        sums = b.call(dot, [sums, ones, quad])
+                        simd.store_vec(b, quad, dst, b.add(base, const(i64, t * NR)), elem=i32)
+                    simd.store_vec(b, sums, dst, b.add(base, const(i64, GROUP_QUADS * NR)),
+                                   elem=i32)
+                    scales = ir.Constant(simd.vty(16), [0.0] * 16)
+                    for j, row in enumerate(rows):
+                        x = simd.load_scalar(b, scale, b.add(b.mul(row, const(i64, groups)),
+                                                             g[s]))
+                        scales = b.insert_element(scales, x, const(i32, j))
+                    simd.store_vec(b, scales, dst, b.add(base, const(i64, (GROUP_QUADS + 1) * NR)))
+    body.finish()
+    omp.emit_parallel(module, spec.symbol, [ptr] * 4, body.fn)
+    return module
+
+
+def _concat(b, x, y):
+    """The lanes of ``x`` then those of ``y`` (vectors of one type)."""
+    count = x.type.count
+    return b.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 2 * count),
+                                              list(range(2 * count))))
 
 
 def _transpose16(b, vs: list) -> list:

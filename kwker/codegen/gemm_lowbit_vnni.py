@@ -27,6 +27,12 @@ from . import bf16, simd, vmath
 from .irutil import Fn, const, f32, i8, i16, i32, i64, ptr
 
 MAX_K = 1 << 16
+# int4 weights on the planes (the prefill's grouped panels, gemm_lowbit_planes.py): int32 sums
+# are taken per GROUP_QUADS k quads (32 k: |sum x_int (q - zp)| <= 2**22 * 15 * 32 < 2**31, so
+# the planes' sums combine exactly in int32), each group of panel rows followed by two more: the
+# columns' sums of ``q - zp`` and their scales
+GROUP_QUADS = 8
+GROUP_ROWS = GROUP_QUADS + 2
 PLANES = 3               # planes per x row: exact to float32
 HEAD = 16                # bytes a row's head: the float64 factor, then two i32 flags
 STEP = 64                # k per vpdpbusd (bytes of a 512-bit register)

@@ -34,6 +34,10 @@ prefill's byte planes, gemm_lowbit_vnni.py) every ``planes`` rows of the tile ar
 planes: the last K block combines them in the registers into that row of ``out`` (row stride
 ``ldo``), from the row's factor in its head and the columns' scales and sums of q, and runs the
 epilogue on the ``mr / planes`` rows; ``c`` is then a scratch for partial sums, as in bf16.
+``grouped`` (int4 weights, scales per group along K): B is the grouped panels of
+gemm_lowbit_planes.py, and the int32 sums restart every ``GROUP_QUADS`` k quads, each group's
+combined exactly in int32 and added, times the group's column scales, into float32 sums per x
+row (those are the partial sums in ``c``).
 
 Screened tiles (``screen`` = 1 largest, -1 smallest; the fused top-k): the last K block stores
 no epilogue. It compares the float32 tile in the registers against ``thr[r]``, a stale heap root
@@ -51,7 +55,7 @@ from dataclasses import dataclass, replace
 from llvmlite import ir
 
 from . import bf16, simd, vmath
-from .gemm_lowbit_vnni import HEAD, combine_planes, load_factor
+from .gemm_lowbit_vnni import GROUP_QUADS, GROUP_ROWS, HEAD, combine_planes, load_factor
 from .irutil import Fn, const, defined, f32, i8, i16, i32, i64, intrinsic, ptr, void
 
 FIRST, LAST = 1, 2  # bits of the ``mode`` argument
@@ -80,6 +84,7 @@ class Micro:
     out: str = ""      # type of out and the residual when not the inputs' ("f32" with bf16)
     bias_at: int = 0   # int8: elements from the column scales to the bias (both at ``bias``)
     planes: int = 0    # int8: rows of the tile per x row, combined by the epilogue (module doc)
+    grouped: bool = False  # planes against grouped panels (int4; module doc)
 
     @property
     def bf16(self) -> bool:
@@ -110,7 +115,8 @@ class Micro:
                 + (f".screen{self.screen}" if self.screen else "")
                 + (f".o{self.out}" if self.out else "")
                 + (f".ba{self.bias_at}" if self.bias_at else "")
-                + (f".pl{self.planes}o{self.ldo}" if self.planes else ""))
+                + (f".pl{self.planes}o{self.ldo}" if self.planes else "")
+                + (".grp" if self.grouped else ""))
 
 
 def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
@@ -132,6 +138,9 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
     for arg in f.args:
         if arg.type == ptr:
             arg.add_attribute("noalias")
+    if mk.grouped:
+        _grouped(f, mk, a, bp, c, kc, mode, bias, res, out)
+        return f.finish()
     b = f.b
     L, nv, mr = mk.lanes, mk.nv, mk.mr
     vt = simd.vty(L)
@@ -253,6 +262,68 @@ def _epilogue_planes(f: Fn, mk: Micro, total, bias, res, out, last_active: int) 
     _epilogue(f, replace(mk, mr=len(rows)), rows, bias, res, out, last_active)
 
 
+def _grouped(f: Fn, mk: Micro, a, bp, c, kc, mode, bias, res, out) -> None:
+    """The whole of a ``grouped`` tile (module doc): per group of ``GROUP_QUADS`` k quads (panel
+    rows, then the group's sums of q and scales), each plane's int32 sums from zero, combined
+    as ``S0 + 2**8 S1 (+ 2**16 S2) - 2**(8 planes - 1) sum q`` in wrapping int32 (exact: the
+    true value fits), converted and FMA'd by the group's scales into float32 sums per x row;
+    the last K block multiplies them by the rows' factors and runs the epilogue."""
+    b, L, nv, count = f.b, mk.lanes, mk.nv, mk.planes
+    rows = mk.mr // count
+    vt, it = simd.vty(L), simd.vty(L, i32)
+    zero = ir.Constant(it, [0] * L)
+    last_active = mk.cols - (nv - 1) * L
+    acc = [[[f.var(it, zero, f"acc_{r}_{v}") for v in range(nv)] for r in range(mk.mr)]]
+    sums = [[f.var(vt, vmath.splat(vt, 0.0), f"sum_{g}_{v}") for v in range(nv)]
+            for g in range(rows)]
+    first = b.icmp_unsigned("!=", b.and_(mode, const(i64, FIRST)), const(i64, 0))
+    with f.if_(b.not_(first)):
+        for g in range(rows):
+            for v in range(nv):
+                sums[g][v].set(_load_c(b, c, g * mk.ldc + v * L, L, last_active, v == nv - 1))
+    step = _word_step(f, mk, a, bp, acc)
+
+    def shl(x, bits: int):
+        return b.shl(x, ir.Constant(it, [bits] * L))
+
+    with f.for_range(0, b.sdiv(kc, const(i64, GROUP_QUADS)), name="kg") as grp:
+        for row in acc[0]:
+            for x in row:
+                x.set(zero)
+        row0 = b.mul(grp, const(i64, GROUP_ROWS))
+        for i in range(GROUP_QUADS):
+            step(b.add(b.mul(grp, const(i64, GROUP_QUADS)), const(i64, i)), 0,
+                 b.add(row0, const(i64, i)))
+        qrow = b.mul(b.add(row0, const(i64, GROUP_QUADS)), const(i64, mk.ldb))
+        srow = b.add(qrow, const(i64, mk.ldb))
+        for v in range(nv):
+            offset = shl(simd.load_vec(b, bp, b.add(qrow, const(i64, v * L)), L, elem=i32),
+                         8 * count - 1)
+            scale = simd.load_vec(b, bp, b.add(srow, const(i64, v * L)), L)
+            for g in range(rows):
+                planes = [acc[0][g * count + p][v].get() for p in range(count)]
+                t = planes[0]
+                for p in range(1, count):
+                    t = b.add(t, shl(planes[p], 8 * p))
+                t = b.sitofp(b.sub(t, offset), vt)
+                sums[g][v].set(vmath.fma(b, t, scale, sums[g][v].get()))
+
+    is_last = b.icmp_unsigned("!=", b.and_(mode, const(i64, LAST)), const(i64, 0))
+    with f.if_else(is_last) as (then, otherwise):
+        with then:
+            heads = f.args[8]
+            total = []
+            for g in range(rows):
+                factor = load_factor(b, simd.gep(b, heads, const(i64, g * HEAD), i8), L)
+                total.append([b.fmul(sums[g][v].get(), factor) for v in range(nv)])
+            _epilogue(f, replace(mk, mr=rows), total, bias, res, out, last_active)
+        with otherwise:
+            for g in range(rows):
+                for v in range(nv):
+                    _store_c(b, sums[g][v].get(), c, g * mk.ldc + v * L, last_active,
+                             v == nv - 1)
+
+
 def _screen(f: Fn, mk: Micro, total, c, thr, last_active: int) -> ir.Value:
     """Store the float32 tile to ``c`` if any valid lane may beat its row's ``thr`` (module
     doc); the i64 mask of such rows. One branch per tile: the common case stores nothing."""
@@ -353,8 +424,10 @@ def _word_step(f: Fn, mk: Micro, a, bp, acc):
         return (b.bitcast(b.shl(words, sixteen), simd.vty(L)),
                 b.bitcast(b.and_(words, hi_mask), simd.vty(L)))
 
-    def step(k, s):
-        brow = b.mul(k, const(i64, mk.ldb))
+    def step(k, s, row=None):
+        """k step ``k`` into accumulator set ``s``, B's words from its row ``row`` (default
+        ``k``)."""
+        brow = b.mul(k if row is None else row, const(i64, mk.ldb))
         bw = [b.load(simd.gep(b, bp, b.add(brow, const(i64, v * L)), i32), typ=wt, align=4)
               for v in range(nv)]
         if mk.dot == "widen":

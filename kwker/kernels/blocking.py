@@ -245,14 +245,16 @@ def int8_blocking(n: int, k: int, target: Target | None = None) -> Blocking | No
     return None
 
 
-def vnni_blocking(n: int, k: int, l1: int | None = None, l2: int | None = None) -> Blocking:
+def vnni_blocking(n: int, k: int, l1: int | None = None, l2: int | None = None,
+                  mr: int = 12) -> Blocking:
     """Blocks of the u8s8 GEMM on the vector path (``vpdpbusd``, gemm_micro.py) for ``k`` words
     (int8 quads) against the tile path's panels of ``TILE_BLOCK[1]`` columns (2 vectors):
-    12 x 2 int32 accumulators, A micro-panels in half of L1, chunks of A in a quarter of L2 and
-    B blocks in half of it, as for float32."""
+    ``mr`` x 2 int32 accumulators (12: 24 registers; the grouped byte planes keep float sums
+    beside theirs and take fewer rows), A micro-panels in half of L1, chunks of A in a quarter
+    of L2 and B blocks in half of it, as for float32."""
     sizes = cache_sizes()
     l1, l2 = l1 or sizes[0], l2 or sizes[1]
-    mr, nr = 12, TILE_BLOCK[1]
+    nr = TILE_BLOCK[1]
     kc = _equal_k_blocks(k, _kc_in_l1(mr, l1))
     mc, nb = _in_l2(mr, nr, kc, l2)
     return Blocking(mr, nr, kc, mc, min(nb, _cdiv(n, nr)), True)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..codegen import gemm_lowbit, gemm_lowbit_planes, gemm_lowbit_vnni
+from ..runtime.target import host_target
 from . import blocking
 from ._call import entry, float32_precision, follow_precision
 from .specs import (
@@ -75,9 +76,10 @@ def gemv_run(spec: LowbitGemmSpec, buf: Buffers, dtype):
 def prefill_run(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None) -> tuple:
     """``(call(x, residual) -> out, specs)`` for many rows, on the best schedule this CPU has
     (module doc)."""
-    if _planes(spec):
+    if _planes(spec) and spec.bits == 8:
         return _prefill_planes(spec, buf, dtype, m)
-    exact = _prefill_fused(spec, buf, dtype, m) or _prefill(spec, buf, dtype, m)
+    exact = (_prefill_planes(spec, buf, dtype, m) if _planes(spec) else
+             _prefill_fused(spec, buf, dtype, m) or _prefill(spec, buf, dtype, m))
     return _bf16_where_allowed(exact, spec, buf, m) if spec.dtype == "f32" else exact
 
 
@@ -99,57 +101,108 @@ def _bf16_where_allowed(exact: tuple, spec: LowbitGemmSpec, buf: Buffers, m: int
 
 
 def _planes(spec: LowbitGemmSpec) -> bool:
-    """Whether many rows go by x's byte planes on the u8s8 GEMM (codegen/gemm_lowbit_planes.py):
-    float32 x and the weights the vpdpbusd decode takes, where the CPU has an int8 GEMM
-    (``blocking.int8_blocking``: AMX-INT8 or emulated tiles, else AVX-512 VNNI). Against the
-    float32 GEMM of dequantised weights, 128 rows, 2 threads: on Emerald Rapids's tiles 2304 x
-    768 2.04 -> 0.77 ms, 768 x 3072 2.71 -> 1.40, GPT-2's head 49.9 -> 17.2; on Zen 5's vpdpbusd
-    against the panel-by-panel float path, GPT-2's linears 1.04-1.29x. bf16 x keeps the bf16
-    GEMM of dequantised weights, faster on the tiles (0.55 against 0.80 ms) and rounded as eager
-    bf16 rounds."""
-    return spec.vnni and spec.dtype == "f32" and blocking.int8_blocking(spec.n, spec.k) is not None
+    """Whether many rows go by x's byte planes on the u8s8 GEMM (codegen/gemm_lowbit_planes.py),
+    for float32 x:
+
+    - int8 weights the vpdpbusd decode takes, where the CPU has an int8 GEMM
+      (``blocking.int8_blocking``: AMX-INT8 or emulated tiles, else AVX-512 VNNI). Against the
+      float32 GEMM of dequantised weights, 128 rows, 2 threads: on Emerald Rapids's tiles 2304
+      x 768 2.04 -> 0.77 ms, 768 x 3072 2.71 -> 1.40, GPT-2's head 49.9 -> 17.2; on Zen 5's
+      vpdpbusd against the panel-by-panel float path, GPT-2's linears 1.04-1.29x.
+    - int4 weights in groups of whole 32 k, on vpdpbusd (AVX-512 VNNI, no tiles: on tiles the
+      bf16 products of ``_prefill`` are faster still), against the float32 GEMM of dequantised
+      panels: Zen 5, 128 rows, 2 threads, groups of 32, best of 3 alternating processes:
+      2304 x 768 0.95 -> 0.78 ms, 768 x 3072 1.32 -> 1.06, GPT-2's head 23.8 -> 18.4.
+
+    bf16 x keeps the bf16 GEMM of dequantised weights, faster on the tiles (0.55 against 0.80
+    ms) and rounded as eager bf16 rounds."""
+    if spec.dtype != "f32":
+        return False
+    if spec.bits == 4:
+        target = host_target()
+        return (spec.group % 32 == 0 and spec.lanes == 16 and not target.tiles
+                and blocking.int8_blocking(spec.n, spec.k, target) is not None)
+    return spec.vnni and blocking.int8_blocking(spec.n, spec.k) is not None
 
 
 def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     """``call(x, residual) -> out`` for many rows on the u8s8 GEMM (int8 tiles, or ``vpdpbusd``
     where the CPU has no tiles): x's planes once, then per block of W rows (``PREFILL_BLOCK``
-    bytes) its panels and the u8s8 GEMM of the planes into the block's output columns. On
-    ``vpdpbusd`` the GEMM's epilogue combines each x row's planes in the registers
+    bytes of panels) its panels and the u8s8 GEMM of the planes into the block's output
+    columns. On ``vpdpbusd`` the GEMM's epilogue combines each x row's planes in the registers
     (``GemmSpec.planes``: its 12-row tiles hold whole x rows; Zen 5, 128 rows, 2 threads, best
     of 4 alternating processes: 2304 x 768 0.77 -> 0.72 ms, 3072 x 768 with GELU 1.13 -> 1.05,
     GPT-2's head 17.7 -> 16.9); the tiles' 32-row blocks do not, so there a combine kernel
-    follows the GEMM. Rows the planes do not take (non-finite, tiny) go through
-    the decode kernel afterwards. Three planes, or two where the user allows float32 products
-    below full precision (``float32_precision``, read per call; the other count's kernels are
-    built on its first call)."""
-    n, k = spec.n, spec.k
+    follows the GEMM. int4 weights are unpacked per call into grouped panels, with their sums
+    and scales per 32 k (vpdpbusd only). Rows the planes do not take (non-finite, tiny) go
+    through the decode kernel afterwards. Three planes, or two where the user allows float32
+    products below full precision (``float32_precision``, read per call; the other count's
+    kernels are built on its first call)."""
+    n, k, grouped = spec.n, spec.k, spec.bits == 4
     stride = gemm_lowbit_vnni.plane_stride(k)
     nr = gemm_lowbit_planes.NR
-    nb = n if n * stride <= PREFILL_WHOLE else max(nr, PREFILL_BLOCK // stride // nr * nr)
+    panel = gemm_lowbit_planes.grouped_words(k) * 4 if grouped else nr * stride  # bytes
+    per_col = panel // nr
+    nb = n if n * per_col <= PREFILL_WHOLE else max(nr, PREFILL_BLOCK // per_col // nr * nr)
     blocks = [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
-    widths = list(dict.fromkeys(w for _, w in blocks))
+    w_p, s_p, z_p, b_p = buf.ptrs()     # z_p: int8, the row sums of q (int32); int4, zero points
+    # bytes from one W row to the next in each operand (int4: blocks start on whole row blocks)
+    w_row, s_row = (t.stride(0) * t.element_size() for t in (buf.w, buf.scale))
+    z_row = buf.zp.stride(0) if grouped and z_p else 0
+    threads, empty = torch.get_num_threads, torch.empty
 
-    def kernels(count: int) -> tuple:
-        """(planes kernel, {width: (panels, gemm, combine or None, column scales)}, specs)."""
-        planes_spec = LowbitPlanesSpec(k, spec.dtype, count)
-        specs, per_width = [planes_spec], {}
-        for width in widths:
+    def block_run(width: int, count: int) -> tuple:
+        """(``run(a, panels, heads, n0, res, out, rows)`` for a block of ``width`` W rows from
+        row ``n0``, its specs)."""
+        if grouped:
+            ps = LowbitPanelsSpec(width, k, 4, spec.group, spec.zero_point, spec.rr, spec.lanes)
+            blk = blocking.vnni_blocking(width, stride // 4, mr=3 * count)
+            unpack = entry(ps, 4)
+
+            def pack(n0, panels):
+                unpack(w_p + n0 * w_row, s_p + n0 * s_row, z_p and z_p + n0 * z_row, panels,
+                       threads())
+        else:
             ps = LowbitPanelsSpec(width, k)
             blk = blocking.int8_blocking(width, stride // 4)
-            if blk.path == "vector":  # the combine in the GEMM's epilogue
-                gs = GemmSpec(0, width, stride, 1, "packed", spec.bias, spec.epilogue,
-                              spec.residual, **blk.as_kwargs(), dtype="u8s8", planes=count,
-                              ldo=n)
-                per_width[width] = (entry(ps, 2), entry(gs, 8, 2), None, None)
-                specs += [ps, gs]
-                continue
-            gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False,
-                          **blk.as_kwargs(), dtype="u8s8")
-            cs = LowbitCombineSpec(width, n, spec.bias, spec.epilogue, spec.residual,
-                                   spec.dtype, count)
-            per_width[width] = (entry(ps, 2), entry(gs, 5, 2), entry(cs, 7, 2),
-                                torch.ones(-(-width // nr) * nr))  # the GEMM's column scales
-            specs += [ps, gs, cs]
+            repack = entry(ps, 2)
+
+            def pack(n0, panels):
+                repack(w_p + n0 * k, panels, threads())
+        if blk.path == "vector":  # the combine in the GEMM's epilogue
+            gs = GemmSpec(0, width, stride, 1, "packed", spec.bias, spec.epilogue,
+                          spec.residual, **blk.as_kwargs(), dtype="u8s8", planes=count, ldo=n,
+                          b_group=32 if grouped else 0)
+            gemm = entry(gs, 8, 2)
+
+            def run(a, panels, heads, n0, res, out, rows):
+                pack(n0, panels)
+                columns = (None, None) if grouped else (s_p + n0 * 4, z_p + n0 * 4)
+                gemm(a, panels, b_p and b_p + n0 * 4, res, out, heads, *columns, rows * count,
+                     threads())
+            return run, [ps, gs]
+        gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False,
+                      **blk.as_kwargs(), dtype="u8s8")
+        cs = LowbitCombineSpec(width, n, spec.bias, spec.epilogue, spec.residual,
+                               spec.dtype, count)
+        gemm, combine = entry(gs, 5, 2), entry(cs, 7, 2)
+        ones = torch.ones(-(-width // nr) * nr)  # the GEMM's column scales
+
+        def run(a, panels, heads, n0, res, out, rows):
+            pack(n0, panels)
+            sums = empty(rows * count, width)
+            gemm(a, panels, ones.data_ptr(), None, sums.data_ptr(), rows * count, threads())
+            combine(sums.data_ptr(), heads, z_p + n0 * 4, s_p + n0 * 4, b_p and b_p + n0 * 4,
+                    res, out, rows, threads())
+        return run, [ps, gs, cs]
+
+    def kernels(count: int) -> tuple:
+        """(planes kernel, {width: block run}, their specs)."""
+        planes_spec = LowbitPlanesSpec(k, spec.dtype, count)
+        specs, per_width = [planes_spec], {}
+        for width in dict.fromkeys(w for _, w in blocks):
+            per_width[width], block_specs = block_run(width, count)
+            specs += block_specs
         return entry(planes_spec, 3, 2), per_width, specs
 
     first = _plane_count()
@@ -157,8 +210,6 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     rest = replace(spec, m=0)           # the rows the planes hand back
     gemv = gemv_run(rest, buf, dtype)
     specs = built[first][2] + [rest]
-    w_p, s_p, z_p, b_p = buf.ptrs()     # z_p: the row sums of q (int32)
-    threads, empty = torch.get_num_threads, torch.empty
     esize = 2 if spec.dtype == "bf16" else 4
 
     def call(x, r):
@@ -177,22 +228,11 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
             if count == gemm_lowbit_vnni.PLANES or bool(heads[:, 3].all()):
                 break
             count = gemm_lowbit_vnni.PLANES  # a row's outliers: two planes coarser than TF32
-        panels = empty(-(-blocks[0][1] // nr) * nr * stride, dtype=torch.uint8)
-        sums = None
+        panels = empty(-(-blocks[0][1] // nr) * panel, dtype=torch.uint8)
         for n0, width in blocks:
-            pack, gemm, combine, ones = per_width[width]
-            pack(w_p + n0 * k, panels.data_ptr(), threads())
-            res, dst = None if r is None else r.data_ptr() + n0 * esize, out.data_ptr() + n0 * esize
-            if combine is None:
-                gemm(a.data_ptr(), panels.data_ptr(), b_p and b_p + n0 * 4, res, dst,
-                     heads.data_ptr(), s_p + n0 * 4, z_p + n0 * 4, rows * count, threads())
-                continue
-            if sums is None:
-                sums = empty(rows * count, blocks[0][1])
-            gemm(a.data_ptr(), panels.data_ptr(), ones.data_ptr(), None, sums.data_ptr(),
-                 rows * count, threads())
-            combine(sums.data_ptr(), heads.data_ptr(), z_p + n0 * 4, s_p + n0 * 4,
-                    b_p and b_p + n0 * 4, res, dst, rows, threads())
+            per_width[width](a.data_ptr(), panels.data_ptr(), heads.data_ptr(), n0,
+                             None if r is None else r.data_ptr() + n0 * esize,
+                             out.data_ptr() + n0 * esize, rows)
         ready = heads[:, 2]
         if not bool(ready.all()):  # non-finite or tiny rows: the decode kernel's float path
             left = (ready == 0).nonzero().flatten()

@@ -301,9 +301,16 @@ class LowbitPlanesSpec(Spec):
 @register_spec
 @dataclass(frozen=True)
 class LowbitPanelsSpec(Spec):
-    """``n`` int8 W rows of ``k`` -> the u8s8 tile GEMM's B panels, made per call."""
+    """``n`` int8 W rows of ``k`` -> the u8s8 GEMM's B panels, made per call. ``bits`` 4: int4
+    W rows in gemm_lowbit.py's layout (``rr``-row blocks for ``lanes`` lanes, scales and zero
+    points per ``group``) -> the grouped panels of the byte planes (gemm_lowbit_planes.py)."""
     n: int
     k: int
+    bits: int = 8
+    group: int = 0
+    zero_point: bool = False
+    rr: int = 1
+    lanes: int = 16
     family = "lowbit_panels"
 
 

@@ -115,20 +115,24 @@ def test_leading_dims_taken_as_they_are(lead):
                                             ("int8-channel", torch.bfloat16, 193),
                                             ("int4-group32", torch.bfloat16, 224)])
 def test_prefill_in_blocks_of_weight_rows(fmt, dtype, k, monkeypatch):
-    """Where the product runs on tiles (bf16 on AMX; int8 on byte planes), weights too large to
-    dequantise whole go by blocks of W rows (shrunk here to blocks of 64 or 96 rows and a
-    tail): each block's scales, zero points, bias, residual columns and output columns are its
+    """Where the product runs on tiles (bf16 on AMX; int8 or int4 on byte planes), weights
+    too large to dequantise whole go by blocks of W rows (shrunk here to blocks of 64 or 96
+    rows and a tail): each block's scales, zero points, bias, residual columns and output columns are its
     own; with an epilogue, specialised and generic over rows, odd K in bf16. The vector path
     (``_prefill_fused``, tested below) is switched off so that this runs on any CPU."""
     import kwker.kernels.linear_lowbit_prefill as prefill
+    from kwker.codegen.gemm_lowbit_planes import NR, grouped_words
     monkeypatch.setattr(prefill, "_prefill_fused", lambda *args: None)
     lin = quantized(fmt, 230, k, dtype)
     rows = PREFILL_ROWS + 3
-    # bytes a W row takes in the block: dequantised, or int8 on x's byte planes (padded K)
+    # bytes a W row takes in the block: dequantised, or in the panels of x's byte planes
     planes = "lowbit_panels" in {s.family for s in make_linear_lowbit(
         lin.weight, None, rows, dtype=dtype).specs}
     kk = k + k % 2 if dtype == torch.bfloat16 else k
-    row_bytes = -(-k // 64) * 64 if planes else kk * (2 if dtype == torch.bfloat16 else 4)
+    row_bytes = kk * (2 if dtype == torch.bfloat16 else 4)
+    if planes:
+        row_bytes = (grouped_words(k) * 4 // NR if fmt.startswith("int4") else
+                     -(-k // 64) * 64)
     monkeypatch.setattr(prefill, "PREFILL_WHOLE", 0)
     monkeypatch.setattr(prefill, "PREFILL_BLOCK", 64 * row_bytes)
     for m in (rows, None):
@@ -474,6 +478,73 @@ def test_int8_prefill_on_byte_planes(tiles, path, tmp_path):
     assert r.returncode == 0 and f"planes ok on ['{path}']" in r.stdout, r.stdout + r.stderr
 
 
+PLANES4_CHECK = """
+import torch
+import torch.nn.functional as F
+from kwker.kernels.linear_lowbit import LowbitTensor, dequantized, make_linear_lowbit
+torch.manual_seed(3)
+for n, k, group, asym in ((70, 96, 32, True), (100, 256, 64, False), (33, 1000, 1000, True),
+                          (40, 3072, 32, False)):
+    g = -(-k // group)
+    zp = torch.randint(-8, 8, (n, g), dtype=torch.int8) if asym else None
+    w = LowbitTensor(torch.randint(-8, 8, (n, k), dtype=torch.int8),
+                     torch.rand(n, g) * 0.01 + 1e-3, zp, group, 4, torch.float32)
+    bias = torch.randn(n)
+    for m in (20, None):
+        fn = make_linear_lowbit(w, bias, m, "gelu_tanh", True)
+        grouped = [s for s in fn.specs if s.family == "gemm" and s.planes]
+        assert [s.b_group for s in grouped] == [32], fn.specs
+        x, res = torch.randn(20, k) * 2, torch.randn(20, n)
+        x[3] = 0.0
+        x[4] *= 1e-37
+        x[5, k - 1] = float("nan")
+        x[6, 0] = float("inf")
+        x[7] *= 1e30
+        ref = F.gelu(F.linear(x.double(), dequantized(w).double(), bias.double()),
+                     approximate="tanh") + res.double()
+        y = fn(x, res)
+        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+        for i in range(20):
+            if ref[i].isfinite().all():
+                err = (y[i].double() - ref[i]).abs().max() / ref[i].abs().max()
+                assert err < 1e-5, (n, k, m, i, float(err))
+torch.set_float32_matmul_precision("high")   # two planes
+w = LowbitTensor(torch.randint(-8, 8, (33, 2976), dtype=torch.int8),
+                 torch.rand(33, 93) * 0.01 + 1e-3, None, 32, 4, torch.float32)
+fn = make_linear_lowbit(w, None, 20)
+x = torch.randn(20, 2976)
+deq = dequantized(w).double()
+ref = x.double() @ deq.T
+exp = torch.floor(torch.log2(x.abs().amax(1).double())) + 1
+bound = 2.0 ** (exp - 15)[:, None] * deq.abs().sum(1)[None] + 1e-6 * ref.abs().max()
+err = (fn(x).double() - ref).abs()
+assert (err <= bound).all() and err.max() > 1e-6 * ref.abs().max(), float(err.max())
+assert {s.planes for s in fn.specs if s.family == "lowbit_planes"} == {2}, fn.specs
+print("int4 planes ok")
+"""
+
+
+def test_int4_prefill_on_byte_planes(tmp_path):
+    """float32 prefill with int4 weights in groups (of 32, 64, one per row), symmetric or with
+    zero points, on x's byte planes and vpdpbusd (AVX512_VNNI without tiles; tiles off here):
+    int32 sums per 32 k, scaled per group. Every row agrees with the float64 reference to
+    float32 error, the rows the planes hand back included, with GELU and a residual; K odd, over
+    a K block. Two planes under ``torch.set_float32_matmul_precision("high")``, within x's
+    rounding to 2**-15 of its row's largest |x|."""
+    import os
+    import subprocess
+    import sys
+
+    from kwker.runtime.target import host_target
+    if not (host_target().vector_bits == 512 and host_target().has("avx512vnni")):
+        pytest.skip(f"the byte planes' u8s8 GEMM needs AVX-512 with VNNI; this CPU: "
+                    f"{host_target().describe()}")
+    env = dict(os.environ, KWKER_TILES="off", KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", PLANES4_CHECK], env=env, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0 and "int4 planes ok" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("n, k", [(70, 77), (33, 1000), (64, 256), (1, 3)])
 def test_int8_panels_packed_per_call_equal_the_tile_packer(n, k):
     """The prefill's per-call packing kernel lays int8 weights out as the u8s8 tile GEMM's own
@@ -567,3 +638,46 @@ def test_int4_prefill_on_bf16_products_where_allowed(tiles, tmp_path):
     assert r.returncode == 0 and "bf16 products ok" in r.stdout, r.stdout + r.stderr
     paths = {"emulate": "['tile']", "off": "[]" if blocking.widens_bf16() else "['vector']"}
     assert f"bf16 products ok: {paths[tiles]}" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("n, k, group, asym", [(70, 77, 32, True), (33, 1000, 64, False),
+                                               (64, 256, 128, True), (5, 40, 32, False)])
+def test_int4_grouped_panels_hold_the_weights_their_sums_and_scales(n, k, group, asym):
+    """The int4 prefill's per-call packer (codegen/gemm_lowbit_planes.py): from the decode's
+    nibble layout to 32-column panels of ``q - zp`` quad words per 32 k, each group followed by
+    the columns' sums of ``q - zp`` and their scales; zero past N and K, word for word against
+    a layout made here from q."""
+    from kwker.codegen import gemm_lowbit
+    from kwker.codegen.gemm_lowbit_planes import NR, grouped_words, panel_words
+    from kwker.codegen.gemm_lowbit_vnni import GROUP_QUADS, GROUP_ROWS
+    from kwker.kernels._call import entry
+    from kwker.kernels.linear_lowbit import pack_int4
+    from kwker.kernels.specs import LowbitPanelsSpec
+    from kwker.runtime.target import host_target
+    if not host_target().has("avx512vnni") or host_target().vector_bits != 512:
+        pytest.skip(f"the packer sums on vpdpbusd: AVX-512 with VNNI; this CPU: "
+                    f"{host_target().describe()}")
+    torch.manual_seed(n + k)
+    spec = LowbitPanelsSpec(n, k, 4, group, asym, 8, 16)
+    kp, groups = gemm_lowbit.padded_k(spec, 16), gemm_lowbit.groups(spec, 16)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    zp = torch.randint(-8, 8, (n, groups), dtype=torch.int8) if asym else None
+    scale = torch.rand(n, groups) + 0.5
+    w = pack_int4(q, 16, kp, 8)
+    out = torch.full((-(-n // NR) * grouped_words(k),), -1, dtype=torch.int32)
+    entry(spec, 4)(w.data_ptr(), scale.data_ptr(), zp.data_ptr() if asym else None,
+                   out.data_ptr(), 2)
+    kw = panel_words(k)
+    cols = -(-n // NR) * NR
+    wq = torch.zeros(cols, kw * 4, dtype=torch.int32)
+    wq[:n, :k] = q.int() - (zp.int().repeat_interleave(group, 1)[:, :k] if asym else 0)
+    sub = wq.view(cols, kw // GROUP_QUADS, GROUP_QUADS, 4)      # (column, group, quad, byte)
+    words = (sub & 255) << torch.tensor([0, 8, 16, 24])
+    words = words.sum(-1, dtype=torch.int64).to(torch.int64)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    sums = sub.sum((2, 3), dtype=torch.int32)
+    g = torch.arange(kw // GROUP_QUADS) * 32 // group
+    scales = scale[torch.arange(cols).clamp(max=n - 1)][:, g].view(torch.int32)
+    want = torch.cat([words.permute(1, 2, 0), sums.T[:, None], scales.T[:, None]], 1)
+    want = want.view(kw // GROUP_QUADS, GROUP_ROWS, cols // NR, NR).permute(2, 0, 1, 3)
+    assert torch.equal(out, want.flatten())
