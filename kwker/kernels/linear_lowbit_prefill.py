@@ -76,10 +76,11 @@ def gemv_run(spec: LowbitGemmSpec, buf: Buffers, dtype):
 def prefill_run(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None) -> tuple:
     """``(call(x, residual) -> out, specs)`` for many rows, on the best schedule this CPU has
     (module doc)."""
-    if _planes(spec) and spec.bits == 8:
-        return _prefill_planes(spec, buf, dtype, m)
-    exact = (_prefill_planes(spec, buf, dtype, m) if _planes(spec) else
-             _prefill_fused(spec, buf, dtype, m) or _prefill(spec, buf, dtype, m))
+    if _planes(spec):
+        planes = _prefill_planes(spec, buf, dtype, m)
+        # where bf16 products are allowed, int8 takes two planes; int4 the bf16 products
+        return planes if spec.bits == 8 else _bf16_where_allowed(planes, spec, buf, m)
+    exact = _prefill_fused(spec, buf, dtype, m) or _prefill(spec, buf, dtype, m)
     return _bf16_where_allowed(exact, spec, buf, m) if spec.dtype == "f32" else exact
 
 
