@@ -53,6 +53,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import gemm_lowbit, gemm_lowbit_unpack, gemm_lowbit_vnni, gemm_tile, omp, simd
+from .gemm_edges import dispatch, emit_small_rows
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_cols, emit_pack_rows
 from .irutil import Fn, aligned_malloc, const, f32, i8, i16, i32, i64, intrinsic, new_module, ptr
@@ -371,7 +372,7 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
 
     if p.small:
         with f.if_(b.icmp_signed("<=", m_rows, const(i64, p.small_rows))):
-            _emit_small_rows(f, p, m_rows, ptrs, acc, tid, nt)
+            emit_small_rows(f, p, m_rows, ptrs, acc, tid, nt)
             bt1.set(bt0.get())  # the blocked loop nest below has nothing left to do
 
     if p.tiles:
@@ -493,7 +494,7 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs,
                             unit = b.add(b.mul(q, mt), t)
                             with f.if_(b.and_(b.icmp_signed(">=", unit, u0.get()),
                                               b.icmp_signed("<", unit, u1.get()))):
-                                _dispatch(f, p, variants, t, q, args, mt, m_rows)
+                                dispatch(f, p, variants, t, q, args, mt, m_rows)
 
 
 def _planes_tile(f: Fn, p: _Plan, c_mat, r_mat, quant, t, q) -> tuple:
@@ -526,85 +527,3 @@ def _pack_lowbit(f: Fn, p: _Plan, w, quant, unpack, pack_b, qb0, qb1, k0, kcl, b
         b.call(unpack, [w, scale, zp, row0, rows, ka, kn, rows_buf])
         dst = simd.gep(b, bp, b.mul(b.sub(q, qb0), b.mul(kcl, const(i64, s.nr))))
         b.call(pack_b, [rows_buf, rows, kcl, dst])
-
-
-def _emit_small_rows(f: Fn, p: _Plan, m_rows, ptrs, acc, tid, nt) -> None:
-    """M <= ``small_rows`` rows against packed weights: one tile of all rows per panel, A read in
-    place, K in one block, the panels split between the threads."""
-    b, s = f.b, p.s
-    a_mat, w, bias, res, c = ptrs
-    variants = {(r, cols): emit_micro(f.module, p.micro(r, cols, in_place=True))
-                for r in range(1, p.small_rows + 1) for cols in {s.nr, p.nr_edge}}
-    lo, hi = omp.split(f, p.np, tid, nt)
-    first_last = const(i64, FIRST | LAST)
-    with f.for_range(lo, hi, name="q") as q:
-        col = b.mul(q, const(i64, s.nr))
-        c_tile = simd.gep(b, c, col, p.out_t)
-        r_tile = simd.gep(b, res, col, p.out_t) if s.residual else res
-        bias_t = simd.gep(b, bias, col) if s.bias else bias
-        w_tile = simd.gep(b, w, b.mul(q, const(i64, p.kw_panel * s.nr)))
-        args = [a_mat, w_tile, acc if p.bf16 else c_tile, const(i64, p.kw), first_last, bias_t,
-                r_tile] + ([c_tile] if p.bf16 else [])
-
-        def by_cols(rows):
-            if p.nr_edge == s.nr:
-                b.call(variants[rows, s.nr], args)
-                return
-            with f.if_else(b.icmp_signed("==", q, const(i64, p.np - 1))) as (edge, full):
-                with edge:
-                    b.call(variants[rows, p.nr_edge], args)
-                with full:
-                    b.call(variants[rows, s.nr], args)
-        _switch_rows(f, p.small_rows, m_rows, by_cols)
-
-
-def _dispatch(f: Fn, p: _Plan, variants: dict, t, q, args, mt, m_rows) -> None:
-    """Call the micro-kernel variant for tile (t, q): full, or specialised to the edges."""
-    b, s = f.b, p.s
-    row_edge = p.dyn_m or p.mr_edge != s.mr
-    col_edge = p.nr_edge != s.nr
-    if not row_edge and not col_edge:
-        b.call(variants[s.mr, s.nr], args)
-        return
-    last_t = b.icmp_signed("==", t, b.sub(mt, const(i64, 1))) if row_edge else None
-    last_q = b.icmp_signed("==", q, const(i64, p.np - 1)) if col_edge else None
-
-    def by_cols(rows):
-        if last_q is None:
-            b.call(variants[rows, s.nr], args)
-            return
-        with f.if_else(last_q) as (edge, full):
-            with edge:
-                b.call(variants[rows, p.nr_edge], args)
-            with full:
-                b.call(variants[rows, s.nr], args)
-
-    if last_t is None:
-        by_cols(s.mr)
-        return
-    with f.if_else(last_t) as (edge, full):
-        with edge:
-            if p.dyn_m:
-                _switch_rows(f, s.mr, b.sub(m_rows, b.mul(t, const(i64, s.mr))), by_cols)
-            else:
-                by_cols(p.mr_edge)
-        with full:
-            by_cols(s.mr)
-
-
-def _switch_rows(f: Fn, most: int, rows: ir.Value, by_cols) -> None:
-    """``by_cols(r)`` for the run-time row count ``rows`` (1..most)."""
-    b = f.b
-    done = b.append_basic_block("rows.done")
-    full = b.append_basic_block("rows.full")
-    sw = b.switch(rows, full)
-    for r in range(1, most):
-        block = b.append_basic_block(f"rows.{r}")
-        sw.add_case(const(i64, r), block)
-        b.position_at_end(block)
-        by_cols(r)
-        b.branch(done)
-    b.position_at_end(full)
-    by_cols(most)
-    b.branch(done)
-    b.position_at_end(done)
