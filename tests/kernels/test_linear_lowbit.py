@@ -117,9 +117,10 @@ def test_leading_dims_taken_as_they_are(lead):
 def test_prefill_in_blocks_of_weight_rows(fmt, dtype, k, monkeypatch):
     """Where the product runs on tiles (bf16 on AMX; int8 or int4 on byte planes), weights
     too large to dequantise whole go by blocks of W rows (shrunk here to blocks of 64 or 96
-    rows and a tail): each block's scales, zero points, bias, residual columns and output columns are its
-    own; with an epilogue, specialised and generic over rows, odd K in bf16. The vector path
-    (``_prefill_fused``, tested below) is switched off so that this runs on any CPU."""
+    rows and a tail): each block's scales, zero points, bias, residual columns and output
+    columns are its own; with an epilogue, specialised and generic over rows, odd K in bf16.
+    The vector path (``_prefill_fused``, tested below) is switched off so that this runs on
+    any CPU."""
     import kwker.kernels.linear_lowbit_prefill as prefill
     from kwker.codegen.gemm_lowbit_planes import NR, grouped_words
     monkeypatch.setattr(prefill, "_prefill_fused", lambda *args: None)
@@ -356,10 +357,34 @@ def test_decode_kernels_compile_for_each_isa(cpu, lanes):
     assert "prefetchnta" in asm or lanes == 16
 
 
-PLANES_CHECK = """
+# the rows the byte planes hand back to the float path (zero, tiny, NaN, inf, huge) among
+# ordinary ones, through GELU and a residual, against the float64 reference
+CHECK_ROWS = """
 import torch
 import torch.nn.functional as F
 from kwker.kernels.linear_lowbit import LowbitTensor, dequantized, make_linear_lowbit
+
+
+def check_rows(fn, w, bias, m):
+    n, k = w.shape
+    x, res = torch.randn(20, k) * 2, torch.randn(20, n)
+    x[3] = 0.0
+    x[4] *= 1e-37
+    x[5, k - 1] = float("nan")
+    x[6, 0] = float("inf")
+    x[7] *= 1e30
+    ref = F.gelu(F.linear(x.double(), dequantized(w).double(), bias.double()),
+                 approximate="tanh") + res.double()
+    y = fn(x, res)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+    for i in range(20):
+        if ref[i].isfinite().all():
+            err = (y[i].double() - ref[i]).abs().max() / ref[i].abs().max()
+            assert err < 1e-5, (n, k, m, i, float(err))
+"""
+
+
+PLANES_CHECK = CHECK_ROWS + """
 torch.manual_seed(1)
 for n, k in ((70, 77), (100, 256), (33, 1000)):
     w = LowbitTensor(torch.randint(-128, 128, (n, k), dtype=torch.int8),
@@ -372,20 +397,7 @@ for n, k in ((70, 77), (100, 256), (33, 1000)):
         fams = [s.family for s in fn.specs]
         fused = [s.planes for s in fn.specs if s.family == "gemm" and s.path == "vector"]
         assert "lowbit_planes" in fams and ("lowbit_combine" in fams) != (fused == [3]), fn.specs
-        x, res = torch.randn(20, k) * 2, torch.randn(20, n)
-        x[3] = 0.0
-        x[4] *= 1e-37
-        x[5, k - 1] = float("nan")
-        x[6, 0] = float("inf")
-        x[7] *= 1e30
-        ref = F.gelu(F.linear(x.double(), dequantized(w).double(), bias.double()),
-                     approximate="tanh") + res.double()
-        y = fn(x, res)
-        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
-        for i in range(20):
-            if ref[i].isfinite().all():
-                err = (y[i].double() - ref[i]).abs().max() / ref[i].abs().max()
-                assert err < 1e-5, (n, k, m, i, float(err))
+        check_rows(fn, w, bias, m)
 # float32 products below full precision allowed: two planes, x to 2**-15 of its row's largest
 # |x| (bound per element: half a step of 2**(E - 14), 2**(E - 1) <= max|x| < 2**E)
 torch.set_float32_matmul_precision("high")
@@ -478,10 +490,7 @@ def test_int8_prefill_on_byte_planes(tiles, path, tmp_path):
     assert r.returncode == 0 and f"planes ok on ['{path}']" in r.stdout, r.stdout + r.stderr
 
 
-PLANES4_CHECK = """
-import torch
-import torch.nn.functional as F
-from kwker.kernels.linear_lowbit import LowbitTensor, dequantized, make_linear_lowbit
+PLANES4_CHECK = CHECK_ROWS + """
 torch.manual_seed(3)
 for n, k, group, asym in ((70, 96, 32, True), (100, 256, 64, False), (33, 1000, 1000, True),
                           (40, 3072, 32, False)):
@@ -494,20 +503,7 @@ for n, k, group, asym in ((70, 96, 32, True), (100, 256, 64, False), (33, 1000, 
         fn = make_linear_lowbit(w, bias, m, "gelu_tanh", True)
         grouped = [s for s in fn.specs if s.family == "gemm" and s.planes]
         assert [s.b_group for s in grouped] == [32], fn.specs
-        x, res = torch.randn(20, k) * 2, torch.randn(20, n)
-        x[3] = 0.0
-        x[4] *= 1e-37
-        x[5, k - 1] = float("nan")
-        x[6, 0] = float("inf")
-        x[7] *= 1e30
-        ref = F.gelu(F.linear(x.double(), dequantized(w).double(), bias.double()),
-                     approximate="tanh") + res.double()
-        y = fn(x, res)
-        assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
-        for i in range(20):
-            if ref[i].isfinite().all():
-                err = (y[i].double() - ref[i]).abs().max() / ref[i].abs().max()
-                assert err < 1e-5, (n, k, m, i, float(err))
+        check_rows(fn, w, bias, m)
 torch.set_float32_matmul_precision("high")   # two planes
 w = LowbitTensor(torch.randint(-8, 8, (33, 2976), dtype=torch.int8),
                  torch.rand(33, 93) * 0.01 + 1e-3, None, 32, 4, torch.float32)
