@@ -150,11 +150,13 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     # bytes from one W row to the next in each operand (int4: blocks start on whole row blocks)
     w_row, s_row = (t.stride(0) * t.element_size() for t in (buf.w, buf.scale))
     z_row = buf.zp.stride(0) if grouped and z_p else 0
+    # on the tiles the GEMM writes plane sums for a combine kernel (int4 never goes there)
+    on_tiles = not grouped and blocking.int8_blocking(nb, stride // 4).path == "tile"
     threads, empty = torch.get_num_threads, torch.empty
 
     def block_run(width: int, count: int) -> tuple:
-        """(``run(a, panels, heads, n0, res, out, rows)`` for a block of ``width`` W rows from
-        row ``n0``, its specs)."""
+        """(``run(a, panels, heads, n0, res, out, rows, sums)`` for a block of ``width`` W rows
+        from row ``n0``, its specs); ``sums``: the plane sums' buffer on the tiles, else None."""
         if grouped:
             ps = LowbitPanelsSpec(width, k, 4, spec.group, spec.zero_point, spec.rr, spec.lanes)
             blk = blocking.vnni_blocking(width, stride // 4, mr=3 * count)
@@ -170,13 +172,13 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
 
             def pack(n0, panels):
                 repack(w_p + n0 * k, panels, threads())
-        if blk.path == "vector":  # the combine in the GEMM's epilogue
+        if not on_tiles:  # the combine in the GEMM's epilogue
             gs = GemmSpec(0, width, stride, 1, "packed", spec.bias, spec.epilogue,
                           spec.residual, **blk.as_kwargs(), dtype="u8s8", planes=count, ldo=n,
                           b_group=32 if grouped else 0)
             gemm = entry(gs, 8, 2)
 
-            def run(a, panels, heads, n0, res, out, rows):
+            def run(a, panels, heads, n0, res, out, rows, sums):
                 pack(n0, panels)
                 columns = (None, None) if grouped else (s_p + n0 * 4, z_p + n0 * 4)
                 gemm(a, panels, b_p and b_p + n0 * 4, res, out, heads, *columns, rows * count,
@@ -189,9 +191,8 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
         gemm, combine = entry(gs, 5, 2), entry(cs, 7, 2)
         ones = torch.ones(-(-width // nr) * nr)  # the GEMM's column scales
 
-        def run(a, panels, heads, n0, res, out, rows):
+        def run(a, panels, heads, n0, res, out, rows, sums):
             pack(n0, panels)
-            sums = empty(rows * count, width)
             gemm(a, panels, ones.data_ptr(), None, sums.data_ptr(), rows * count, threads())
             combine(sums.data_ptr(), heads, z_p + n0 * 4, s_p + n0 * 4, b_p and b_p + n0 * 4,
                     res, out, rows, threads())
@@ -230,10 +231,11 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
                 break
             count = gemm_lowbit_vnni.PLANES  # a row's outliers: two planes coarser than TF32
         panels = empty(-(-blocks[0][1] // nr) * panel, dtype=torch.uint8)
+        sums = empty(rows * count, blocks[0][1]) if on_tiles else None  # one for every block
         for n0, width in blocks:
             per_width[width](a.data_ptr(), panels.data_ptr(), heads.data_ptr(), n0,
                              None if r is None else r.data_ptr() + n0 * esize,
-                             out.data_ptr() + n0 * esize, rows)
+                             out.data_ptr() + n0 * esize, rows, sums)
         ready = heads[:, 2]
         if not bool(ready.all()):  # non-finite or tiny rows: the decode kernel's float path
             left = (ready == 0).nonzero().flatten()
