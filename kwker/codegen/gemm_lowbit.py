@@ -36,9 +36,12 @@ float32 buffer padded with zeros to whole vectors. Threads split the W rows into
 of ``rr``-row blocks; per block the x rows go by tiles of ``mr`` (the block's weights stay in L1
 across the tiles), keeping ``mr * rr`` vector accumulators; a lone x row reads int8 rows one
 after another (``_Tile._int8_rows``; on vpdpbusd the streamed tile), one stream a thread.
-Weights are prefetched non-temporally where they are read once: streamed through the caches as
-usual, 124 MB of GPT-2 weights a token evicted everything the interpreter and the other ops use
-(a 768-wide LayerNorm after the int8 head: 6 -> 45-140 us on Zen 3). Each (x row, W row) sum is
+On AVX2, weights are prefetched non-temporally where they are read once: streamed through the
+caches as usual, 124 MB of GPT-2 weights a token evicted everything the interpreter and the other
+ops use (a 768-wide LayerNorm after the int8 head: 6 -> 45-140 us on Zen 3). On AVX-512 they are
+prefetched into every level, as int4's always were: on Intel cores a non-temporal prefetch fills
+L1 alone and the 16 fill buffers bound a thread's stream (Emerald Rapids-class Xeon, 2 threads,
+int8 in groups of 32, weights in L3: 2304 x 768 14.3 -> 39.8 GB/s); Zen 4/5 not measured. Each (x row, W row) sum is
 reduced across lanes into a float32 scratch row, then the epilogue runs as vectors over the
 thread's columns: ``act(sum + bias) + residual``, rounded once to bf16 for a bf16 model.
 
@@ -276,7 +279,7 @@ class _Tile:
                         at = b.add(base, b.mul(v, const(i64, u * L)))
                         for line in range(0, u * L, LINE):
                             _prefetch(f, simd.gep(b, row, b.add(at, const(i64, AHEAD + line)),
-                                                  i8), keep=False)
+                                                  i8), keep=self.avx512)
                         for j in range(u):
                             step(b.add(at, const(i64, j * L)), L, j % chains)
                 for j in range(vectors // u * u, vectors):

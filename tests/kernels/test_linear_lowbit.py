@@ -338,8 +338,9 @@ def test_int8_channel_vnni_kernel_holds_vpdpbusd():
 @pytest.mark.parametrize("cpu, lanes", [("haswell", 8), ("znver4", 16)])
 def test_decode_kernels_compile_for_each_isa(cpu, lanes):
     """The decode kernels' assembly for an AVX2 and an AVX-512 target, whatever this host: a
-    lone x row streams int8 weights with non-temporal prefetches; int4 is looked up in a
-    16-float table with vpermps on AVX-512, and folded (no table) on AVX2."""
+    lone x row streams int8 weights, prefetched ahead; int4 is looked up in a
+    16-float table with vpermps on AVX-512, and folded (no table) on AVX2; weights read once
+    are prefetched non-temporally on AVX2, into every cache level on AVX-512."""
     import re
 
     from kwker.kernels.specs import LowbitGemmSpec
@@ -350,7 +351,8 @@ def test_decode_kernels_compile_for_each_isa(cpu, lanes):
     reg = "zmm" if lanes == 16 else "ymm"
     int8 = LowbitGemmSpec(1, 100, 320, 8, 32, zero_point=True, bias=True, lanes=lanes)
     _, asm = compile_assembly(ir_text(int8, target), target)
-    assert "prefetchnta" in asm and re.search(rf"vcvtdq2ps\s[^\n]*%{reg}", asm)
+    assert re.search(rf"vcvtdq2ps\s[^\n]*%{reg}", asm)
+    assert ("prefetchnta" in asm) == (lanes == 8) and ("prefetcht0" in asm) == (lanes == 16)
     int4 = LowbitGemmSpec(0, 100, 320, 4, 32, zero_point=True, lanes=lanes, mr=3, rr=4)
     _, asm = compile_assembly(ir_text(int4, target), target)
     assert bool(re.search(r"vpermps\s[^\n]*%zmm", asm)) == (lanes == 16)
