@@ -105,10 +105,14 @@ class _Plan:
                               (not spec.residual or self.planes)):
             raise ValueError("kwker gemm: u8s8 runs on the tile path or on a CPU with "
                              "AVX512_VNNI, with packed weights and no residual")
-        if self.planes and not (self.int8 and not self.tiles and spec.batch == 1
-                                and spec.planes in (2, 3) and spec.mr % spec.planes == 0):
-            raise ValueError(f"kwker gemm: byte planes ({spec.planes}) are u8s8 on the vector "
-                             f"path, one batch, tiles of whole x rows (mr={spec.mr})")
+        if self.planes and not (self.int8 and spec.batch == 1 and spec.planes in (2, 3) and (
+                spec.mr % spec.planes == 0 or self.tiles and not spec.b_group)):
+            raise ValueError(f"kwker gemm: byte planes ({spec.planes}) are u8s8, one batch, "
+                             f"tiles of whole x rows (mr={spec.mr}); grouped on the vector path")
+        # rows of A a row tile takes: on the tiles, whole x rows' planes of a 32-row block (30
+        # of 3 planes, the last two rows zero), so the epilogue can combine them
+        self.a_rows = spec.mr // spec.planes * spec.planes if self.tiles and self.planes \
+            else spec.mr
         self.ldo = spec.ldo or spec.n             # planes: the output's row stride
         # planes against grouped panels (int4): b_group is their 32 k a group
         self.grouped = bool(self.planes and spec.b_group)
@@ -131,8 +135,8 @@ class _Plan:
         if self.dyn_m:  # row tiles and the edge tile's rows are known at call time only
             self.mt = self.mr_edge = None
         else:
-            self.mt = _cdiv(spec.m, spec.mr)      # row tiles
-            self.mr_edge = spec.m - (self.mt - 1) * spec.mr
+            self.mt = _cdiv(spec.m, self.a_rows)  # row tiles
+            self.mr_edge = spec.m - (self.mt - 1) * self.a_rows
         self.nr_edge = spec.n - (self.np - 1) * spec.nr
         self.kc = self.kw if not spec.a_pack else min(spec.kc, self.kw)
         self.weights = self._lowbit_weights(target) if self.lowbit else None
@@ -213,8 +217,8 @@ class _Plan:
         return m, batch, mt
 
     def row_tiles(self, b: ir.IRBuilder, m: ir.Value) -> ir.Value:
-        """ceil(m / mr) for a row count known at call time."""
-        return b.sdiv(b.add(m, const(i64, self.s.mr - 1)), const(i64, self.s.mr))
+        """ceil(m / rows a tile) for a row count known at call time."""
+        return b.sdiv(b.add(m, const(i64, self.a_rows - 1)), const(i64, self.a_rows))
 
     def panel_rows(self, k, b: ir.IRBuilder | None = None):
         """Rows of a pre-packed panel before k word ``k`` (an int, or an IR value with ``b``):
@@ -376,7 +380,7 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
             bt1.set(bt0.get())  # the blocked loop nest below has nothing left to do
 
     if p.tiles:
-        gemm_tile.emit_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs)
+        gemm_tile.emit_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs, quant)
     else:
         _emit_vector_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs, quant)
     for raw in raws:

@@ -41,9 +41,10 @@ caches as usual, 124 MB of GPT-2 weights a token evicted everything the interpre
 ops use (a 768-wide LayerNorm after the int8 head: 6 -> 45-140 us on Zen 3). On AVX-512 they are
 prefetched into every level, as int4's always were: on Intel cores a non-temporal prefetch fills
 L1 alone and the 16 fill buffers bound a thread's stream (Emerald Rapids-class Xeon, 2 threads,
-int8 in groups of 32, weights in L3: 2304 x 768 14.3 -> 39.8 GB/s); Zen 4/5 not measured. Each (x row, W row) sum is
-reduced across lanes into a float32 scratch row, then the epilogue runs as vectors over the
-thread's columns: ``act(sum + bias) + residual``, rounded once to bf16 for a bf16 model.
+int8 in groups of 32, weights in L3: 2304 x 768 14.3 -> 39.8 GB/s); Zen 4/5 not measured.
+Each (x row, W row) sum is reduced across lanes into a float32 scratch row, then the epilogue
+runs as vectors over the thread's columns: ``act(sum + bias) + residual``, rounded once to bf16
+for a bf16 model.
 
 ABI: ``sym(x, w, scale, zp, bias, res, out[, rows], nthreads)``; ``bias``, ``res``, ``zp`` may be
 null when the spec says they are absent; with ``spec.vnni``, ``zp`` holds the W rows' sums of q

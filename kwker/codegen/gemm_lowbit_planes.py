@@ -23,11 +23,11 @@ The kernels of this module, per call:
 - ``lowbit_panels``: a block of W rows (int8, row-major, read in place) -> AMX's B layout, the
   u8s8 GEMM's pre-packed panels (32 columns, a 32-bit word of 4 k per column, K zero-padded to
   whole tile steps), so no packed copy of the weights outlives the call;
-- ``lowbit_combine``: after the tile GEMM, its float32 plane sums (exact integers below 2**24,
-  rounded to float32 above) -> the output columns of the block. (On ``vpdpbusd`` the GEMM's
-  micro-kernel combines them in its epilogue, ``GemmSpec.planes``: its 12-row tiles hold whole
-  x rows, the tiles' 32-row blocks do not.) Rows whose head says "float path" (non-finite or
-  tiny x) are left alone: the factory runs them through the decode kernel.
+The u8s8 GEMM's epilogue combines each x row's planes (``GemmSpec.planes``): on ``vpdpbusd``
+in the micro-kernel's registers, its 12-row tiles holding whole x rows; on the tiles from each
+32-row block's sums, whose rows hold whole x rows' planes (gemm_tile.py). The rows whose head
+says "float path" (non-finite or tiny x) come out as garbage there: the factory runs them
+through the decode kernel afterwards.
 """
 from __future__ import annotations
 
@@ -38,13 +38,9 @@ from .gemm_lowbit_vnni import (
     GROUP_QUADS,
     GROUP_ROWS,
     HEAD,
-    combine_planes,
     emit_planes,
-    is_ready,
-    load_factor,
     row_bytes,
 )
-from .gemm_micro import epilogue_masked
 from .gemm_tile import STEP as TILE_STEP
 from .gemm_tile import TILE_BLOCK
 from .irutil import const, i8, i32, i64, intrinsic, new_module, ptr
@@ -61,8 +57,8 @@ def panel_words(k: int) -> int:
 def emit(spec, target) -> ir.Module:
     if spec.family == "lowbit_panels" and spec.bits == 4:
         return _emit_panels4(spec, target)
-    return {"lowbit_planes": _emit_planes, "lowbit_panels": _emit_panels,
-            "lowbit_combine": _emit_combine}[spec.family](spec, target)
+    return {"lowbit_planes": _emit_planes, "lowbit_panels": _emit_panels}[spec.family](spec,
+                                                                                  target)
 
 
 def grouped_words(k: int) -> int:
@@ -241,33 +237,3 @@ def _transpose16(b, vs: list) -> list:
                 vs[i | size] = b.shuffle_vector(a, c, ir.Constant(mt, hi))
         size //= 2
     return vs
-
-
-def _emit_combine(spec, target) -> ir.Module:
-    """``sym(sums, heads, wsum, scale, bias, res, out, rows, nthreads)``: ``sums``
-    (``spec.planes`` rows per x row, ``spec.n`` floats each) -> ``out`` (row stride ``spec.ld``,
-    as ``res``) for the rows whose head says planes; ``wsum`` int32, ``scale`` and ``bias``
-    float32, ``spec.n`` each."""
-    module, body, (sums, heads, wsum, scale, bias, res, out), (begin, end) = _parallel(
-        spec, 7, lambda ctx: ctx.i64(7))
-    b, n, L, count = body.b, spec.n, simd.float_lanes(target), spec.planes
-    vt = simd.vty(L)
-    with body.for_range(begin, end, name="r") as r:
-        head = simd.gep(b, heads, b.mul(r, const(i64, HEAD)), i8)
-        with body.if_(is_ready(b, head)):
-            factor = load_factor(b, head, L)
-            srow = b.mul(r, const(i64, count * n))
-            orow = b.mul(r, const(i64, spec.ld))
-            with body.for_range(0, n, step=L, name="c") as c:
-                mask = simd.lane_mask(b, L, b.sub(const(i64, n), c))
-                s = [simd.masked_load(b, sums, b.add(srow, b.add(c, const(i64, p * n))), mask, L)
-                     for p in range(count)]
-                qs = b.sitofp(simd.masked_load(b, wsum, c, mask, L, elem=i32), vt)
-                v = combine_planes(b, s, qs, factor, simd.masked_load(b, scale, c, mask, L),
-                                   count)
-                epilogue_masked(b, v, simd.masked_load(b, bias, c, mask, L) if spec.bias
-                                else None, spec.epilogue, res if spec.residual else None, out,
-                                b.add(orow, c), mask, L, spec.dtype)
-    body.finish()
-    omp.emit_parallel(module, spec.symbol, [ptr] * 7 + [i64], body.fn)
-    return module

@@ -35,9 +35,10 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd
+from .gemm_lowbit_vnni import HEAD, combine_planes, load_factor
 from .gemm_micro import epilogue_rows
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, aligned_malloc, const, defined, i1, i16, i32, i64, intrinsic, ptr, void
+from .irutil import Fn, aligned_malloc, const, defined, i1, i8, i16, i32, i64, intrinsic, ptr, void
 from .tiles import Tiles
 
 TILE_BLOCK = (32, 32)   # rows x columns of C per block: 2 x 2 accumulator tiles
@@ -73,8 +74,9 @@ def allocate(f: Fn, p) -> tuple[list, tuple]:
     return raws, (ap, bp, acc)
 
 
-def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
-    """The tile loop nest of one thread (module doc); ``split`` and ``bufs`` as gemm.py's."""
+def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None) -> None:
+    """The tile loop nest of one thread (module doc); ``split`` and ``bufs`` as gemm.py's,
+    ``quant``: with byte planes, the x rows' heads, the columns' scales and sums of q."""
     s, b, module = p.s, f.b, f.module
     a_all, b_all, bias, res_all, c_all = ptrs
     bt0, bt1, t0, t1, q0, q1, u0, u1 = split
@@ -82,14 +84,15 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
     kw, nr = p.kw, s.nr
     tiles = Tiles(f, p.tile_mode, native_bf16=p.dot == "dpbf16")
     regs = block_registers(tiles)
-    pack_a = emit_pack_a_tiles(module, kw)
+    pack_a = emit_pack_a_tiles(module, kw, p.a_rows)
+    a_rows = const(i64, p.a_rows)
     if s.b_layout == "nk":
         pack_b = emit_pack_rows(module, nr, kw, p.lanes)
     elif p.pack_b:
         pack_b = emit_pack_cols(module, nr, s.n, p.lanes, pairs=True)
 
     out_t = p.out_t   # bf16, or float32 (u8s8, or a bf16 product with a float32 residual)
-    pending = _PendingEpilogue(f, p, bias, out_t)
+    pending = _PendingEpilogue(f, p, bias, out_t, quant)
     sub = sub_pairs(p)
 
     def at(base, index, ty=out_t):
@@ -104,8 +107,8 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
             at(b_all, b.mul(bi, const(i64, s.k * s.n)), i16)
         with f.for_range(t0.get(), t1.get(), step=p.tiles_per_chunk, name="jc") as tc0:
             tc1 = _min(b, b.add(tc0, const(i64, p.tiles_per_chunk)), t1.get())
-            row0 = b.mul(tc0, const(i64, 32))
-            rows = b.sub(_min(b, b.mul(tc1, const(i64, 32)), m_rows), row0)
+            row0 = b.mul(tc0, a_rows)
+            rows = b.sub(_min(b, b.mul(tc1, a_rows), m_rows), row0)
             with f.for_range(0, kw, step=p.kc, name="pc") as k0:
                 kcl = _min(b, b.sub(const(i64, kw), k0), const(i64, p.kc))
                 kcp = b.and_(b.add(kcl, const(i64, STEP - 1)), const(i64, -STEP))
@@ -137,11 +140,12 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs) -> None:
                                                                                 BLOCK_WORDS)))
                                     _product(f, p, tiles, regs, a_sub, b_panel, block, steps,
                                              from_zero, pending)
-                                    off = b.add(b.mul(t, const(i64, 32 * s.n)),
+                                    out_row = b.mul(t, const(i64, p.a_rows // (p.planes or 1)))
+                                    off = b.add(b.mul(out_row, const(i64, p.ldo)),
                                                 b.mul(q, const(i64, nr)))
-                                    pending.set(ends, block, q, b.sub(m_rows, b.mul(
-                                        t, const(i64, 32))), at(c_mat, off),
-                                        at(r_mat, off) if s.residual else None)
+                                    pending.set(ends, block, q, b.sub(m_rows, b.mul(t, a_rows)),
+                                                at(c_mat, off),
+                                                at(r_mat, off) if s.residual else None, out_row)
     pending.finish()
 
 
@@ -201,9 +205,10 @@ class _PendingEpilogue:
     (bias, ReLU, residual, the rounding) runs at once: deferring it measured no faster, at 128
     rows up to 12% slower."""
 
-    def __init__(self, f: Fn, p, bias, out_t):
-        self.f, self.p, self.bias, self.out_t = f, p, bias, out_t
-        self.deferred = p.s.epilogue in DEFERRED
+    def __init__(self, f: Fn, p, bias, out_t, quant=None):
+        self.f, self.p, self.bias, self.out_t, self.quant = f, p, bias, out_t, quant
+        # byte planes are combined before the epilogue, all rows at once
+        self.deferred = p.s.epilogue in DEFERRED and not p.planes
         # rows per tile step: the 32 rows spread over a (full) K block's steps
         self.per_step = -(-32 // (min(padded_k(min(p.kc, p.kw)), sub_pairs(p)) // STEP))
         self.side = self.rows_at_step if self.deferred else None
@@ -214,15 +219,18 @@ class _PendingEpilogue:
         self.rows = f.var(i64, const(i64, 0), "pend.rows")
         self.out = f.var(ptr, ir.Constant(ptr, None), "pend.out")
         self.res = f.var(ptr, ir.Constant(ptr, None), "pend.res")
+        self.out_row = f.var(i64, const(i64, 0), "pend.row")
 
-    def set(self, last, block, q, rows_left, out, res) -> None:
-        """After a block product: its epilogue is pending if it finished the block's K."""
+    def set(self, last, block, q, rows_left, out, res, out_row) -> None:
+        """After a block product: its epilogue is pending if it finished the block's K;
+        ``out_row``: the block's first output row (with byte planes, its first x row)."""
         b = self.f.b
         self.on.set(last)
         self.block.set(block)
         self.q.set(q)
-        self.rows.set(_min(b, rows_left, const(i64, 32)))
+        self.rows.set(_min(b, rows_left, const(i64, self.p.a_rows)))
         self.out.set(out)
+        self.out_row.set(out_row)
         if res is not None:
             self.res.set(res)
         if not self.deferred:
@@ -236,8 +244,11 @@ class _PendingEpilogue:
             n = p.s.n
             res = simd.gep(b, self.res.get(), b.mul(r0, const(i64, n)), self.out_t) \
                 if p.s.residual else None
-            _epilogue(f, p, simd.gep(b, self.block.get(), b.mul(r0, const(i64, 32))),
-                      self.q.get(), count, self.bias,
+            block = simd.gep(b, self.block.get(), b.mul(r0, const(i64, 32)))
+            if p.planes:
+                count = _combine_planes(f, p, block, self.q.get(), count, self.quant,
+                                        self.out_row.get())
+            _epilogue(f, p, block, self.q.get(), count, self.bias,
                       simd.gep(b, self.out.get(), b.mul(r0, const(i64, n)), self.out_t), res)
 
     def rows_at_step(self, step) -> None:
@@ -325,15 +336,15 @@ def _epilogue(f: Fn, p, block, q, rows, bias, out, res) -> None:
     s, b = p.s, f.b
     col0 = b.mul(q, const(i64, s.nr))
     native = p.dot == "dpbf16"
-    if p.int8:  # bias holds the column scales, then the bias (module doc)
+    if p.int8 and not p.planes:  # bias holds the column scales, then the bias (module doc)
         _scale_int32(f, block, rows, simd.gep(b, bias, col0))
         col0 = b.add(col0, const(i64, p.np * s.nr))
     bias_q = simd.gep(b, bias, col0) if s.bias else None
 
     def run(cols: int) -> None:
         nv = -(-cols // 16)
-        epilogue_rows(f, rows, nv, 16, cols - 16 * (nv - 1), block, 32, out, s.n, s.epilogue,
-                      bias_q, res, p.out, native)
+        epilogue_rows(f, rows, nv, 16, cols - 16 * (nv - 1), block, 32, out, p.ldo,
+                      s.epilogue, bias_q, res, p.out, native)
 
     if p.nr_edge == s.nr:
         run(s.nr)
@@ -343,6 +354,32 @@ def _epilogue(f: Fn, p, block, q, rows, bias, out, res) -> None:
             run(p.nr_edge)
         with full:
             run(s.nr)
+
+
+def _combine_planes(f: Fn, p, block, q, rows, quant, x_row0) -> ir.Value:
+    """A block's int32 sums of ``rows`` plane rows (``p.planes`` per x row) combined per x row
+    (gemm_lowbit_vnni.combine_planes, as the vector micro-kernel's epilogue combines them) into
+    its first rows as float32, in place (x row ``g`` is written after rows ``g * planes ..``,
+    all at or past it, are read); returns the x rows (an i64 value)."""
+    b, count = f.b, p.planes
+    heads, scale, qsum = quant
+    vt = simd.vty(16)
+    col0 = b.mul(q, const(i64, p.s.nr))
+    scales = [simd.load_vec(b, scale, b.add(col0, const(i64, 16 * v)), 16) for v in range(2)]
+    qsums = [b.sitofp(simd.load_vec(b, qsum, b.add(col0, const(i64, 16 * v)), 16, elem=i32),
+                      vt) for v in range(2)]
+    x_rows = b.udiv(rows, const(i64, count))
+    with f.for_range(0, x_rows, name="xr") as g:
+        factor = load_factor(b, simd.gep(b, heads, b.mul(b.add(x_row0, g),
+                                                         const(i64, HEAD)), i8), 16)
+        for v in range(2):
+            sums = [b.sitofp(b.load(simd.gep(b, block, b.add(
+                b.mul(b.add(b.mul(g, const(i64, count)), const(i64, i)), const(i64, 32)),
+                const(i64, 16 * v)), i32), typ=I32x16, align=4), vt) for i in range(count)]
+            b.store(combine_planes(b, sums, qsums[v], factor, scales[v], count),
+                    simd.gep(b, block, b.add(b.mul(g, const(i64, 32)), const(i64, 16 * v))),
+                    align=4)
+    return x_rows
 
 
 def _scale_int32(f: Fn, block, rows, scale) -> None:
@@ -402,14 +439,15 @@ def emit_pad_rows(module: ir.Module, kw: int, kwp: int) -> ir.Function:
     return f.finish()
 
 
-def emit_pack_a_tiles(module: ir.Module, kw: int) -> ir.Function:
+def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32) -> ir.Function:
     """``void pack_a_tiles(ptr src, i64 rows, i64 kcl, ptr dst)``: rows ``[0, rows)`` x ``kcl``
-    k pairs of A (row stride ``kw`` words) into blocks of 32 rows: per step of 16 pairs, rows
-    0-15 then 16-31, 16 words each (two A tiles, 1 KB apart); rows past ``rows`` and pairs
-    past ``kcl`` zero, up to whole blocks and steps. Step by step, each step's 2 KB written in
+    k pairs of A (row stride ``kw`` words), ``block_rows`` (at most 32) at a time, into blocks
+    of 32 rows: per step of 16 pairs, rows 0-15 then 16-31, 16 words each (two A tiles, 1 KB
+    apart); rows past ``rows`` or ``block_rows`` and pairs past ``kcl`` zero, up to whole
+    blocks and steps. Step by step, each step's 2 KB written in
     order (row by row, with steps inside, the stores went 2 KB apart: 128 x 384 x 1536 on 2
     threads 1274 -> 1672 GFLOP/s on Emerald Rapids)."""
-    name = f"pack_a_tiles.{kw}"
+    name = f"pack_a_tiles.{kw}" + (f".{block_rows}" if block_rows != 32 else "")
     existing = defined(module, name)
     if existing is not None:
         return existing
@@ -421,9 +459,10 @@ def emit_pack_a_tiles(module: ir.Module, kw: int) -> ir.Function:
     load = intrinsic(module, "llvm.masked.load.v16i32.p0", I32x16,
                      [ptr, i32, ir.VectorType(i1, 16), I32x16])
     zero = ir.Constant(I32x16, [ir.Constant(i32, 0)] * 16)
-    with f.for_range(0, b.sdiv(b.add(rows, const(i64, 31)), const(i64, 32)), name="blk") as blk:
-        row0 = b.mul(blk, const(i64, 32))
-        real = _min(b, b.sub(rows, row0), const(i64, 32))
+    with f.for_range(0, b.sdiv(b.add(rows, const(i64, block_rows - 1)),
+                               const(i64, block_rows)), name="blk") as blk:
+        row0 = b.mul(blk, const(i64, block_rows))
+        real = _min(b, b.sub(rows, row0), const(i64, block_rows))
         base = b.mul(blk, b.mul(kcp, const(i64, 32)))
         with f.for_range(0, kcp, step=STEP, name="s") as k:
             step0 = b.add(base, b.mul(k, const(i64, 32)))

@@ -23,7 +23,6 @@ from . import blocking
 from ._call import entry, float32_precision, follow_precision
 from .specs import (
     GemmSpec,
-    LowbitCombineSpec,
     LowbitGemmSpec,
     LowbitPanelsSpec,
     LowbitPlanesSpec,
@@ -130,11 +129,12 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     """``call(x, residual) -> out`` for many rows on the u8s8 GEMM (int8 tiles, or ``vpdpbusd``
     where the CPU has no tiles): x's planes once, then per block of W rows (``PREFILL_BLOCK``
     bytes of panels) its panels and the u8s8 GEMM of the planes into the block's output
-    columns. On ``vpdpbusd`` the GEMM's epilogue combines each x row's planes in the registers
-    (``GemmSpec.planes``: its 12-row tiles hold whole x rows; Zen 5, 128 rows, 2 threads, best
-    of 4 alternating processes: 2304 x 768 0.77 -> 0.72 ms, 3072 x 768 with GELU 1.13 -> 1.05,
-    GPT-2's head 17.7 -> 16.9); the tiles' 32-row blocks do not, so there a combine kernel
-    follows the GEMM. int4 weights are unpacked per call into grouped panels, with their sums
+    columns. The GEMM's epilogue combines each x row's planes (``GemmSpec.planes``): on
+    ``vpdpbusd`` in the registers, its 12-row tiles holding whole x rows (Zen 5, 128 rows, 2
+    threads, best of 4 alternating processes: 2304 x 768 0.77 -> 0.72 ms, 3072 x 768 with GELU
+    1.13 -> 1.05, GPT-2's head 17.7 -> 16.9); on the tiles from each 32-row block's sums, whose
+    rows hold 10 x rows' three planes (or 16 rows' two), where a combine kernel read the sums
+    back from memory before. int4 weights are unpacked per call into grouped panels, with their sums
     and scales per 32 k (vpdpbusd only). Rows the planes do not take (non-finite, tiny) go
     through the decode kernel afterwards. Three planes, or two where the user allows float32
     products below full precision (``float32_precision``, read per call; the other count's
@@ -150,13 +150,11 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     # bytes from one W row to the next in each operand (int4: blocks start on whole row blocks)
     w_row, s_row = (t.stride(0) * t.element_size() for t in (buf.w, buf.scale))
     z_row = buf.zp.stride(0) if grouped and z_p else 0
-    # on the tiles the GEMM writes plane sums for a combine kernel (int4 never goes there)
-    on_tiles = not grouped and blocking.int8_blocking(nb, stride // 4).path == "tile"
     threads, empty = torch.get_num_threads, torch.empty
 
     def block_run(width: int, count: int) -> tuple:
-        """(``run(a, panels, heads, n0, res, out, rows, sums)`` for a block of ``width`` W rows
-        from row ``n0``, its specs); ``sums``: the plane sums' buffer on the tiles, else None."""
+        """(``run(a, panels, heads, n0, res, out, rows)`` for a block of ``width`` W rows from
+        row ``n0``, its specs)."""
         if grouped:
             ps = LowbitPanelsSpec(width, k, 4, spec.group, spec.zero_point, spec.rr, spec.lanes)
             blk = blocking.vnni_blocking(width, stride // 4, mr=3 * count)
@@ -172,31 +170,17 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
 
             def pack(n0, panels):
                 repack(w_p + n0 * k, panels, threads())
-        if not on_tiles:  # the combine in the GEMM's epilogue
-            gs = GemmSpec(0, width, stride, 1, "packed", spec.bias, spec.epilogue,
-                          spec.residual, **blk.as_kwargs(), dtype="u8s8", planes=count, ldo=n,
-                          b_group=32 if grouped else 0)
-            gemm = entry(gs, 8, 2)
+        gs = GemmSpec(0, width, stride, 1, "packed", spec.bias, spec.epilogue, spec.residual,
+                      **blk.as_kwargs(), dtype="u8s8", planes=count, ldo=n,
+                      b_group=32 if grouped else 0)
+        gemm = entry(gs, 8, 2)
 
-            def run(a, panels, heads, n0, res, out, rows, sums):
-                pack(n0, panels)
-                columns = (None, None) if grouped else (s_p + n0 * 4, z_p + n0 * 4)
-                gemm(a, panels, b_p and b_p + n0 * 4, res, out, heads, *columns, rows * count,
-                     threads())
-            return run, [ps, gs]
-        gs = GemmSpec(0, width, stride, 1, "packed", False, "none", False,
-                      **blk.as_kwargs(), dtype="u8s8")
-        cs = LowbitCombineSpec(width, n, spec.bias, spec.epilogue, spec.residual,
-                               spec.dtype, count)
-        gemm, combine = entry(gs, 5, 2), entry(cs, 7, 2)
-        ones = torch.ones(-(-width // nr) * nr)  # the GEMM's column scales
-
-        def run(a, panels, heads, n0, res, out, rows, sums):
+        def run(a, panels, heads, n0, res, out, rows):
             pack(n0, panels)
-            gemm(a, panels, ones.data_ptr(), None, sums.data_ptr(), rows * count, threads())
-            combine(sums.data_ptr(), heads, z_p + n0 * 4, s_p + n0 * 4, b_p and b_p + n0 * 4,
-                    res, out, rows, threads())
-        return run, [ps, gs, cs]
+            columns = (None, None) if grouped else (s_p + n0 * 4, z_p + n0 * 4)
+            gemm(a, panels, b_p and b_p + n0 * 4, res, out, heads, *columns, rows * count,
+                 threads())
+        return run, [ps, gs]
 
     def kernels(count: int) -> tuple:
         """(planes kernel, {width: block run}, their specs)."""
@@ -231,11 +215,10 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
                 break
             count = gemm_lowbit_vnni.PLANES  # a row's outliers: two planes coarser than TF32
         panels = empty(-(-blocks[0][1] // nr) * panel, dtype=torch.uint8)
-        sums = empty(rows * count, blocks[0][1]) if on_tiles else None  # one for every block
         for n0, width in blocks:
             per_width[width](a.data_ptr(), panels.data_ptr(), heads.data_ptr(), n0,
                              None if r is None else r.data_ptr() + n0 * esize,
-                             out.data_ptr() + n0 * esize, rows, sums)
+                             out.data_ptr() + n0 * esize, rows)
         ready = heads[:, 2]
         if not bool(ready.all()):  # non-finite or tiny rows: the decode kernel's float path
             left = (ready == 0).nonzero().flatten()

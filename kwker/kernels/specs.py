@@ -314,16 +314,3 @@ class LowbitPanelsSpec(Spec):
     family = "lowbit_panels"
 
 
-@register_spec
-@dataclass(frozen=True)
-class LowbitCombineSpec(Spec):
-    """The int8 prefill's plane sums -> ``act(y + bias) + residual`` for ``n`` columns, the
-    output and residual ``ld`` apart (codegen/gemm_lowbit_planes.py)."""
-    n: int
-    ld: int
-    bias: bool = False
-    epilogue: str = "none"
-    residual: bool = False
-    dtype: str = "f32"
-    planes: int = 3
-    family = "lowbit_combine"

@@ -37,7 +37,6 @@ EMITTERS = {
     "lowbit_unpack": "kwker.codegen.gemm_lowbit_unpack",
     "lowbit_planes": "kwker.codegen.gemm_lowbit_planes",
     "lowbit_panels": "kwker.codegen.gemm_lowbit_planes",
-    "lowbit_combine": "kwker.codegen.gemm_lowbit_planes",
 }
 
 stats = {"hits": 0, "misses": 0, "compile_seconds": 0.0, "packaged": 0}
