@@ -28,7 +28,11 @@ activations times s8 weights, a 32-bit word holding 4 k each (A rows of k quads,
 of one quad word per column, zero-padded as above), int32 sums. The epilogue converts each sum
 to float32, multiplies it by its column's scale and adds the bias: the ``bias`` operand holds
 the scales, zero-padded to whole panels (``np * nr`` floats), then the bias padded alike. The
-output is float32.
+output is float32. With ``planes`` (the low-bit prefill's byte planes of x, rows of 2 or 3 per x
+row) a row tile takes 30 rows of A (10 x rows' three planes; 32 of two), the last two zero, and
+its epilogue combines each x row's planes from the block's int32 sums, as the vector
+micro-kernel's does (gemm_lowbit_vnni.combine_planes), before the bias, activation and residual
+of the x rows (row stride ``ldo``).
 """
 from __future__ import annotations
 
@@ -160,7 +164,9 @@ def sub_pairs(p) -> int:
     """k pairs per block product: ``SUB_PAIRS`` where K is one block; with several K blocks
     the sums of every (row tile, panel) block of a chunk pass through the scratch (1 MB at
     256 x 4096 x 4096), and a round trip per sub-block measured 5-10% slower than whole K
-    blocks there."""
+    blocks there. A deferred epilogue (``DEFERRED``) keeps whole-K products too: only the last
+    sub-block's products would carry it, and they measured 7-14% slower (1024 x 3072 x 768,
+    128 x 1536 x 384, 256 x 768 x 768 with GELU, in one process)."""
     return SUB_PAIRS if p.one_block and p.s.epilogue not in DEFERRED else padded_k(p.kc)
 
 
