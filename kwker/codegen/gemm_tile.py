@@ -215,8 +215,8 @@ class _PendingEpilogue:
         self.f, self.p, self.bias, self.out_t, self.quant = f, p, bias, out_t, quant
         # byte planes are combined before the epilogue, all rows at once
         self.deferred = p.s.epilogue in DEFERRED and not p.planes
-        # rows per tile step: the 32 rows spread over a (full) K block's steps
-        self.per_step = -(-32 // (min(padded_k(min(p.kc, p.kw)), sub_pairs(p)) // STEP))
+        # rows per tile step: the 32 rows spread over a (full) product's steps
+        self.per_step = -(-32 // (sub_pairs(p) // STEP))
         self.side = self.rows_at_step if self.deferred else None
         self.side_rest = self.rows_after if self.deferred else None
         self.on = f.var(i1, const(i1, 0), "pend")
