@@ -113,6 +113,7 @@ class _Plan:
         # of 3 planes, the last two rows zero), so the epilogue can combine them
         self.a_rows = spec.mr // spec.planes * spec.planes if self.tiles and self.planes \
             else spec.mr
+        self.out_rows = self.a_rows // (self.planes or 1)   # rows of C a row tile writes
         self.ldo = spec.ldo or spec.n             # planes: the output's row stride
         # planes against grouped panels (int4): b_group is their 32 k a group
         self.grouped = bool(self.planes and spec.b_group)
@@ -506,7 +507,7 @@ def _planes_tile(f: Fn, p: _Plan, c_mat, r_mat, quant, t, q) -> tuple:
     its ``mr / planes`` x rows, ``ldo`` apart."""
     b, s = f.b, p.s
     heads, scale, qsum = quant
-    row = b.mul(t, const(i64, s.mr // p.planes))
+    row = b.mul(t, const(i64, p.out_rows))
     col = b.mul(q, const(i64, s.nr))
     off = b.add(b.mul(row, const(i64, p.ldo)), col)
     res = simd.gep(b, r_mat, off, p.out_t) if s.residual else r_mat

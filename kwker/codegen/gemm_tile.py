@@ -144,7 +144,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None) -> N
                                                                                 BLOCK_WORDS)))
                                     _product(f, p, tiles, regs, a_sub, b_panel, block, steps,
                                              from_zero, pending)
-                                    out_row = b.mul(t, const(i64, p.a_rows // (p.planes or 1)))
+                                    out_row = b.mul(t, const(i64, p.out_rows))
                                     off = b.add(b.mul(out_row, const(i64, p.ldo)),
                                                 b.mul(q, const(i64, nr)))
                                     pending.set(ends, block, q, b.sub(m_rows, b.mul(t, a_rows)),
@@ -247,7 +247,7 @@ class _PendingEpilogue:
         f, b, p = self.f, self.f.b, self.p
         count = b.sub(_min(b, self.rows.get(), r1), r0)
         with f.if_(b.and_(self.on.get(), b.icmp_signed(">", count, const(i64, 0)))):
-            n = p.s.n
+            n = p.ldo   # the output's (and residual's) row stride
             res = simd.gep(b, self.res.get(), b.mul(r0, const(i64, n)), self.out_t) \
                 if p.s.residual else None
             block = simd.gep(b, self.block.get(), b.mul(r0, const(i64, 32)))

@@ -109,10 +109,12 @@ def _planes(spec: LowbitGemmSpec) -> bool:
       float32 GEMM of dequantised weights, 128 rows, 2 threads: on Emerald Rapids's tiles 2304
       x 768 2.04 -> 0.77 ms, 768 x 3072 2.71 -> 1.40, GPT-2's head 49.9 -> 17.2; on Zen 5's
       vpdpbusd against the panel-by-panel float path, GPT-2's linears 1.04-1.29x.
-    - int4 weights in groups of whole 32 k, on vpdpbusd (AVX-512 VNNI, no tiles: on tiles the
-      bf16 products of ``_prefill`` are faster still), against the float32 GEMM of dequantised
-      panels: Zen 5, 128 rows, 2 threads, groups of 32, best of 3 alternating processes:
-      2304 x 768 0.95 -> 0.78 ms, 768 x 3072 1.32 -> 1.06, GPT-2's head 23.8 -> 18.4.
+    - int4 weights in groups of whole 32 k, on vpdpbusd (AVX-512 VNNI), against the float32
+      GEMM of dequantised panels: Zen 5, 128 rows, 2 threads, groups of 32, best of 3
+      alternating processes: 2304 x 768 0.95 -> 0.78 ms, 768 x 3072 1.32 -> 1.06, GPT-2's head
+      23.8 -> 18.4. Not on CPUs with tiles: on an Intel Xeon with AMX, where vpdpbusd runs at
+      half Zen 5's rate, the planes measured only 2-7% faster than the FMAs (2304 x 768 1.41 ->
+      1.36 ms, in alternating processes); there ``"medium"`` takes bf16 tile products.
 
     bf16 x keeps the bf16 GEMM of dequantised weights, faster on the tiles (0.55 against 0.80
     ms) and rounded as eager bf16 rounds."""
