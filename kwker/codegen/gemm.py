@@ -140,6 +140,8 @@ class _Plan:
             self.mr_edge = spec.m - (self.mt - 1) * self.a_rows
         self.nr_edge = spec.n - (self.np - 1) * spec.nr
         self.kc = self.kw if not spec.a_pack else min(spec.kc, self.kw)
+        # pre-packed weights streamed from memory are prefetched on AVX-512 (gemm_micro.py)
+        self.prefetch = simd.STREAM_AHEAD if self.lanes == 16 else 0
         self.weights = self._lowbit_weights(target) if self.lowbit else None
         self.n_ptrs = 7 if self.lowbit else 8 if self.planes else 5
         self.pack_b = spec.b_layout == "nk" or (spec.b_layout == "kn" and
@@ -202,7 +204,8 @@ class _Plan:
                      s.n if self.bf16 else self.ldo if self.planes else 0,
                      out="" if self.out == s.dtype else self.out,
                      bias_at=self.np * s.nr if self.int8 and s.bias and not self.planes else 0,
-                     planes=self.planes, grouped=self.grouped)
+                     planes=self.planes, grouped=self.grouped,
+                     prefetch=self.prefetch if s.b_layout == "packed" else 0)
 
     def sizes(self, f: Fn, ctx) -> tuple:
         """(M, batch, row tiles) as IR values: constants, or read from the call's arguments."""

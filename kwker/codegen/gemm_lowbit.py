@@ -73,7 +73,7 @@ from .irutil import (
 
 GRAIN = 1 << 16     # weights per thread before a second thread pays for its fork (~2 us)
 LINE = 64           # bytes
-AHEAD = 4096        # bytes of weights a thread's reads are prefetched ahead
+AHEAD = simd.STREAM_AHEAD   # bytes of weights a thread's reads are prefetched ahead
 CHAINS = 4          # accumulators of one x row and W row (8 measured 1-8% slower, Zen 3)
 
 
@@ -116,8 +116,7 @@ def _prefetch(f: Fn, addr, keep: bool = True) -> None:
     """Ask for the line at ``addr`` ahead of its use: an int8 W row read in place is only a few
     lines long, too short a stream for the hardware prefetchers to follow (int8 GPT-2 decode:
     63 -> 73 tokens/s on Emerald Rapids)."""
-    f.call_intrinsic("llvm.prefetch.p0", void, [addr, const(i32, 0), const(i32, 3 if keep else 0),
-                                                 const(i32, 1)])
+    simd.prefetch(f.b, addr, keep)
 
 
 class _Tile:

@@ -54,6 +54,19 @@ def store_vec(b: ir.IRBuilder, value: ir.Value, base: ir.Value, index, align: in
     b.store(value, gep(b, base, index, elem), align=align or _size(elem))
 
 
+# bytes ahead of its reads a thread's stream of weights is prefetched (the low-bit decode's rows,
+# the GEMM's pre-packed panels: gemm_micro.py)
+STREAM_AHEAD = 4096
+
+
+def prefetch(b: ir.IRBuilder, addr: ir.Value, keep: bool = True) -> None:
+    """Ask for the cache line at ``addr`` ahead of its use: into every cache level (``keep``), or
+    non-temporally (L1 alone on Intel cores, around the other levels on AMD's)."""
+    fn = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [ptr, i32, i32, i32])
+    b.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3 if keep else 0),
+                ir.Constant(i32, 1)])
+
+
 def load_scalar(b: ir.IRBuilder, base: ir.Value, index, ty: ir.Type = f32) -> ir.Value:
     return b.load(gep(b, base, index, ty), typ=ty)
 

@@ -56,6 +56,10 @@ def test_kernel_uses_target_fma(isa, name):
     assert fmas, f"no {reg} FMA in {spec.symbol}"
     if isa == "avx2":
         assert "zmm" not in asm
+    if name.startswith("gemm") or name == "matmul_nk":
+        # pre-packed weights are streamed: prefetched on AVX-512 (gemm_micro.py), a runtime B
+        # is packed into the caches by the kernel itself
+        assert ("prefetcht0" in micro_kernels_asm(asm)) == (isa == "avx512" and name != "matmul_nk")
     # exported symbol, no libm calls for the maths
     assert re.search(rf"^{re.escape(spec.symbol)}:", asm, re.M)
     for libm in ("expf", "erff", "tanhf", "exp", "erf", "tanh"):
