@@ -108,7 +108,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None =
     around each call.
 
     ``m=None`` builds the kernel generic over the row count: one compile and one packed copy
-    of the weights serve every batch size and sequence length. An int ``m`` specialises the
+    of the weights serve every batch size and sequence length, x of any leading dims
+    (``(..., K) -> (..., N)``, as ``F.linear``). An int ``m`` specialises the
     kernel to it (the small-M schedule for decode-sized M, no run-time edge dispatch).
     ``source``: the parameter ``weight`` comes from; kernels of one source share its packed
     copy (see ``shared_panels``).
@@ -308,21 +309,30 @@ def _build(blk: blocking.Blocking, weight, bias_c, m, n, k, kk, epilogue, residu
 
 
 def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype, out_dtype):
-    """The callable of a kernel generic over M: the row count is read off ``x`` per call."""
+    """The callable of a kernel generic over M: x of any leading dims (..., K), their product
+    the row count, read per call; the output (..., N) keeps them. The common call (contiguous x
+    of the kernel's dtype, no profiler) runs in this one frame, with no view around it."""
     w_ptr = packed.data_ptr()
     b_ptr = bias_c.data_ptr() if bias_c is not None else None
     symbol = spec.symbol
-    empty, empty_like, threads = torch.empty, torch.empty_like, torch.get_num_threads
-    one_row = torch.empty(1, n, dtype=out_dtype)  # batch-1 serving: empty_like is 0.7 us cheaper
+    empty, threads = torch.empty, torch.get_num_threads
 
     def prepare(x):
         if not (x.dim() == 2 and x.shape[1] == k and x.dtype == dtype and x.is_contiguous()):
             x = checked(x, (x.shape[0] if x.dim() == 2 else -1, k), "linear input", dtype)
         return F.pad(x, (0, 1)) if pad else x   # odd K: one zero column completes the last pair
 
-    def call(x, r_ptr):
+    def rows_2d(x, res):
+        """The checked path on (rows, K) x and (rows, N) residual: errors, odd K, profiler."""
+        x = prepare(x)
+        r_ptr = None
+        if spec.residual:
+            shape = (x.shape[0], n)
+            if not (res.shape == shape and res.dtype == out_dtype and res.is_contiguous()):
+                res = checked(res, shape, "linear residual", out_dtype)
+            r_ptr = res.data_ptr()
         rows = x.shape[0]
-        out = empty(rows, n, dtype=out_dtype)  # sizes as arguments: cheaper than a shape tuple
+        out = empty(rows, n, dtype=out_dtype)
         if rows == 0:
             return out
         if _profiler_enabled():
@@ -332,23 +342,38 @@ def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype, out
             fn(x.data_ptr(), w_ptr, b_ptr, r_ptr, out.data_ptr(), rows, threads())
         return out
 
+    def general(x, res=None):
+        """Leading dims other than one through (rows, K) views of x and the residual."""
+        if x.dim() in (0, 2):
+            return rows_2d(x, res)
+        lead = x.shape[:-1]
+        if res is not None and res.shape[:-1] == lead:
+            res = res.reshape(-1, res.shape[-1])
+        return rows_2d(x.reshape(-1, x.shape[-1]), res).view(*lead, n)
+
     if spec.residual:
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-            x = prepare(x)
-            shape = (x.shape[0], n)
-            if not (res.shape == shape and res.dtype == out_dtype and res.is_contiguous()):
-                res = checked(res, shape, "linear residual", out_dtype)
-            return call(x, res.data_ptr())
+            shape = x.shape
+            if not (shape and shape[-1] == k and not pad and x.dtype == dtype and
+                    x.is_contiguous() and res.dim() == len(shape) and res.shape[:-1] ==
+                    shape[:-1] and res.shape[-1] == n and res.dtype == out_dtype and
+                    res.is_contiguous()) or _profiler_enabled():
+                return general(x, res)
+            out = empty(*shape[:-1], n, dtype=out_dtype)
+            rows = x.numel() // k
+            if rows:
+                fn(x.data_ptr(), w_ptr, b_ptr, res.data_ptr(), out.data_ptr(), rows, threads())
+            return out
     else:
         def run(x: torch.Tensor) -> torch.Tensor:
-            if pad or not (x.dim() == 2 and x.shape[1] == k and x.dtype == dtype
-                           and x.is_contiguous()):
-                x = prepare(x)
-            rows = x.shape[0]
-            if rows != 1 or _profiler_enabled():
-                return call(x, None)
-            out = empty_like(one_row)  # the common batch-1 call, without the helpers' frames
-            fn(x.data_ptr(), w_ptr, b_ptr, None, out.data_ptr(), 1, threads())
+            shape = x.shape
+            if not (shape and shape[-1] == k and not pad and x.dtype == dtype and
+                    x.is_contiguous()) or _profiler_enabled():
+                return general(x)
+            out = empty(*shape[:-1], n, dtype=out_dtype)
+            rows = x.numel() // k
+            if rows:
+                fn(x.data_ptr(), w_ptr, b_ptr, None, out.data_ptr(), rows, threads())
             return out
 
     run.spec, run.packed_weight, run.bias = spec, packed, bias_c  # keep the buffers alive

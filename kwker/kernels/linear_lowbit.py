@@ -179,8 +179,9 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
                        dtype: torch.dtype | None = None, lead: tuple | None = None):
     """``callable(x (m, K)[, residual (m, N)]) -> (m, N)`` for a torchao quantised ``weight``.
 
-    ``m=None``: any row count. ``dtype`` (default: the weight's) is the type of x, the residual
-    and the output (float32 or bfloat16; sums, bias and epilogue in float32, one rounding).
+    ``m=None``: any row count, x of any leading dims (``(..., K) -> (..., N)``). ``dtype``
+    (default: the weight's) is the type of x, the residual and the output (float32 or
+    bfloat16; sums, bias and epilogue in float32, one rounding).
     ``lead``: the leading dims of x, the residual and the output in place of ``(m,)`` (their
     product ``m``), e.g. a decoder's (1, 1, K) token taken as it is."""
     lead = tuple(int(d) for d in lead) if lead else None if m is None else (m,)
@@ -232,7 +233,8 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
 
     def either(x, r):
         return (gemv if x.shape[0] < PREFILL_ROWS else prefill)(x, r)
-    return _wrap(either, [spec] + specs, buffers, n, k, m, residual, dtype)
+    return _any_rows(spec, buffers, dtype,
+                     _wrap(either, [spec] + specs, buffers, n, k, m, residual, dtype))
 
 
 # (id(qdata), lanes, padded K, rr, groups) -> (weakref to qdata, the versions of its tensors,
@@ -301,6 +303,58 @@ def _leading(run, lead: tuple, k: int, n: int, residual: bool):
             return run(rows(x, k, "input")).view(*lead, n)
     shaped.__dict__.update(run.__dict__)
     return shaped
+
+
+def _any_rows(spec: LowbitGemmSpec, buf: Buffers, dtype, checked_run):
+    """The factory's callable for any row count: x of any leading dims (``(..., K) -> (...,
+    N)``, as ``F.linear``). Decode-sized rows of contiguous x go to the decode kernel in this one
+    frame, with no view around it; the rest through ``checked_run`` (checks, the prefill
+    schedules, the profiler) on (rows, K) views. Each frame and view a token's ~50 calls
+    shed counts several times its warm price after the weights have emptied the caches."""
+    fn = entry(spec, 7, 2)
+    w_p, s_p, z_p, b_p = buf.ptrs()
+    n, k = spec.n, spec.k
+    empty, threads = torch.empty, torch.get_num_threads
+
+    def general(x, res):
+        if x.dim() in (0, 2):
+            return checked_run(x, res) if spec.residual else checked_run(x)
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
+        if not spec.residual:
+            return checked_run(x).view(*lead, n)
+        if res.shape[:-1] == lead:
+            res = res.reshape(-1, res.shape[-1])
+        return checked_run(x, res).view(*lead, n)
+
+    if spec.residual:
+        def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+            shape = x.shape
+            if shape and shape[-1] == k and x.dtype == dtype and x.is_contiguous() and \
+                    res.dim() == len(shape) and res.shape[:-1] == shape[:-1] and \
+                    res.shape[-1] == n and res.dtype == dtype and res.is_contiguous() and \
+                    not _profiler_enabled():
+                rows = x.numel() // k
+                if 0 < rows < PREFILL_ROWS:
+                    out = empty(*shape[:-1], n, dtype=dtype)
+                    fn(x.data_ptr(), w_p, s_p, z_p, b_p, res.data_ptr(), out.data_ptr(), rows,
+                       threads())
+                    return out
+            return general(x, res)
+    else:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            shape = x.shape
+            if shape and shape[-1] == k and x.dtype == dtype and x.is_contiguous() and \
+                    not _profiler_enabled():
+                rows = x.numel() // k
+                if 0 < rows < PREFILL_ROWS:
+                    out = empty(*shape[:-1], n, dtype=dtype)
+                    fn(x.data_ptr(), w_p, s_p, z_p, b_p, None, out.data_ptr(), rows, threads())
+                    return out
+            return general(x, None)
+
+    run.specs, run.buffers, run.weight_bytes = checked_run.specs, buf, buf.nbytes
+    return run
 
 
 def _decode_run(spec: LowbitGemmSpec, buf: Buffers, dtype, lead: tuple):

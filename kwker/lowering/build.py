@@ -156,13 +156,8 @@ def _linear(m: Match, metas, consts):
     if not known(*lead):
         fn, why = make_kernel(maker, w, bias, None, epilogue=m.params["epilogue"],
                               residual=res is not None, dtype=xm.dtype, **extra)
-        if fn is None or len(lead) == 1:
-            return mark_generic(fn, True), why
-        if res is None:
-            return mark_generic(lambda x: fn(x.reshape(-1, k_in)).view(*x.shape[:-1], n_out),
-                                True), None
-        return mark_generic(lambda x, r: fn(x.reshape(-1, k_in), r.reshape(-1, n_out))
-                            .view(*x.shape[:-1], n_out), True), None
+        # generic kernels take x and the residual with their leading dims as they are
+        return mark_generic(fn, True), why
     rows = _prod(lead)
     if rows == 0 or k_in == 0:
         return None, "empty input"

@@ -104,6 +104,29 @@ def test_leading_dims_taken_as_they_are():
         make_linear(w, b, 5, lead=(2, 3))
 
 
+@pytest.mark.parametrize("dtype, k", [(torch.float32, 40), (torch.bfloat16, 40),
+                                      (torch.bfloat16, 41)], ids=["f32", "bf16", "bf16-odd-k"])
+def test_generic_kernel_takes_any_leading_dims(dtype, k):
+    """A kernel generic over rows (``m=None``) takes x of any leading dims and gives the output
+    with them, as ``F.linear`` (the lowering hands it a decoder's (batch, seq, K) as it is):
+    one row, several, none, a 1-D x, a non-contiguous x (bf16 odd K: the checked path's
+    padding); a residual of another shape is refused with the one expected."""
+    torch.manual_seed(6)
+    w, b = (torch.randn(24, k) / k ** 0.5).to(dtype), torch.randn(24).to(dtype)
+    tol = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    f = make_linear(w, b, None, "relu", True, dtype=dtype)
+    g = make_linear(w, b, None, dtype=dtype)
+    for lead in ((1, 1), (2, 3), (4, 1, 5), (0, 3), ()):
+        x, res = torch.randn(*lead, k).to(dtype), torch.randn(*lead, 24).to(dtype)
+        want = reference(x.float(), w.float(), b.float(), "relu", res.float())
+        for y in (f(x, res), f(x.transpose(0, -1).contiguous().transpose(0, -1), res)):
+            assert y.shape == (*lead, 24) and y.dtype == dtype
+            torch.testing.assert_close(y.float(), want, **(tol or dict(rtol=1e-4, atol=1e-5)))
+        assert g(x).shape == (*lead, 24)
+    with pytest.raises(ValueError, match="expected shape"):
+        f(torch.randn(2, 3, k).to(dtype), torch.randn(3, 2, 24).to(dtype))
+
+
 def test_linear_keeps_weights_and_noncontiguous_input():
     torch.manual_seed(4)
     w = torch.randn(33, 20)

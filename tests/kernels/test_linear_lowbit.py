@@ -110,6 +110,29 @@ def test_leading_dims_taken_as_they_are(lead):
             fn(x.reshape(m, 128), res.reshape(m, 72)) if residual else fn(x.reshape(m, 128))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_generic_kernel_takes_any_leading_dims(dtype):
+    """The kernel generic over rows (``m=None``) takes x of any leading dims and gives the
+    output with them, as ``F.linear``: a decoder's (1, 1, K) token and (batch, seq, K) prompts
+    on both sides of the prefill switch, a 1-D x, a non-contiguous one; a residual of another
+    shape is refused with the one expected."""
+    lin = quantized("int8-channel", 72, 128, dtype)
+    f = make_linear_lowbit(lin.weight, lin.bias.detach(), None, "gelu", True, dtype)
+    g = make_linear_lowbit(lin.weight, lin.bias.detach(), None, dtype=dtype)
+    for lead in ((1, 1), (2, 3), (3, PREFILL_ROWS), (0, 3), ()):
+        x, res = torch.randn(*lead, 128).to(dtype), torch.randn(*lead, 72).to(dtype)
+        for xs in (x, x.transpose(0, -1).contiguous().transpose(0, -1)):
+            y = f(xs, res)
+            assert y.shape == (*lead, 72) and y.dtype == dtype
+            if x.numel():
+                assert_close(y, reference(lin, x, "gelu", res, dtype), dtype, str(lead))
+        assert g(x).shape == (*lead, 72)
+        if x.numel():
+            assert_close(g(x), reference(lin, x, dtype=dtype), dtype, str(lead))
+    with pytest.raises(ValueError, match="expected shape"):
+        f(torch.randn(2, 3, 128).to(dtype), torch.randn(3, 2, 72).to(dtype))
+
+
 @pytest.mark.parametrize("fmt, dtype, k", [("int8-channel", torch.float32, 192),
                                             ("int4-group64-asym", torch.float32, 192),
                                             ("int8-channel", torch.bfloat16, 193),
