@@ -73,7 +73,10 @@ from .irutil import (
 
 GRAIN = 1 << 16     # weights per thread before a second thread pays for its fork (~2 us)
 LINE = 64           # bytes
-AHEAD = simd.STREAM_AHEAD   # bytes of weights a thread's reads are prefetched ahead
+# bytes of weights a thread's reads are prefetched ahead: an int8 W row read in place is only a
+# few lines long, too short a stream for the hardware prefetchers to follow (int8 GPT-2 decode:
+# 63 -> 73 tokens/s on Emerald Rapids)
+AHEAD = simd.STREAM_AHEAD
 CHAINS = 4          # accumulators of one x row and W row (8 measured 1-8% slower, Zen 3)
 
 
@@ -112,13 +115,6 @@ def check_format(spec, lanes: int) -> None:
         raise ValueError(f"kwker gemm_lowbit: int4 group {g} does not tile chunks of {c}")
 
 
-def _prefetch(f: Fn, addr, keep: bool = True) -> None:
-    """Ask for the line at ``addr`` ahead of its use: an int8 W row read in place is only a few
-    lines long, too short a stream for the hardware prefetchers to follow (int8 GPT-2 decode:
-    63 -> 73 tokens/s on Emerald Rapids)."""
-    simd.prefetch(f.b, addr, keep)
-
-
 class _Tile:
     """Emits the (x rows) x (W rows) tile functions of one spec."""
 
@@ -144,7 +140,7 @@ class _Tile:
         folding (for x the folded int4 tile cannot take)."""
         key = (mr, rr, exact)
         if key not in self._made and mr in ("vnni", "vnnis"):
-            self._made[key] = gemm_lowbit_vnni.emit_tile(self.module, self.s, rr, _prefetch,
+            self._made[key] = gemm_lowbit_vnni.emit_tile(self.module, self.s, rr,
                                                          streamed=mr == "vnnis", ahead=AHEAD)
         if key not in self._made:
             f = Fn(self.module, f"{self.s.symbol}.tile{mr}x{rr}{'e' if exact else ''}", void,
@@ -207,7 +203,7 @@ class _Tile:
             with f.for_range(0, vectors // u, name="c") as c:
                 at = b.add(base, b.mul(c, const(i64, u * L)))
                 for r in range(rr):
-                    _prefetch(f, simd.gep(b, w, b.add(at, const(i64, r * k + rr * k)), i8))
+                    simd.prefetch(f.b, simd.gep(b, w, b.add(at, const(i64, r * k + rr * k)), i8))
                 for j in range(u):
                     step(b.add(at, const(i64, j * L)), L)
             for j in range(vectors // u * u, vectors):
@@ -278,7 +274,7 @@ class _Tile:
                     with f.for_range(0, vectors // u, name="v") as v:
                         at = b.add(base, b.mul(v, const(i64, u * L)))
                         for line in range(0, u * L, LINE):
-                            _prefetch(f, simd.gep(b, row, b.add(at, const(i64, AHEAD + line)),
+                            simd.prefetch(f.b, simd.gep(b, row, b.add(at, const(i64, AHEAD + line)),
                                                   i8), keep=self.avx512)
                         for j in range(u):
                             step(b.add(at, const(i64, j * L)), L, j % chains)
@@ -369,11 +365,11 @@ class _Tile:
         b, s = f.b, self.s
         wat = b.add(b.mul(ci, const(i64, chunk_bytes)), const(i64, AHEAD))
         for line in range(0, chunk_bytes, LINE):
-            _prefetch(f, simd.gep(b, w, b.add(wat, const(i64, line)), i8), keep)
+            simd.prefetch(f.b, simd.gep(b, w, b.add(wat, const(i64, line)), i8), keep)
         scale_bytes = chunk_bytes * 2 // s.group * 4     # the chunk's scales (4 B per group)
         sat = b.add(b.mul(ci, const(i64, scale_bytes)), const(i64, AHEAD * 8 // s.group))
         for line in range(0, scale_bytes, LINE):
-            _prefetch(f, simd.gep(b, scale, b.add(sat, const(i64, line)), i8))
+            simd.prefetch(f.b, simd.gep(b, scale, b.add(sat, const(i64, line)), i8))
 
     def _store_sums(self, f: Fn, total, sums, mr: int, rr: int) -> None:
         b = f.b

@@ -159,7 +159,7 @@ def load_factor(b: ir.IRBuilder, head, lanes: int) -> ir.Value:
     return simd.broadcast(b, b.fptrunc(b.load(head, typ=F64), f32), lanes)
 
 
-def emit_tile(module, spec, rr: int, prefetch, streamed: bool = False,
+def emit_tile(module, spec, rr: int, streamed: bool = False,
               ahead: int = 4096) -> ir.Function:
     """``tile(row, head, w, scale, wsum, sums)``: ``sums[r]`` = x row . dequantised W row
     ``r`` for ``r < rr``, from the x row's planes and head and the W rows' sums of q.
@@ -214,8 +214,8 @@ def emit_tile(module, spec, rr: int, prefetch, streamed: bool = False,
                 q = weights(wrow, at, active)
                 for p in range(3):
                     acc[p].set(dot(acc[p].get(), plane(at, p), q))
-            k_loop(step, lambda at: prefetch(f, simd.gep(b, wrow, b.add(at, const(i64, ahead)),
-                                                         i8)))
+            k_loop(step, lambda at: simd.prefetch(
+                b, simd.gep(b, wrow, b.add(at, const(i64, ahead)), i8)))
             _finish_row(f, [a.get() for a in acc], factor, wsum, scale, sums, r)
     else:
         acc = [[f.var(I32x16, zero, f"s{r}_{p}") for p in range(3)] for r in range(rr)]
@@ -229,7 +229,7 @@ def emit_tile(module, spec, rr: int, prefetch, streamed: bool = False,
 
         def fetch(at):  # the same step of the next block's rows
             for r in range(rr):
-                prefetch(f, simd.gep(b, w, b.add(at, const(i64, r * k + rr * k)), i8))
+                simd.prefetch(b, simd.gep(b, w, b.add(at, const(i64, r * k + rr * k)), i8))
         k_loop(step, fetch)
         for r in range(rr):
             _finish_row(f, [a.get() for a in acc[r]], factor, wsum, scale, sums,
