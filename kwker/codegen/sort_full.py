@@ -20,14 +20,14 @@ def _emit_radix(rk: RowKernel):
     if rk.kt == i32:  # packed words: one store per element and pass instead of two
         P, = rk.scratch_arrays(["P"])
         H, W = rk.scratch_arrays(["H", "W"])
-        rk.fill_packed(P)
+        varying = rk.fill_packed(P)
         radix = emit_radix_sort_packed(rk.m, f"{rk.spec.symbol}.radix")
-        rk.write_packed(b.call(radix, [P, P, W, H, rk.n]), rk.n)
+        rk.write_packed(b.call(radix, [P, P, W, H, rk.n, varying]), rk.n)
         return
     K, I, K2, I2, H = rk.scratch_arrays(["K", "I", "K2", "I2", "H"])
-    rk.fill_keys(K, I)
+    varying = rk.fill_keys(K, I, varying=True)
     radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")
-    flipped = b.call(radix, [K, I, K2, I2, H, rk.n])
+    flipped = b.call(radix, [K, I, K2, I2, H, rk.n, varying])
     rk.write_sorted(b.select(flipped, I2, I), rk.n)
 
 
@@ -79,7 +79,7 @@ def _emit_presorted(rk: RowKernel):
     P, = rk.scratch_arrays(["P"])
     H, W, S = rk.scratch_arrays(["H", "W", "S"])
     algos = rk.algos(packed=True, presorted=True)
-    rk.fill_packed(W)
+    varying = rk.fill_packed(W)
     sorted_words = f.var(ptr, ir.Constant(ptr, None), "sorted")  # null: introsort throughout
     serial = b.and_(b.icmp_signed("<=", rk.a["p0"], one),
                     b.icmp_signed(">=", rk.n, const(i64, PRESORT_MIN_ROW)))
@@ -89,7 +89,7 @@ def _emit_presorted(rk: RowKernel):
         distinct.set(b.not_(_sample_has_tie(rk)))
     with f.if_(distinct.get()):
         radix = emit_radix_sort_packed(rk.m, f"{rk.spec.symbol}.radix")
-        R = b.call(radix, [W, P, S, H, rk.n])
+        R = b.call(radix, [W, P, S, H, rk.n, varying])
         last = b.sub(rk.n, one)
         high = const(i64, -(1 << 32))
 

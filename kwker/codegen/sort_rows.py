@@ -116,11 +116,16 @@ class RowKernel:
         return self._algos[key]
 
     def fill_packed(self, P):
-        """P[j] = (key(src[j]) << 32) | j: one word per element for 32-bit keys."""
+        """P[j] = (key(src[j]) << 32) | j: one word per element for 32-bit keys. Returns the
+        bits in which the keys differ, shifted as in the words (for the radix sort's digits)."""
         f, b = self.f, self.f.b
+        both, either = f.var(i64, const(i64, -1), "kand"), f.var(i64, const(i64, 0), "kor")
         with f.for_range(const(i64, 0), self.n, name="fillp") as j:
             k = b.shl(b.sext(self.key(f.load(self.vt, self.src, j)), i64), const(i64, 32))
             f.store(b.or_(k, j), P, j)
+            both.set(b.and_(both.get(), k))
+            either.set(b.or_(either.get(), k))
+        return b.xor(both.get(), either.get())
 
     def write_packed(self, P, count):
         """Values (gathered from the row: keys do not keep NaN payloads) and indices of the
@@ -233,10 +238,13 @@ class RowKernel:
     def nan_key(self):
         return const(self.kt, (1 << (self.kt.width - 1)) - 1)
 
-    def fill_keys(self, K, I, count_nan=False):
-        """K[j] = key(src[j]), I[j] = j; returns the NaN count when asked (floats)."""
+    def fill_keys(self, K, I, count_nan=False, varying=False):
+        """K[j] = key(src[j]), I[j] = j; returns the NaN count when asked (floats), or with
+        ``varying`` the bits in which the keys differ (for the radix sort's digits)."""
         f, b = self.f, self.f.b
         nnan = f.var(i64, const(i64, 0), "nnan")
+        kt = self.kt
+        both, either = f.var(kt, const(kt, -1), "kand"), f.var(kt, const(kt, 0), "kor")
         with f.for_range(const(i64, 0), self.n, name="fill") as j:
             k = self.key(f.load(self.vt, self.src, j))
             f.store(k, K, j)
@@ -244,7 +252,10 @@ class RowKernel:
             if count_nan and self.is_float:
                 isn = b.icmp_signed("==", k, self.nan_key())
                 nnan.set(b.add(nnan.get(), b.zext(isn, i64)))
-        return nnan.get()
+            if varying:
+                both.set(b.and_(both.get(), k))
+                either.set(b.or_(either.get(), k))
+        return b.xor(both.get(), either.get()) if varying else nnan.get()
 
     # ------------------------------------------------------------------ outputs
     def write(self, j, idx):

@@ -61,6 +61,27 @@ def test_large_rows(n, dtype, kernels_everywhere):
             check(lambda: torch.topk(x, k, largest=False, sorted=False), f"topk small {k}")
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.int64, torch.int32),
+                         ids=str)
+def test_stable_sort_keys_differing_in_some_digits(dtype, kernels_everywhere):
+    """The radix sort counts only the digits in which a row's keys differ (the rest get their
+    one count without a pass): keys apart in their low bits only, in one middle digit, in the
+    sign alone, in the top bits, or not at all, in rows of a network's size and beyond."""
+    g = torch.Generator().manual_seed(7)
+    for n in (40, 700, 20000):
+        pick = torch.randint(0, 3, (2, n), generator=g)
+        for name, values in (("low bits", [1 << 30, (1 << 30) + 1, (1 << 30) + 3]),
+                             ("middle digit", [1 << 30, (1 << 30) + (1 << 15), 1 << 30]),
+                             ("sign", [-5, 5, 5]), ("top bits", [0, 1 << 28, 3 << 28]),
+                             ("equal", [7, 7, 7])):
+            x = torch.tensor(values, dtype=torch.int64)[pick]
+            x = x.view(torch.int32).view(torch.float32)[:, ::2] if dtype == torch.float32 \
+                else x.view(torch.float64) if dtype == torch.float64 else x.to(dtype)
+            for desc in (False, True):
+                check(lambda: torch.sort(x, descending=desc, stable=True),
+                      f"{name} n={n} desc={desc}")
+
+
 @pytest.mark.parametrize("dtype", (torch.int64, torch.int32, torch.int16, torch.int8,
                                    torch.uint8), ids=str)
 def test_radix_path_1d(dtype, kernels_everywhere):
