@@ -141,7 +141,7 @@ class _Tile:
         key = (mr, rr, exact)
         if key not in self._made and mr in ("vnni", "vnnis"):
             self._made[key] = gemm_lowbit_vnni.emit_tile(self.module, self.s, rr,
-                                                         streamed=mr == "vnnis", ahead=AHEAD)
+                                                         streamed=mr == "vnnis")
         if key not in self._made:
             f = Fn(self.module, f"{self.s.symbol}.tile{mr}x{rr}{'e' if exact else ''}", void,
                    [ptr] * 5, ["x", "w", "scale", "zp", "sums"])
@@ -203,7 +203,7 @@ class _Tile:
             with f.for_range(0, vectors // u, name="c") as c:
                 at = b.add(base, b.mul(c, const(i64, u * L)))
                 for r in range(rr):
-                    simd.prefetch(f.b, simd.gep(b, w, b.add(at, const(i64, r * k + rr * k)), i8))
+                    simd.prefetch(b, simd.gep(b, w, b.add(at, const(i64, r * k + rr * k)), i8))
                 for j in range(u):
                     step(b.add(at, const(i64, j * L)), L)
             for j in range(vectors // u * u, vectors):
@@ -274,8 +274,8 @@ class _Tile:
                     with f.for_range(0, vectors // u, name="v") as v:
                         at = b.add(base, b.mul(v, const(i64, u * L)))
                         for line in range(0, u * L, LINE):
-                            simd.prefetch(f.b, simd.gep(b, row, b.add(at, const(i64, AHEAD + line)),
-                                                  i8), keep=self.avx512)
+                            simd.prefetch(b, simd.gep(b, row, b.add(at, const(
+                                i64, AHEAD + line)), i8), keep=self.avx512)
                         for j in range(u):
                             step(b.add(at, const(i64, j * L)), L, j % chains)
                 for j in range(vectors // u * u, vectors):
@@ -365,11 +365,11 @@ class _Tile:
         b, s = f.b, self.s
         wat = b.add(b.mul(ci, const(i64, chunk_bytes)), const(i64, AHEAD))
         for line in range(0, chunk_bytes, LINE):
-            simd.prefetch(f.b, simd.gep(b, w, b.add(wat, const(i64, line)), i8), keep)
+            simd.prefetch(b, simd.gep(b, w, b.add(wat, const(i64, line)), i8), keep)
         scale_bytes = chunk_bytes * 2 // s.group * 4     # the chunk's scales (4 B per group)
         sat = b.add(b.mul(ci, const(i64, scale_bytes)), const(i64, AHEAD * 8 // s.group))
         for line in range(0, scale_bytes, LINE):
-            simd.prefetch(f.b, simd.gep(b, scale, b.add(sat, const(i64, line)), i8))
+            simd.prefetch(b, simd.gep(b, scale, b.add(sat, const(i64, line)), i8))
 
     def _store_sums(self, f: Fn, total, sums, mr: int, rr: int) -> None:
         b = f.b

@@ -22,7 +22,8 @@ The kernels of this module, per call:
 - ``lowbit_planes``: x rows -> their planes (rows of ``plane_stride(K)`` bytes) and heads;
 - ``lowbit_panels``: a block of W rows (int8, row-major, read in place) -> AMX's B layout, the
   u8s8 GEMM's pre-packed panels (32 columns, a 32-bit word of 4 k per column, K zero-padded to
-  whole tile steps), so no packed copy of the weights outlives the call;
+  whole tile steps), so no packed copy of the weights outlives the call.
+
 The u8s8 GEMM's epilogue combines each x row's planes (``GemmSpec.planes``): on ``vpdpbusd``
 in the micro-kernel's registers, its 12-row tiles holding whole x rows; on the tiles from each
 32-row block's sums, whose rows hold whole x rows' planes (gemm_tile.py). The rows whose head
@@ -57,8 +58,8 @@ def panel_words(k: int) -> int:
 def emit(spec, target) -> ir.Module:
     if spec.family == "lowbit_panels" and spec.bits == 4:
         return _emit_panels4(spec, target)
-    return {"lowbit_planes": _emit_planes, "lowbit_panels": _emit_panels}[spec.family](spec,
-                                                                                  target)
+    emit_family = {"lowbit_planes": _emit_planes, "lowbit_panels": _emit_panels}
+    return emit_family[spec.family](spec, target)
 
 
 def grouped_words(k: int) -> int:

@@ -160,7 +160,7 @@ def load_factor(b: ir.IRBuilder, head, lanes: int) -> ir.Value:
 
 
 def emit_tile(module, spec, rr: int, streamed: bool = False,
-              ahead: int = 4096) -> ir.Function:
+              ahead: int = simd.STREAM_AHEAD) -> ir.Function:
     """``tile(row, head, w, scale, wsum, sums)``: ``sums[r]`` = x row . dequantised W row
     ``r`` for ``r < rr``, from the x row's planes and head and the W rows' sums of q.
 

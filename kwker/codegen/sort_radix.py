@@ -4,8 +4,7 @@ Any stable sort gives the one stable order, so no libstdc++ step needs emulating
 """
 from __future__ import annotations
 
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from llvmlite import ir
 
@@ -52,7 +51,7 @@ def _histograms(f: Fn, H, n, total: int, digits, load, digit, varying, shift: in
         with f.for_range(const(i64, 0), n, name="h") as i:
             x = load(i)
             for p in range(len(digits)):
-                with f.if_(varies[p]) if tested else contextlib.nullcontext():
+                with f.if_(varies[p]) if tested else nullcontext():
                     slot = digit(x, p)
                     f.store(b.add(f.load(i64, H, slot), const(i64, 1)), H, slot)
 
