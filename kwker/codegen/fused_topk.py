@@ -24,7 +24,8 @@ the rest.
 
 ``m == 0`` is the generic kernel: the row count is an argument (see ``emit_main``), the row
 tiles and the last tile's height are computed per call, and the row edge is served by variants
-of every height up to ``mr`` (bf16 screening: the edge tile is packed at its own height).
+of every height up to ``mr`` (bf16 screening: the edge tile is packed at its own height; on
+matrix tiles the edge block is read whole and its rows past the count are never screened).
 
 bf16 (``dtype="bf16"``): x and W hold bf16 (K even, in k-pair words as in gemm.py), the tile is
 computed by the bf16 GEMM micro-kernel (``vdpbf16ps`` or widened FMAs, float32 sums). The screen
@@ -41,11 +42,12 @@ float32 (``emit_dot``). ``approx="bf16"``: bf16 weights and ``vdpbf16ps``. ``app
 ``vpdpbusd``, half the bytes; see topk_int8.py for its bound. Survivors are rescored either way,
 so results are exact.
 
-Deferred rescoring (topk_int8.Deferred): with screening and one row tile (the generic kernel: at
-one row), the kernel first tries a path with no heap replay and no malloc: threads screen their
-columns against the k-th best lower bound and keep candidates; after the join only those that can
-still reach the top k are rescored. When their top k is unambiguous (k distinct values, nothing
-tied with the k-th, no NaN) it is the answer; otherwise the exact schedule above runs.
+Deferred rescoring (topk_int8.Deferred): with screening and one row tile on the vector path (the
+generic kernel: at one row), the kernel first tries a path with no heap replay and no malloc:
+threads screen their columns against the k-th best lower bound and keep candidates; after the join
+only those that can still reach the top k are rescored. When their top k is unambiguous (k distinct
+values, nothing tied with the k-th, no NaN) it is the answer; otherwise the exact schedule above
+runs.
 """
 from __future__ import annotations
 
@@ -110,11 +112,10 @@ class _Emitter(ScreenBounds):
         # padded to whole tile steps (gemm_tile.py)
         self.tiles = s.path == "tile"
         if self.tiles:
-            if not ((self.bf16 or self.half) and s.m and (s.mr, s.nr) == TOPK_TILE
+            if not ((self.bf16 or self.half) and (s.mr, s.nr) == TOPK_TILE
                     and target.tiles in ("amx", "emulated")):
                 raise ValueError("kwker topk: the tile path is for bf16 screening or bf16 "
-                                 f"scores of a fixed row count, in {TOPK_TILE} blocks, on a "
-                                 "target with tiles")
+                                 f"scores, in {TOPK_TILE} blocks, on a target with tiles")
             self.kwa = padded_k(self.kwa)
         self.tile_mode = target.tiles
         self.heap = Heap(self.module, s.largest)
@@ -130,8 +131,8 @@ class _Emitter(ScreenBounds):
                 if fn is not None:
                     fn.attributes.add("alwaysinline")
         # one row tile of screened scores: screen all, rescore the few that can make the top k
-        self.fast = Deferred(self, s.m, s.mr) if self.screen and 0 < s.m <= s.mr \
-            and not self.tiles else Deferred(self, 1, 1) if self.bf16 and not s.m else None
+        self.fast = None if self.tiles else Deferred(self, s.m, s.mr) if self.screen and \
+            0 < s.m <= s.mr else Deferred(self, 1, 1) if self.bf16 and not s.m else None
         body = self.emit_body()
         self.emit_main(body)
 
@@ -199,7 +200,7 @@ class _Emitter(ScreenBounds):
         if self.int8:
             b.call(emit_pack_int8(self.module, s.mr, s.k_dim),
                    [x_rows, b.sub(row1, row0), ap, qnorm])
-        elif self.bf16 and s.m:
+        elif self.bf16 and (s.m or self.tiles):  # whole tiles, zero past the rows
             b.call(emit_pack_bf16(self.module, s.mr, s.k_dim, kp if self.tiles else 0),
                    [x_rows, b.sub(row1, row0), ap, qnorm])
         elif self.bf16:

@@ -10,7 +10,8 @@
   ``tdpbf16ps`` and ``tilerelease`` and spills no tile register; the emulated build holds no
   tile instruction.
 - The fused top-k on tiles, float32 (its bf16 screen) and bf16 (its scores): torch.topk's
-  answer on the scores Kwker's linear gives, ties included.
+  answer on the scores Kwker's linear gives, ties included, for fixed row counts and for any
+  (the tile kernel from ``TILE_MIN_ROWS`` rows, the vector one below).
 - The int8 tile GEMM (u8 x s8 on ``tdpbusd``, per-column scales) equals float32 arithmetic on
   the exact integer sums, bit for bit, natively and emulated; so does its vector form on
   ``vpdpbusd`` (AVX512_VNNI), natively where the CPU has VNNI, and in the assembly anywhere.
@@ -134,6 +135,24 @@ def check_topk_screen(m, n, kd, k, largest) -> None:
     check_topk(wi, xi, k, largest, exact=True)
 
 
+def check_topk_generic(half: bool) -> None:
+    """The fused top-k for any row count: the tile path's kernel from ``TILE_MIN_ROWS`` rows on,
+    the vector path's below; torch.topk's values and tie order at each count (small integers:
+    every score exact, ties plentiful; float32 with its bf16 screen, or bf16 scores)."""
+    g = torch.Generator().manual_seed(5 + half)
+    dt = BF16 if half else torch.float32
+    w = torch.randint(-2, 3, (3001, 48), generator=g).float().to(dt)
+    x = torch.randint(-2, 3, (40, 48), generator=g).float().to(dt)
+    scores = x.float() @ w.float().t()  # exact, in bf16 too (|score| <= 192)
+    for largest in (True, False):
+        f = make_linear_topk(w, None, 10, largest, dtype=dt)
+        assert f.spec.path == "tile" and f.spec.m == 0
+        for m in (1, 4, blocking.TILE_MIN_ROWS, 16, 17, 40):
+            v, i = f(x[:m])
+            rv, ri = torch.topk(scores[:m], 10, largest=largest)
+            assert torch.equal(i, ri) and torch.equal(v.float(), rv), (half, largest, m)
+
+
 SPECIAL_SCREEN_CASES = ["nan_w", "inf_w", "nan_x", "zero_x", "tiny", "huge", "smallest"]
 
 
@@ -171,6 +190,9 @@ def _worker(out: str, generic: str = "all") -> int:
     for case in SPECIAL_SCREEN_CASES if host_target().has("avx512bf16") else ():
         check_topk_screen_special(case)
         print("topk screen", case, "ok")
+    for half in (False, True) if host_target().has("avx512bf16") else (True,):
+        check_topk_generic(half)   # raises on a mismatch
+        print("topk any rows", "bf16" if half else "float32", "ok")
     for case in BF16_TOPK_CASES:
         ok, why = check_bf16_topk(*case)
         bad += not ok
@@ -286,6 +308,11 @@ def test_native_topk_screen_on_tiles(case, threads, native_tiles):
 @pytest.mark.parametrize("case", SPECIAL_SCREEN_CASES)
 def test_native_topk_screen_special_values(case, threads, native_tiles):
     check_topk_screen_special(case)
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "bf16"])
+def test_native_topk_any_rows_on_tiles(half, threads, native_tiles):
+    check_topk_generic(half)
 
 
 @pytest.mark.parametrize("case", BF16_TOPK_CASES, ids=str)
