@@ -142,7 +142,8 @@ def _any_rows(build, weight_rows, k, largest, dtype, half, options, target):
 
     def run(x: torch.Tensor):
         return (many if x.dim() == 2 and x.shape[0] >= least else few)(x)
-    run.spec, run.buffers = many.spec, (few.buffers, many.buffers)
+    run.spec, run.specs, run.buffers = many.spec, [few.spec, many.spec], (few.buffers,
+                                                                         many.buffers)
     return run
 
 
