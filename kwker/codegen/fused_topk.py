@@ -130,9 +130,13 @@ class _Emitter(ScreenBounds):
                        defined(self.module, f"dot.{s.k_dim}.{self.L}")):
                 if fn is not None:
                     fn.attributes.add("alwaysinline")
-        # one row tile of screened scores: screen all, rescore the few that can make the top k
-        self.fast = None if self.tiles else Deferred(self, s.m, s.mr) if self.screen and \
-            0 < s.m <= s.mr else Deferred(self, 1, 1) if self.bf16 and not s.m else None
+        # one row tile of screened scores on the vector path: screen all, rescore the few that
+        # can make the top k
+        self.fast = None
+        if self.screen and 0 < s.m <= s.mr and not self.tiles:
+            self.fast = Deferred(self, s.m, s.mr)
+        elif self.bf16 and not s.m and not self.tiles:
+            self.fast = Deferred(self, 1, 1)
         body = self.emit_body()
         self.emit_main(body)
 
