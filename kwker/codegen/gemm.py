@@ -41,12 +41,12 @@ generic kernel serves decode-sized batches nearly as fast as a specialised one.
 ``ksplit`` accumulator sets for enough FMA chains) and for a runtime B only one or two panels
 wide (each A row is used once or twice: packing it would cost as much as the product).
 
-Low-bit B (``b_bits``: a transposed B on the vector path, as the weight-only int8 / int4 linears'
-prefill uses it): B is int8 or int4 W rows in gemm_lowbit.py's layout, its float32 scales and
-int8 zero points two more pointers after the five. Where a runtime B is packed (``ic``), each
-panel's rows are dequantised into an L1 buffer (gemm_lowbit_unpack.emit_slice) and packed from
-there as a transposed B, so the product never makes a float copy of the weights. int4 K blocks
-are whole chunks of the layout.
+Low-bit B (``b_bits``: a transposed B, on the vector path or the bf16 tiles, as the weight-only
+int8 / int4 linears' prefill uses it): B is int8 or int4 W rows in gemm_lowbit.py's layout, its
+float32 scales and int8 zero points two more pointers after the five. Where a runtime B is
+packed (``ic``), each panel's rows are dequantised ``UNPACK_WORDS`` k words at a time into an L1
+buffer (gemm_lowbit_unpack.emit_slice) and packed from there as a transposed B, so the product
+never makes a float copy of the weights. int4 K blocks are whole chunks of the layout.
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ MIN_FLOPS_PER_THREAD = 1 << 18  # ~2.5 us of FMAs: a fork (~1 us) pays off above
 # (~3 us of a streaming read) pays off too, however few the FLOPs (a decode row's GEMV)
 MIN_WEIGHT_BYTES_PER_THREAD = 1 << 16
 SMALL_ROWS = 8  # generic over M with packed weights: up to this many rows, the small-M schedule
+UNPACK_WORDS = 64
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -143,6 +144,12 @@ class _Plan:
         # pre-packed weights streamed from memory are prefetched on AVX-512 (gemm_micro.py)
         self.prefetch = simd.STREAM_AHEAD if self.lanes == 16 else 0
         self.weights = self._lowbit_weights(target) if self.lowbit else None
+        # k words of a low-bit B dequantised at a time, then packed: whole int4 chunks, and a
+        # panel's 32 rows of them (8 KB) stay in L1 (all of a K block, 48 KB at K = 768 in
+        # bf16, filled L1 and went through L2)
+        self.unpack_words = min(self.kc, max(
+            UNPACK_WORDS, gemm_lowbit.chunk(spec.b_bits, self.lanes) // per_word)) \
+            if self.lowbit else 0
         self.n_ptrs = 7 if self.lowbit else 8 if self.planes else 5
         self.pack_b = spec.b_layout == "nk" or (spec.b_layout == "kn" and
                                                  (spec.a_pack or self.bf16))
@@ -156,9 +163,9 @@ class _Plan:
     def _lowbit_weights(self, target) -> gemm_lowbit_unpack.WeightFormat:
         """The low-bit B's format (GemmSpec.b_bits), checked against what this nest can do."""
         s = self.s
-        if s.b_layout != "nk" or self.tiles or self.int8 or s.batch != 1 or s.b_bits not in (4, 8):
+        if s.b_layout != "nk" or self.int8 or s.batch != 1 or s.b_bits not in (4, 8):
             raise ValueError(f"kwker gemm: low-bit weights (b_bits={s.b_bits}) are a "
-                             f"transposed B of one batch on the vector path, in f32 or bf16")
+                             f"transposed B of one batch, in f32 or bf16")
         fmt = gemm_lowbit_unpack.WeightFormat(s.b_bits, s.k, s.b_group, s.b_zp, s.b_rr,
                                               s.dtype)
         gemm_lowbit.check_format(fmt, self.lanes)
@@ -356,11 +363,16 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
     free = intrinsic(module, "free", ir.VoidType(), [ptr])
     ptrs = (a_all, b_all, bias, res_all, c_all)
     split = (bt0, bt1, t0, t1, q0, q1, u0, u1)
+    raws = []
+    if p.lowbit:  # one panel's rows dequantised, before they are packed
+        raw, rows_buf = aligned_malloc(f, s.nr * p.unpack_words * 4)
+        raws.append(raw)
+        quant = quant + (rows_buf,)
     if p.tiles:
-        raws, bufs = gemm_tile.allocate(f, p)
+        tile_raws, bufs = gemm_tile.allocate(f, p)
+        raws += tile_raws
         acc = bufs[-1]
     else:
-        raws = []
         ap = bp = acc = None
         if s.a_pack:
             raw, ap = aligned_malloc(f, s.mc * p.kc * 4)
@@ -368,10 +380,6 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
         if p.pack_b:
             raw, bp = aligned_malloc(f, s.nb * s.nr * p.kc * 4)
             raws.append(raw)
-        if p.lowbit:  # one panel's rows dequantised, before they are packed
-            raw, rows_buf = aligned_malloc(f, s.nr * p.kc * 4)
-            raws.append(raw)
-            quant = quant + (rows_buf,)
         if p.bf16 or p.planes:
             rows = s.mr if p.one_block else p.tiles_per_chunk * s.mr
             raw, acc = aligned_malloc(f, rows * (s.nr if p.one_block else s.n) * 4)
@@ -384,7 +392,8 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
             bt1.set(bt0.get())  # the blocked loop nest below has nothing left to do
 
     if p.tiles:
-        gemm_tile.emit_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs, quant)
+        gemm_tile.emit_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs, quant,
+                            _lowbit_packer(module, p))
     else:
         _emit_vector_nest(f, p, ptrs, m_rows, n_batch, mt, split, bufs, quant)
     for raw in raws:
@@ -406,10 +415,8 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs,
             variants[rows, cols] = emit_micro(module, p.micro(rows, cols))
     kw = p.kw
     pack_a = emit_pack_rows(module, s.mr, kw, L) if s.a_pack else None
-    if p.lowbit:  # rows of one panel dequantised into a buffer of kc words a row
-        pack_b = emit_pack_rows(module, s.nr, p.kc, L)
-        unpack = gemm_lowbit_unpack.emit_slice(module, p.weights, p.target,
-                                                   p.kc * p.per_word)
+    if p.lowbit:
+        pack_lowbit = _lowbit_packer(module, p)
     elif s.b_layout == "nk":
         pack_b = emit_pack_rows(module, s.nr, kw, L)
     elif p.pack_b:
@@ -452,7 +459,7 @@ def _emit_vector_nest(f: Fn, p: _Plan, ptrs, m_rows, n_batch, mt, split, bufs,
                     qb1 = b.add(qb0, const(i64, s.nb))
                     qb1 = b.select(b.icmp_signed("<", qb1, q1.get()), qb1, q1.get())
                     if p.lowbit:
-                        _pack_lowbit(f, p, b_all, quant, unpack, pack_b, qb0, qb1, k0, kcl, bp)
+                        pack_lowbit(f, b_all, quant, qb0, qb1, k0, kcl, bp, kcl)
                     elif p.pack_b:
                         col0 = b.mul(qb0, const(i64, s.nr))
                         cols = b.sub(b.select(
@@ -519,19 +526,36 @@ def _planes_tile(f: Fn, p: _Plan, c_mat, r_mat, quant, t, q) -> tuple:
             [head, simd.gep(b, scale, col), simd.gep(b, qsum, col, i32)])
 
 
-def _pack_lowbit(f: Fn, p: _Plan, w, quant, unpack, pack_b, qb0, qb1, k0, kcl, bp) -> None:
-    """Panels ``qb0 .. qb1`` of a low-bit B over K block ``k0``: each panel's W rows
+def _lowbit_packer(module: ir.Module, p: _Plan):
+    """``pack(f, w, quant, qb0, qb1, k0, kcl, bp, ld)``, or None without a low-bit B: panels
+    ``qb0 .. qb1`` of the low-bit B over K block ``k0`` (``kcl`` words) into ``bp``, ``ld``
+    words a panel row apart (the tile path: K padded to whole steps); each panel's W rows
     dequantised into the row buffer (L1), then packed as a transposed B is."""
-    b, s = f.b, p.s
-    scale, zp, rows_buf = quant
-    pw = const(i64, p.per_word)
-    ka = b.mul(k0, pw)                       # k of the block's first word
-    kn = b.sub(const(i64, s.k), ka)
-    kn = b.select(b.icmp_signed("<", kn, b.mul(kcl, pw)), kn, b.mul(kcl, pw))
-    with f.for_range(qb0, qb1, name="uq") as q:
-        row0 = b.mul(q, const(i64, s.nr))
-        rows = b.sub(const(i64, s.n), row0)
-        rows = b.select(b.icmp_signed("<", rows, const(i64, s.nr)), rows, const(i64, s.nr))
-        b.call(unpack, [w, scale, zp, row0, rows, ka, kn, rows_buf])
-        dst = simd.gep(b, bp, b.mul(b.sub(q, qb0), b.mul(kcl, const(i64, s.nr))))
-        b.call(pack_b, [rows_buf, rows, kcl, dst])
+    if not p.lowbit:
+        return None
+    s = p.s
+    step = p.unpack_words
+    unpack = gemm_lowbit_unpack.emit_slice(module, p.weights, p.target, step * p.per_word)
+    pack_b = emit_pack_rows(module, s.nr, step, p.lanes)
+
+    def pack(f: Fn, w, quant, qb0, qb1, k0, kcl, bp, ld) -> None:
+        b = f.b
+        scale, zp, rows_buf = quant
+        pw = const(i64, p.per_word)
+        with f.for_range(qb0, qb1, name="uq") as q:
+            row0 = b.mul(q, const(i64, s.nr))
+            rows = b.sub(const(i64, s.n), row0)
+            rows = b.select(b.icmp_signed("<", rows, const(i64, s.nr)), rows,
+                            const(i64, s.nr))
+            panel = simd.gep(b, bp, b.mul(b.sub(q, qb0), b.mul(ld, const(i64, s.nr))))
+            with f.for_range(0, kcl, step=step, name="uk") as c:
+                words = b.sub(kcl, c)
+                words = b.select(b.icmp_signed("<", words, const(i64, step)), words,
+                                 const(i64, step))
+                ka = b.mul(b.add(k0, c), pw)     # k of the piece's first word
+                kn = b.sub(const(i64, s.k), ka)
+                kn = b.select(b.icmp_signed("<", kn, b.mul(words, pw)), kn, b.mul(words, pw))
+                b.call(unpack, [w, scale, zp, row0, rows, ka, kn, rows_buf])
+                b.call(pack_b, [rows_buf, rows, words,
+                                simd.gep(b, panel, b.mul(c, const(i64, s.nr)))])
+    return pack

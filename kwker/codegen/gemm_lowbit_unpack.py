@@ -1,15 +1,12 @@
 """The prefill side of the low-bit linear: int8 / int4 weights dequantised per call.
 
-Two forms, both exactly torchao's float32 ``(q - zp) * scale`` (bf16: rounded once); the weights'
-layouts are gemm_lowbit.py's:
-
-- ``emit_slice``: a block of W rows and a K range into a small buffer, called by the GEMM
-  driver as it packs each L2 block of B panels (``GemmSpec.b_bits``, codegen/gemm.py): the
-  dequantised weights exist only a panel at a time, in L1, between the int8 / int4 rows and the
-  packed panels. On the vector path this replaced a whole dequantised copy per call, written
-  to memory and packed again (GPT-2, 128 rows, float32, Zen 5: see the README).
-- ``emit``: ``sym(w, scale, zp, dst, nthreads)`` writes the whole weight row-major (N, ``ld``):
-  the B operand of the tile path's GEMM (bf16 on AMX), which packs its panels itself.
+``emit_slice``: a block of W rows and a K range into a small buffer, exactly torchao's float32
+``(q - zp) * scale`` (bf16: rounded once), the weights in gemm_lowbit.py's layouts. The GEMM
+driver calls it as it packs each L2 block of B panels (``GemmSpec.b_bits``, codegen/gemm.py), a
+panel's rows a piece of K at a time: the dequantised weights exist only there, in L1, between
+the int8 / int4 rows and the packed panels. This replaced a whole dequantised copy per call,
+written to memory and packed again, on the vector path (GPT-2, 128 rows, float32, Zen 5: see the
+README) and on the tiles (kernels/linear_lowbit_prefill.py).
 """
 from __future__ import annotations
 
@@ -17,8 +14,8 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from . import bf16, omp, simd
-from .gemm_lowbit import GRAIN, _start, _Tile, chunk
+from . import bf16, simd
+from .gemm_lowbit import _Tile, chunk
 from .irutil import Fn, const, defined, f32, i8, i16, i32, i64, ptr, void
 
 
@@ -31,26 +28,6 @@ class WeightFormat:
     zero_point: bool
     rr: int            # int4: rows per block of the packed layout
     dtype: str         # of the dequantised values ("f32" | "bf16")
-
-
-def emit(spec, target) -> ir.Module:
-    """``sym(w, scale, zp, dst, nthreads)``: the dequantised weights, row-major (N, ``ld``)
-    float32 or bf16 (rounded once), built per call and dropped after it, so the process holds
-    no float copy between calls."""
-    L, module, tiles, body, ctx = _start(spec, target)
-    b = body.b
-    w, scale, zp, dst = (ctx.ptr(slot) for slot in range(4))
-    begin, end = omp.split(body, spec.n, body.args[1], body.args[2])
-    elem = i16 if spec.dtype == "bf16" else f32
-    with body.for_range(begin, end, name="row") as n:
-        wr, sr, zr = _row_ptrs(b, spec, tiles, w, scale, zp, n)
-        _unpack_row(body, spec, tiles, wr, sr, zr,
-                    simd.gep(b, dst, b.mul(n, const(i64, spec.ld)), elem),
-                    const(i64, 0), const(i64, spec.k))
-    body.finish()
-    omp.emit_parallel(module, spec.symbol, [ptr] * 4, body.fn,
-                      max_threads=max(1, spec.n * spec.k // GRAIN))
-    return module
 
 
 def emit_slice(module: ir.Module, fmt: WeightFormat, target, ld: int) -> ir.Function:
@@ -73,11 +50,18 @@ def emit_slice(module: ir.Module, fmt: WeightFormat, target, ld: int) -> ir.Func
     with f.for_range(0, rows, name="row") as r:
         wr, sr, zr = _row_ptrs(b, fmt, tiles, w, scale, zp, b.add(row0, r))
         out = simd.gep(b, dst, b.mul(r, const(i64, ld)), elem)
-        _unpack_row(f, fmt, tiles, wr, sr, zr, out, k0, kn)
+        _unpack_row(f, fmt, tiles, wr, sr, zr, out, k0, kn, _native(tiles, target))
         if fmt.dtype == "bf16" and fmt.k % 2:
             with f.if_(b.icmp_signed("==", b.add(k0, kn), const(i64, fmt.k))):
                 simd.store_scalar(b, const(i16, 0), out, kn)
     return f.finish()
+
+
+def _native(tiles: _Tile, target) -> bool:
+    """Whether bf16 is rounded by ``vcvtneps2bf16`` (one instruction where the emulation of the
+    same rounding takes nine: GPT-2's 2304 x 768 int8 weights, 128 bf16 rows, on AMX tiles:
+    the dequantisation was 28% of the product)."""
+    return tiles.L == 16 and target.has("avx512bf16")
 
 
 def _row_ptrs(b: ir.IRBuilder, spec, tiles: _Tile, w, scale, zp, n) -> tuple:
@@ -92,8 +76,9 @@ def _row_ptrs(b: ir.IRBuilder, spec, tiles: _Tile, w, scale, zp, n) -> tuple:
             simd.gep(b, zp, b.mul(n, const(i64, tiles.ng)), i8))
 
 
-def _unpack_row(f: Fn, spec, tiles: _Tile, w, scale, zp, out, k0, kn) -> None:
-    """``out[j] = deq(W row)[k0 + j]`` for ``j < kn`` (see ``emit_slice`` for the bounds)."""
+def _unpack_row(f: Fn, spec, tiles: _Tile, w, scale, zp, out, k0, kn, native: bool) -> None:
+    """``out[j] = deq(W row)[k0 + j]`` for ``j < kn`` (see ``emit_slice`` for the bounds;
+    ``native``: bf16 rounded by ``vcvtneps2bf16``)."""
     b, L, k = f.b, tiles.L, spec.k
     vt, it = simd.vty(L), simd.vty(L, i32)
     end = b.add(k0, kn)
@@ -103,7 +88,7 @@ def _unpack_row(f: Fn, spec, tiles: _Tile, w, scale, zp, out, k0, kn) -> None:
         """Store vector ``v`` of k ``at`` (``first``: the same, when known at compile time)."""
         active = L if first is None or first + L <= k else k - first
         if active > 0:
-            bf16.store_as(b, spec.dtype, v, out, b.sub(at, k0), active)
+            bf16.store_as(b, spec.dtype, v, out, b.sub(at, k0), active, native)
 
     def scale_of(gi):
         return simd.broadcast(b, simd.load_scalar(b, scale, gi), L)

@@ -9,7 +9,8 @@ Operands in tile layout:
 - B: the pair-interleaved panels of the vector path (``nr`` = 32 columns, one word per k pair
   and column) are AMX's B layout already: a B tile is 16 panel rows, 128 bytes apart. Each
   pre-packed panel's K is zero-padded to whole steps (``padded_k``), so the last step of K reads
-  zeros, not the next panel; a runtime B is packed per K block the same way. Pre-packed
+  zeros, not the next panel; a runtime B is packed per K block the same way (a low-bit B
+  dequantised on the way, gemm.py's ``b_bits``). Pre-packed
   panels are streamed as the vector micro-kernel streams them (``simd.STREAM_AHEAD``): each
   step's 2 KB of B prefetched that many bytes ahead (Intel Xeon with AMX, 2 threads, bf16,
   alternating processes: weights evicted between calls 8 x 4096 x 1024 0.35-0.40 -> 0.27 ms,
@@ -84,9 +85,12 @@ def allocate(f: Fn, p) -> tuple[list, tuple]:
     return raws, (ap, bp, acc)
 
 
-def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None) -> None:
+def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
+              pack_lowbit=None) -> None:
     """The tile loop nest of one thread (module doc); ``split`` and ``bufs`` as gemm.py's,
-    ``quant``: with byte planes, the x rows' heads, the columns' scales and sums of q."""
+    ``quant``: with byte planes, the x rows' heads, the columns' scales and sums of q; with a
+    low-bit B, its scales, zero points and row buffer, which ``pack_lowbit`` (gemm.py) packs
+    its panels through."""
     s, b, module = p.s, f.b, f.module
     a_all, b_all, bias, res_all, c_all = ptrs
     bt0, bt1, t0, t1, q0, q1, u0, u1 = split
@@ -96,7 +100,9 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None) -> N
     regs = block_registers(tiles)
     pack_a = emit_pack_a_tiles(module, kw, p.a_rows)
     a_rows = const(i64, p.a_rows)
-    if s.b_layout == "nk":
+    if pack_lowbit is not None:
+        pass
+    elif s.b_layout == "nk":
         pack_b = emit_pack_rows(module, nr, kw, p.lanes)
     elif p.pack_b:
         pack_b = emit_pack_cols(module, nr, s.n, p.lanes, pairs=True)
@@ -128,7 +134,10 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None) -> N
                                 rows, kcl, ap])
                 with f.for_range(q0.get(), q1.get(), step=s.nb, name="ic") as qb0:
                     qb1 = _min(b, b.add(qb0, const(i64, s.nb)), q1.get())
-                    if p.pack_b:
+                    if pack_lowbit is not None:
+                        pack_lowbit(f, b_all, quant, qb0, qb1, k0, kcl, bp, kcp)
+                        _zero_pad(f, p, qb0, qb1, kcl, kcp, bp)
+                    elif p.pack_b:
                         _pack_b_block(f, p, pack_b, b_mat, qb0, qb1, k0, kcl, kcp, bp)
                     with f.for_range(tc0, tc1, name="jr") as t:
                         a_tile = simd.gep(b, ap, b.mul(b.sub(t, tc0), b.mul(kcp, const(i64, 32))),
@@ -416,7 +425,6 @@ def _pack_b_block(f: Fn, p, pack_b, b_mat, qb0, qb1, k0, kcl, kcp, bp) -> None:
     pairs past ``kcl`` zero."""
     s, b = p.s, f.b
     nr = s.nr
-    zero = ir.Constant(I32x16, [ir.Constant(i32, 0)] * 16)
     with f.for_range(qb0, qb1, name="pb") as q:
         col0 = b.mul(q, const(i64, nr))
         cols = _min(b, b.sub(const(i64, s.n), col0), const(i64, nr))
@@ -427,6 +435,16 @@ def _pack_b_block(f: Fn, p, pack_b, b_mat, qb0, qb1, k0, kcl, kcp, bp) -> None:
                                            col0), i16)
         dst = simd.gep(b, bp, b.mul(b.sub(q, qb0), b.mul(kcp, const(i64, nr))), i32)
         b.call(pack_b, [src, cols, kcl, dst])
+    _zero_pad(f, p, qb0, qb1, kcl, kcp, bp)
+
+
+def _zero_pad(f: Fn, p, qb0, qb1, kcl, kcp, bp) -> None:
+    """The k pairs past ``kcl`` (up to the whole step ``kcp``) of panels [qb0, qb1) in
+    ``bp`` zero: the last step of a product reads them."""
+    b, nr = f.b, p.s.nr
+    zero = ir.Constant(I32x16, [ir.Constant(i32, 0)] * 16)
+    with f.for_range(qb0, qb1, name="zq") as q:
+        dst = simd.gep(b, bp, b.mul(b.sub(q, qb0), b.mul(kcp, const(i64, nr))), i32)
         with f.for_range(kcl, kcp, name="pz") as r:
             for v in range(nr // 16):
                 b.store(zero, simd.gep(b, dst, b.add(b.mul(r, const(i64, nr)),

@@ -1,17 +1,16 @@
 """The many-row (prefill) side of ``make_linear_lowbit``, and the buffers and decode call it
 shares with the factory (kernels/linear_lowbit.py).
 
-Three schedules, picked by ``prefill_run``: float32 x with int8 weights per channel on x's byte
-planes and int8 tiles (CPUs with AMX-INT8, or tiles emulated); the GEMM family's vector kernel
-with the weights dequantised panel by panel as its driver packs them (``GemmSpec.b_bits``: no
-float copy of the weights); and, where the product runs on bf16 tiles (AMX), the weights
-dequantised per call, in blocks of W rows, into the tile GEMM's runtime B. Where the user allows
-float32 products below full precision (torch's float32 matmul precision, read per call), the
-planes drop to two and float32 x may take the bf16 schedules (``_bf16_where_allowed``).
+Two schedules, picked by ``prefill_run``: x's byte planes on the u8s8 GEMM (float32 x with int8
+weights per channel where the CPU has an int8 GEMM; int4 in groups on ``vpdpbusd``); and the
+GEMM family's kernel, on the vector path or on bf16 tiles (AMX), with the weights dequantised
+panel by panel as its driver packs them (``GemmSpec.b_bits``: no float copy of the weights).
+Where the user allows float32 products below full precision (torch's float32 matmul precision,
+read per call), the planes drop to two and float32 x may take the bf16 products
+(``_bf16_where_allowed``).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,12 +25,10 @@ from .specs import (
     LowbitGemmSpec,
     LowbitPanelsSpec,
     LowbitPlanesSpec,
-    LowbitUnpackSpec,
 )
 
-# the prefill path dequantises the weights whole up to this many bytes, else in blocks of W rows
-# of PREFILL_BLOCK bytes (Emerald Rapids, 128 rows, GPT-2's 50257 x 768 head: float32 109 ->
-# 47 ms, bf16 32 -> 17; blocks of 3072 x 768 were up to 15% slower than one copy in bf16)
+# the byte planes' prefill packs the weights' panels whole up to this many bytes, else in blocks
+# of W rows of PREFILL_BLOCK bytes
 PREFILL_WHOLE, PREFILL_BLOCK = 16 << 20, 2 << 20
 
 
@@ -79,7 +76,7 @@ def prefill_run(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None) -> tup
         planes = _prefill_planes(spec, buf, dtype, m)
         # where bf16 products are allowed, int8 takes two planes; int4 the bf16 products
         return planes if spec.bits == 8 else _bf16_where_allowed(planes, spec, buf, m)
-    exact = _prefill_fused(spec, buf, dtype, m) or _prefill(spec, buf, dtype, m)
+    exact = _prefill_fused(spec, buf, dtype, m)
     return _bf16_where_allowed(exact, spec, buf, m) if spec.dtype == "f32" else exact
 
 
@@ -94,8 +91,7 @@ def _bf16_where_allowed(exact: tuple, spec: LowbitGemmSpec, buf: Buffers, m: int
     half = replace(spec, dtype="bf16")
 
     def on_bf16():
-        fn = (_prefill_fused(half, buf, torch.float32, m, out="f32") or
-              _prefill(half, buf, torch.float32, m, out="f32"))[0]
+        fn = _prefill_fused(half, buf, torch.float32, m, out="f32")[0]
         return lambda x, r: fn(x.to(torch.bfloat16), r)
     return follow_precision(("bf16",), on_bf16, lambda: call), specs
 
@@ -236,20 +232,20 @@ def _plane_count() -> int:
 
 
 def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None, out: str = ""):
-    """``call(x, residual) -> out`` for many rows on the vector path: the GEMM family's kernel
-    for ``x @ B.T`` with B the low-bit weights, dequantised panel by panel as its driver packs
-    them (``GemmSpec.b_bits``), so no float copy of the weights is made. None where the
-    blocking puts the product on tiles (bf16 on AMX: ``_prefill``). ``out="f32"``: bf16 x, a
-    float32 residual and output."""
+    """``call(x, residual) -> out`` for many rows: the GEMM family's kernel for ``x @ B.T``, on
+    the vector path or on bf16 tiles (AMX), with B the low-bit weights dequantised panel by
+    panel as its driver packs them (``GemmSpec.b_bits``), so no float copy of the weights is
+    made. On the tiles this replaced a dequantised copy of every weight per call, which the
+    GEMM then packed (Intel Xeon with AMX, 128 bf16 rows, 2 threads, GPT-2's linears of one
+    token's layers and its head: int8 35.7 -> 23.3 ms, int4 36.1 -> 22.3, against eager bf16's
+    25-26). ``out="f32"``: bf16 x, a float32 residual and output."""
     n, k, dt = spec.n, spec.k, spec.dtype
     kw = -(-k // 2) if dt == "bf16" else k       # bf16 steps over k pairs
     blk = blocking.choose(m, n, kw, b_layout="nk", dtype=dt)
-    if blk.path != "vector":
-        return None
     if spec.bits == 4 and blk.kc < kw:           # K blocks of whole int4 chunks
         step = gemm_lowbit.chunk(4, spec.lanes) // (2 if dt == "bf16" else 1)
         blk = replace(blk, kc=max(step, blk.kc // step * step))
-    if blk.a_pack:
+    if blk.a_pack and (blk.path == "vector" or blk.kc >= kw):
         # B is dequantised and packed once per chunk of M rows: one chunk where the packed A
         # fits half of L2 (Zen 5, 128 rows, float32 int8: GPT-2's head 31.4 -> 26.5 ms with
         # chunks of 128 rows instead of 80, 2304 x 768 1.25 -> 1.16)
@@ -282,65 +278,3 @@ def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None, out
         return out
     return call, [gspec]
 
-
-def _prefill(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None, out: str = ""):
-    """``call(x, residual) -> out`` for many rows: the weights dequantised per call into a
-    float32/bf16 buffer, multiplied by the GEMM family's kernel for ``x @ B.T`` with runtime B
-    (bf16: on AMX tiles where the CPU has them). Large weights go by blocks of W rows
-    (``PREFILL_BLOCK`` bytes dequantised): a block stays in cache between its dequantisation
-    and its product, and the buffer is bounded whatever N (GPT-2's head whole was a 154 MB
-    float32 copy per call). ``out="f32"``: bf16 x, a float32 residual and output."""
-    n, k, dt = spec.n, spec.k, spec.dtype
-    kk = k + (k % 2) if dt == "bf16" else k      # bf16 steps over k pairs
-    esize = 2 if dt == "bf16" else 4
-    step = math.lcm(spec.rr, 32)                 # whole int4 row blocks, whole GEMM panels
-    nb = n if n * kk * esize <= PREFILL_WHOLE else \
-        max(step, PREFILL_BLOCK // (kk * esize) // step * step)
-    blocks = [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
-    kernels, specs = {}, []
-    for width in dict.fromkeys(w for _, w in blocks):
-        unpack = LowbitUnpackSpec(width, k, spec.bits, spec.group, spec.zero_point, dt,
-                                  spec.lanes, kk, spec.rr)
-        blk = blocking.choose(m, width, kk // 2 if dt == "bf16" else k, b_layout="nk",
-                              dtype=dt)
-        gspec = GemmSpec(m or 0, width, kk, 1, "nk", spec.bias, spec.epilogue, spec.residual,
-                         **blk.as_kwargs(), dtype=dt, out=out)
-        kernels[width] = (entry(unpack, 4), entry(gspec, 5, 1 if m else 2))
-        specs += [unpack, gspec]
-    w_p, s_p, z_p, b_p = buf.ptrs()
-    # bytes from one W row to the next in each operand (int4: rows of packed nibbles)
-    w_row, s_row = (t.stride(0) * t.element_size() for t in (buf.w, buf.scale))
-    if not spec.zero_point:  # (a vnni decode kernel's row sums sit in zp's place)
-        z_p = None
-    z_row = buf.zp.stride(0) if z_p else 0
-    threads, empty = torch.get_num_threads, torch.empty
-    pad = kk != k
-    whole = len(blocks) == 1
-
-    def call(x, r):
-        rows = x.shape[0]
-        out = empty(rows, n, dtype=dtype)
-        if rows == 0:
-            return out
-        if pad:
-            x = F.pad(x, (0, 1))
-        weights = (torch.zeros if pad else empty)(blocks[0][1], kk, dtype=x.dtype)
-        for n0, width in blocks:
-            un, gemm = kernels[width]
-            un(w_p + n0 * w_row, s_p + n0 * s_row, z_p and z_p + n0 * z_row,
-               weights.data_ptr(), threads())
-            if whole:
-                dst, res = out, r
-            else:  # a block of columns: made contiguous for the kernel, copied into out
-                dst = empty(rows, width, dtype=dtype)
-                res = None if r is None else r[:, n0:n0 + width].contiguous()
-            ptrs = (x.data_ptr(), weights.data_ptr(), b_p and b_p + n0 * 4,
-                    None if res is None else res.data_ptr(), dst.data_ptr())
-            if m:
-                gemm(*ptrs, threads())
-            else:
-                gemm(*ptrs, rows, threads())
-            if not whole:
-                out[:, n0:n0 + width] = dst
-        return out
-    return call, specs

@@ -271,23 +271,6 @@ class LowbitGemmSpec(Spec):
 
 @register_spec
 @dataclass(frozen=True)
-class LowbitUnpackSpec(Spec):
-    """Low-bit weights (the layout of ``LowbitGemmSpec``) dequantised into row-major (N, ``ld``)
-    float32 or bf16: the prefill GEMM's B operand, made per call."""
-    n: int
-    k: int
-    bits: int
-    group: int
-    zero_point: bool = False
-    dtype: str = "f32"
-    lanes: int = 16
-    ld: int = 0
-    rr: int = 8            # int4: rows per block of the packed layout
-    family = "lowbit_unpack"
-
-
-@register_spec
-@dataclass(frozen=True)
 class LowbitPlanesSpec(Spec):
     """x rows (float32 or bf16, ``k`` each) -> their byte planes and heads
     (codegen/gemm_lowbit_vnni.py), the A operand of the int8 prefill on tiles; ``planes`` 3

@@ -34,7 +34,6 @@ EMITTERS = {
     "layernorm": "kwker.codegen.layernorm",
     "rope": "kwker.codegen.rope",
     "gemm_lowbit": "kwker.codegen.gemm_lowbit",
-    "lowbit_unpack": "kwker.codegen.gemm_lowbit_unpack",
     "lowbit_planes": "kwker.codegen.gemm_lowbit_planes",
     "lowbit_panels": "kwker.codegen.gemm_lowbit_planes",
 }

@@ -14,6 +14,7 @@ from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, Map
 from torchao.quantization.granularity import PerAxis, PerGroup
 
 from kwker.kernels.linear_lowbit import PREFILL_ROWS, dequantized, lowbit_weight, make_linear_lowbit
+from kwker.runtime.target import host_target
 
 FORMATS = {
     "int8-channel": (Int8WeightOnlyConfig, {}),
@@ -133,37 +134,29 @@ def test_generic_kernel_takes_any_leading_dims(dtype):
         f(torch.randn(2, 3, 128).to(dtype), torch.randn(3, 2, 72).to(dtype))
 
 
-@pytest.mark.parametrize("fmt, dtype, k", [("int8-channel", torch.float32, 192),
-                                            ("int4-group64-asym", torch.float32, 192),
-                                            ("int8-channel", torch.bfloat16, 193),
-                                            ("int4-group32", torch.bfloat16, 224)])
-def test_prefill_in_blocks_of_weight_rows(fmt, dtype, k, monkeypatch):
-    """Where the product runs on tiles (bf16 on AMX; int8 or int4 on byte planes), weights
-    too large to dequantise whole go by blocks of W rows (shrunk here to blocks of 64 or 96
-    rows and a tail): each block's scales, zero points, bias, residual columns and output
-    columns are its own; with an epilogue, specialised and generic over rows, odd K in bf16.
-    The vector path (``_prefill_fused``, tested below) is switched off so that this runs on
-    any CPU."""
+@pytest.mark.parametrize("fmt, k", [("int8-channel", 192), ("int4-group64-asym", 192)])
+def test_prefill_planes_in_blocks_of_weight_rows(fmt, k, monkeypatch):
+    """On x's byte planes, weights too large to pack whole go by blocks of W rows (shrunk here
+    to blocks of 64 or 96 rows and a tail): each block's scales, zero points, bias, residual
+    columns and output columns are its own; with an epilogue, specialised and generic over
+    rows."""
     import kwker.kernels.linear_lowbit_prefill as prefill
     from kwker.codegen.gemm_lowbit_planes import NR, grouped_words
-    monkeypatch.setattr(prefill, "_prefill_fused", lambda *args: None)
+    dtype = torch.float32
     lin = quantized(fmt, 230, k, dtype)
     rows = PREFILL_ROWS + 3
-    # bytes a W row takes in the block: dequantised, or in the panels of x's byte planes
-    planes = "lowbit_panels" in {s.family for s in make_linear_lowbit(
-        lin.weight, None, rows, dtype=dtype).specs}
-    kk = k + k % 2 if dtype == torch.bfloat16 else k
-    row_bytes = kk * (2 if dtype == torch.bfloat16 else 4)
-    if planes:
-        row_bytes = (grouped_words(k) * 4 // NR if fmt.startswith("int4") else
-                     -(-k // 64) * 64)
+    if "lowbit_panels" not in {s.family for s in make_linear_lowbit(
+            lin.weight, None, rows, dtype=dtype).specs}:
+        pytest.skip(f"{fmt} prefill does not go by byte planes on this CPU "
+                    f"({host_target().describe()})")
+    # bytes a W row takes in the panels of x's byte planes
+    row_bytes = grouped_words(k) * 4 // NR if fmt.startswith("int4") else -(-k // 64) * 64
     monkeypatch.setattr(prefill, "PREFILL_WHOLE", 0)
     monkeypatch.setattr(prefill, "PREFILL_BLOCK", 64 * row_bytes)
     for m in (rows, None):
         x, res = torch.randn(rows, k).to(dtype), torch.randn(rows, 230).to(dtype)
         fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, "gelu", True, dtype)
-        tail, block = sorted(s.n for s in fn.specs if s.family in ("lowbit_unpack",
-                                                                    "lowbit_panels"))
+        tail, block = sorted(s.n for s in fn.specs if s.family == "lowbit_panels")
         assert block in (64, 96) and tail == 230 % block, fn.specs
         assert_close(fn(x, res), reference(lin, x, "gelu", res, dtype), dtype, f"{fmt} {m}")
 
@@ -177,29 +170,44 @@ FUSED = [("int8-channel", torch.float32, 1000), ("int8-channel", torch.bfloat16,
 
 @pytest.mark.parametrize("fmt, dtype, k", FUSED, ids=[f"{f}-{str(d)[6:]}-{k}" for f, d, k in FUSED])
 def test_prefill_dequantises_panel_by_panel(fmt, dtype, k, monkeypatch):
-    """On the vector path the GEMM's driver dequantises the weights panel by panel as it packs
-    them (GemmSpec.b_bits): no whole float copy, no unpack kernel. K over one K block (int4:
+    """The GEMM's driver dequantises the weights panel by panel as it packs them (GemmSpec.b_bits),
+    on the vector path and on bf16 tiles: no whole float copy. K over one K block (int4:
     blocks of whole chunks, then a tail) and odd in bf16, also over K blocks (the pad element
     after K is zeroed in a buffer the earlier blocks filled); N not whole panels; rows in one
     chunk, in two (generic, 300 rows), and fewer than a tile; GELU and a residual. (float32
     with int8 per channel goes by byte planes where the CPU has VNNI: switched off here.)"""
     import kwker.kernels.linear_lowbit_prefill as prefill
-    from kwker.runtime.target import host_target
     monkeypatch.setattr(prefill, "_planes", lambda spec: False)
-    if host_target().tiles and dtype == torch.bfloat16:
-        pytest.skip("bf16 prefill runs on tiles on this CPU (test_prefill_in_blocks_...)")
     n = 230
     lin = quantized(fmt, n, k, dtype)
     for m, counts in ((PREFILL_ROWS + 3, [PREFILL_ROWS + 3]), (None, [PREFILL_ROWS, 45, 300])):
         fn = make_linear_lowbit(lin.weight, lin.bias.detach(), m, "gelu", True, dtype)
         families = {s.family for s in fn.specs}
         gemms = [s for s in fn.specs if s.family == "gemm"]
-        assert "lowbit_unpack" not in families and [s.b_bits for s in gemms] == [
+        assert families <= {"gemm", "gemm_lowbit"} and [s.b_bits for s in gemms] == [
             lowbit_weight(lin.weight).bits], fn.specs
         for rows in counts:
             x, res = torch.randn(rows, k).to(dtype), torch.randn(rows, n).to(dtype)
             assert_close(fn(x, res), reference(lin, x, "gelu", res, dtype), dtype,
                          f"{fmt} {m} {rows}")
+
+
+def test_bf16_prefill_on_emulated_tiles(tmp_path):
+    """The bf16 cases above on emulated tiles (AVX-512 code of the tile instructions' semantics),
+    where the prefill's product runs on the tile path as on a CPU with AMX: its driver
+    dequantises the low-bit panels as it packs them there too."""
+    import os
+    import subprocess
+    import sys
+    if host_target().vector_bits != 512:
+        pytest.skip(f"emulated tiles are AVX-512 code; this CPU: {host_target().describe()}")
+    env = dict(os.environ, KWKER_TILES="emulate", KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-p", "no:randomly", __file__, "-k",
+                        "dequantises_panel_by_panel and bfloat16"],
+                       env=env, capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, \
+        r.stdout[-3000:] + r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("fmt", ["int8-group32", "int4-group64-asym", "int8-channel"])
