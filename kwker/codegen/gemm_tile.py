@@ -100,11 +100,10 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
     regs = block_registers(tiles)
     pack_a = emit_pack_a_tiles(module, kw, p.a_rows)
     a_rows = const(i64, p.a_rows)
-    if pack_lowbit is not None:
-        pass
-    elif s.b_layout == "nk":
+    pack_b = None  # a runtime B's packer (a low-bit B has its own)
+    if pack_lowbit is None and s.b_layout == "nk":
         pack_b = emit_pack_rows(module, nr, kw, p.lanes)
-    elif p.pack_b:
+    elif pack_lowbit is None and p.pack_b:
         pack_b = emit_pack_cols(module, nr, s.n, p.lanes, pairs=True)
 
     out_t = p.out_t   # bf16, or float32 (u8s8, or a bf16 product with a float32 residual)
