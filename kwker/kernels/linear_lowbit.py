@@ -35,8 +35,8 @@ FORMATS = {"Int8Tensor", "IntxUnpackedToInt8Tensor", "LowbitTensor"}
 # W rows per block for a tile of this many x rows (mr * rr accumulators fit the registers)
 ROWS_PER_BLOCK = {1: 8, 2: 6, 3: 4, 4: 3}
 MAX_TILE_ROWS = 4
-# from this many rows the weights are dequantised per call into the GEMM family's kernel (its
-# FLOPs then outweigh one pass over the weights): see make_linear_lowbit
+# from this many rows the weights are dequantised per call as the GEMM family's kernel packs them
+# (its FLOPs then outweigh one pass over the weights): see make_linear_lowbit
 PREFILL_ROWS = 16
 PACK_ROWS = 256  # rows of int4 weights repacked at a time (see pack_int4)
 
