@@ -82,6 +82,19 @@ def kernel_dtype(dtype: torch.dtype | None, what: str) -> str:
     return name
 
 
+def on_rows(call, x: torch.Tensor, res, n: int, residual: bool):
+    """``call(x[, res])`` on x of any leading dims as (rows, K) and a residual of the same ones
+    as (rows, N); the result viewed back as (..., N). The slow path of kernels generic over rows
+    (``call`` checks shapes and says what is wrong)."""
+    if x.dim() in (0, 2):
+        return call(x, res) if residual else call(x)
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    if residual and res.shape[:-1] == lead:
+        res = res.reshape(-1, res.shape[-1])
+    return (call(x, res) if residual else call(x)).view(*lead, n)
+
+
 def checked(x: torch.Tensor, shape: tuple, name: str, dtype: torch.dtype = F32) -> torch.Tensor:
     """``x`` as a contiguous ``dtype`` tensor of ``shape`` or a useful error (slow path only)."""
     if x.dtype != dtype:

@@ -16,6 +16,7 @@ from ._call import (
     float32_precision,
     follow_precision,
     kernel_dtype,
+    on_rows,
     record_function,
 )
 from .specs import GemmSpec
@@ -322,7 +323,7 @@ def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype, out
             x = checked(x, (x.shape[0] if x.dim() == 2 else -1, k), "linear input", dtype)
         return F.pad(x, (0, 1)) if pad else x   # odd K: one zero column completes the last pair
 
-    def rows_2d(x, res):
+    def rows_2d(x, res=None):
         """The checked path on (rows, K) x and (rows, N) residual: errors, odd K, profiler."""
         x = prepare(x)
         r_ptr = None
@@ -342,15 +343,6 @@ def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype, out
             fn(x.data_ptr(), w_ptr, b_ptr, r_ptr, out.data_ptr(), rows, threads())
         return out
 
-    def general(x, res=None):
-        """Leading dims other than one through (rows, K) views of x and the residual."""
-        if x.dim() in (0, 2):
-            return rows_2d(x, res)
-        lead = x.shape[:-1]
-        if res is not None and res.shape[:-1] == lead:
-            res = res.reshape(-1, res.shape[-1])
-        return rows_2d(x.reshape(-1, x.shape[-1]), res).view(*lead, n)
-
     if spec.residual:
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
             shape = x.shape
@@ -358,7 +350,7 @@ def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype, out
                     x.is_contiguous() and res.dim() == len(shape) and res.shape[:-1] ==
                     shape[:-1] and res.shape[-1] == n and res.dtype == out_dtype and
                     res.is_contiguous()) or _profiler_enabled():
-                return general(x, res)
+                return on_rows(rows_2d, x, res, n, True)
             out = empty(*shape[:-1], n, dtype=out_dtype)
             rows = x.numel() // k
             if rows:
@@ -369,7 +361,7 @@ def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype, out
             shape = x.shape
             if not (shape and shape[-1] == k and not pad and x.dtype == dtype and
                     x.is_contiguous()) or _profiler_enabled():
-                return general(x)
+                return on_rows(rows_2d, x, None, n, False)
             out = empty(*shape[:-1], n, dtype=out_dtype)
             rows = x.numel() // k
             if rows:

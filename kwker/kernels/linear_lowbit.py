@@ -24,7 +24,7 @@ import torch
 
 from ..codegen import gemm_lowbit, gemm_lowbit_fold, gemm_lowbit_vnni, simd
 from ..runtime.target import host_target
-from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function
+from ._call import _profiler_enabled, checked, entry, kernel_dtype, on_rows, record_function
 from .linear import EPILOGUES
 from .linear_lowbit_prefill import Buffers, gemv_run, prefill_run
 from .specs import (
@@ -316,17 +316,6 @@ def _any_rows(spec: LowbitGemmSpec, buf: Buffers, dtype, checked_run):
     n, k = spec.n, spec.k
     empty, threads = torch.empty, torch.get_num_threads
 
-    def general(x, res):
-        if x.dim() in (0, 2):
-            return checked_run(x, res) if spec.residual else checked_run(x)
-        lead = x.shape[:-1]
-        x = x.reshape(-1, x.shape[-1])
-        if not spec.residual:
-            return checked_run(x).view(*lead, n)
-        if res.shape[:-1] == lead:
-            res = res.reshape(-1, res.shape[-1])
-        return checked_run(x, res).view(*lead, n)
-
     if spec.residual:
         def run(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
             shape = x.shape
@@ -340,7 +329,7 @@ def _any_rows(spec: LowbitGemmSpec, buf: Buffers, dtype, checked_run):
                     fn(x.data_ptr(), w_p, s_p, z_p, b_p, res.data_ptr(), out.data_ptr(), rows,
                        threads())
                     return out
-            return general(x, res)
+            return on_rows(checked_run, x, res, n, True)
     else:
         def run(x: torch.Tensor) -> torch.Tensor:
             shape = x.shape
@@ -351,7 +340,7 @@ def _any_rows(spec: LowbitGemmSpec, buf: Buffers, dtype, checked_run):
                     out = empty(*shape[:-1], n, dtype=dtype)
                     fn(x.data_ptr(), w_p, s_p, z_p, b_p, None, out.data_ptr(), rows, threads())
                     return out
-            return general(x, None)
+            return on_rows(checked_run, x, None, n, False)
 
     run.specs, run.buffers, run.weight_bytes = checked_run.specs, buf, buf.nbytes
     return run
