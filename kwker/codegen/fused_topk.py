@@ -298,7 +298,10 @@ class _Emitter(ScreenBounds):
 
     def tile_block(self, a_tile, wq, tile) -> None:
         """The 16 x 32 scores (bf16 approximations, or bf16 products) of one row tile and
-        panel, on matrix tiles."""
+        panel, on matrix tiles. Every row tile streams all the weight panels, prefetched
+        ``STREAM_AHEAD`` bytes ahead as the GEMM's pre-packed ones (Intel Xeon with AMX, 2
+        threads, 20000 x 128, k = 10, float32, alternating processes: 32 rows 279-304 ->
+        251-281 us, 77 rows 627-650 -> 553-576)."""
         f, kp = self.f, self.kwa
         b = f.b
         block_product(
@@ -307,7 +310,8 @@ class _Emitter(ScreenBounds):
             const(i64, kp * 4),
             lambda k, j: simd.gep(b, wq, b.add(b.mul(k, const(i64, 32)), const(i64, j * 16)),
                                   i32),
-            const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1), row_tiles=1)
+            const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1), row_tiles=1,
+            b_ahead=simd.STREAM_AHEAD)
 
     def screen_stored(self, tile, roots, rows, cols) -> ir.Value:
         """The rows (bit r: row r) of the stored block ``tile`` (32 columns a row) with a valid

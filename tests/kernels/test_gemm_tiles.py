@@ -25,10 +25,11 @@ import sys
 import pytest
 import torch
 
+from kwker.codegen.fused_topk import TOPK_TILE
 from kwker.kernels import blocking
 from kwker.kernels.linear import make_linear
 from kwker.kernels.linear_int8 import make_linear_u8s8
-from kwker.kernels.specs import GemmSpec, instruction_path
+from kwker.kernels.specs import GemmSpec, TopkGemmSpec, instruction_path
 from kwker.kernels.topk import make_linear_topk
 from kwker.runtime import cache, tile_permission
 from kwker.runtime.compiler import compile_assembly
@@ -38,7 +39,8 @@ from kwker.runtime.target import host_target, make_target, tile_mode
 sys.path.insert(0, os.path.dirname(__file__))
 from test_gemm_bf16 import check_linear, check_matmul, run_gemm_cases  # noqa: E402
 from test_gemm_bf16 import check_topk as check_bf16_topk  # noqa: E402
-from test_topk import check as check_topk, with_special_values  # noqa: E402
+from test_topk import check as check_topk  # noqa: E402
+from test_topk import with_special_values
 
 BF16 = torch.bfloat16
 LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns and K steps
@@ -354,6 +356,15 @@ def test_native_build_keeps_tiles_in_registers(layout):
     spills = re.findall(r"tile(?:stored|loadd)\s+[^\n]*(?:\(%rsp|-\d+\(%rbp)", asm)
     assert not spills, spills
     assert ("prefetcht0" in asm) == (layout == "packed")
+
+
+@pytest.mark.parametrize("m", [32, 0], ids=["32 rows", "any rows"])
+def test_native_topk_streams_its_weights(m):
+    """The fused top-k's bf16 screen on tiles prefetches its weight panels ahead of their
+    tile loads, as the GEMM streams pre-packed weights: every row tile reads all of them."""
+    spec = TopkGemmSpec(m, 20000, 128, 10, True, *TOPK_TILE, "bf16", path="tile")
+    _, asm = compile_assembly(ir_text(spec, SAPPHIRE), SAPPHIRE)
+    assert re.search(r"\btdpbf16ps\b", asm) and re.search(r"\bprefetcht0\b", asm)
 
 
 def test_emulated_build_has_no_tile_instructions():
