@@ -42,6 +42,9 @@ float32 (``emit_dot``). ``approx="bf16"``: bf16 weights and ``vdpbf16ps``. ``app
 ``vpdpbusd``, half the bytes; see topk_int8.py for its bound. Survivors are rescored either way,
 so results are exact.
 
+The generic kernel screens with int8 too, for at most ``mr`` rows a call (its caller sends it
+only those): one row tile, zero-padded past the rows.
+
 Deferred rescoring (topk_int8.Deferred): with screening and one row tile on the vector path (the
 generic kernel: at one row), the kernel first tries a path with no heap replay and no malloc:
 threads screen their columns against the k-th best lower bound and keep candidates; after the join
@@ -101,7 +104,8 @@ class _Emitter(ScreenBounds):
         self.kw = s.k_dim // 2 if self.half else s.k_dim  # k steps (words) of x and W
         if self.bf16 and not (target.has("avx512bf16") and self.L == 16 and s.nr % 16 == 0):
             raise ValueError("kwker topk: bf16 screening needs AVX512_BF16 and 16-lane panels")
-        if self.int8 and not (self.L == 16 and s.nr % 16 == 0 and s.m and s.mr >= s.m
+        # int8: one row tile (the generic kernel's caller passes at most ``mr`` rows)
+        if self.int8 and not (self.L == 16 and s.nr % 16 == 0 and s.mr >= s.m
                               and s.k_dim <= MAX_INT8_K and not self.half):
             raise ValueError("kwker topk: int8 screening needs 16-lane panels, one row tile "
                              f"and K <= {MAX_INT8_K}")
@@ -135,7 +139,7 @@ class _Emitter(ScreenBounds):
         self.fast = None
         if self.screen and 0 < s.m <= s.mr and not self.tiles:
             self.fast = Deferred(self, s.m, s.mr)
-        elif self.bf16 and not s.m and not self.tiles:
+        elif self.screen and not s.m and not self.tiles:
             self.fast = Deferred(self, 1, 1)
         body = self.emit_body()
         self.emit_main(body)

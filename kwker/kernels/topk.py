@@ -129,23 +129,41 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
 
 
 def _any_rows(weight_rows, k, largest, dtype, half, approx: str, target):
-    """The kernel for any row count: the vector path's generic kernel, joined on a CPU with
-    tiles by the tile path's for ``TILE_MIN_ROWS`` rows and more, as fixed row counts are. A
-    model served at varying batch sizes then runs its batches on the tiles (Intel Xeon with
-    AMX, 2 threads, 20000 x 128, k = 10, float32 with its bf16 screen: 32 rows 888 -> 266 us,
-    77 rows 2254 -> 612; bf16 32 rows 834 -> 227) and its few rows on the vector path (fixed
-    at 1 row: 73 us against the tiles' 88)."""
-    few = _build(weight_rows, None, k, largest, dtype, half, approx, False)
-    if not (target.tiles and (half or approx == "bf16")):
-        return few
-    many = _build(weight_rows, None, k, largest, dtype, half, approx, True)
-    least = blocking.TILE_MIN_ROWS
+    """The kernel for any row count, from generic kernels each taking the row counts it is best
+    at, as fixed row counts are served: on a CPU with tiles the tile path's from
+    ``TILE_MIN_ROWS`` rows (Intel Xeon with AMX, 2 threads, 20000 x 128, k = 10, float32 with
+    its bf16 screen: 32 rows 888 -> 266 us, 77 rows 2254 -> 612; bf16 32 rows 834 -> 227);
+    the int8 screen's up to ``MAX_INT8_ROWS`` rows, where the screen is bound by the bytes it
+    reads (there, float32, alternating processes: 1 row 71-75 -> 17-18 us, 4 rows 140-146 ->
+    67-69); the vector path's for the rest, and for every count where neither applies."""
+    kd = weight_rows.shape[1]
+    int8 = approx == "bf16" and _int8_screens(kd, target)
+    tiles = bool(target.tiles) and (half or approx == "bf16")
+    covered = int8 and tiles and blocking.TILE_MIN_ROWS <= MAX_INT8_ROWS + 1
+
+    def generic(on: bool, screen: str, on_tiles: bool):
+        return _build(weight_rows, None, k, largest, dtype, half, screen, on_tiles) if on \
+            else None
+    few = generic(int8, "int8", False)
+    rest = generic(not covered, approx, False)   # the row counts neither takes
+    many = generic(tiles, approx, True)
+    parts = [p for p in (few, rest, many) if p is not None]
+    if len(parts) == 1:
+        return rest
+    small = MAX_INT8_ROWS if few else -1
+    least = blocking.TILE_MIN_ROWS if many else 1 << 62
 
     def run(x: torch.Tensor):
-        return (many if x.dim() == 2 and x.shape[0] >= least else few)(x)
-    run.spec, run.specs, run.buffers = many.spec, [few.spec, many.spec], (few.buffers,
-                                                                         many.buffers)
+        rows = x.shape[0] if x.dim() == 2 else 0  # another shape: the first one's checks say why
+        return few(x) if rows <= small else many(x) if rows >= least else rest(x)
+    run.spec, run.specs = parts[-1].spec, [p.spec for p in parts]
+    run.buffers = tuple(p.buffers for p in parts)
     return run
+
+
+def _int8_screens(kd: int, target) -> bool:
+    """Whether the int8 screen runs here: K in its exact range, a CPU with AVX512_VNNI."""
+    return kd <= MAX_INT8_K and (target.has("avx512vnni") or target.cpu in VNNI_CPUS)
 
 
 def _paths(m, kd, half, screen, target) -> dict[str, tuple[str, bool]]:
@@ -163,8 +181,7 @@ def _paths(m, kd, half, screen, target) -> dict[str, tuple[str, bool]]:
         screen = can_screen and kd >= MIN_BF16_K
     elif screen and not can_screen:
         raise NotImplementedError("make_linear_topk: bf16 screening needs AVX512_BF16")
-    vnni = target.has("avx512vnni") or target.cpu in VNNI_CPUS
-    int8 = screen and m is not None and m <= MAX_INT8_ROWS and kd <= MAX_INT8_K and vnni
+    int8 = screen and m is not None and m <= MAX_INT8_ROWS and _int8_screens(kd, target)
     approx = "int8" if int8 else "bf16" if screen else "none"
     tiles = approx == "bf16" and tiles_ok and m >= blocking.TILE_MIN_ROWS
     out = {f"{approx} screen" + (" tile" if tiles else ""): (approx, tiles)}
@@ -195,6 +212,8 @@ def _build(weight_rows, m, k, largest, dtype, half, approx: str, tiles: bool):
                        kd, k, dtype, pad=kk != kd)
     screen, int8 = approx != "none", approx == "int8"
     mr, nr = _tile(m, n, screen)
+    if int8 and m is None:  # the generic int8 kernel: one row tile of the most rows it takes
+        mr, nr = _tile(MAX_INT8_ROWS, n, screen)
     if tiles:
         mr, nr = TOPK_TILE
     spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, approx,

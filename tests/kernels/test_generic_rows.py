@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import kwker.kernels._call as call
+from kwker.kernels import topk
 from kwker.kernels.eltwise import make_eltwise, make_gelu
 from kwker.kernels.linear import make_linear
 from kwker.kernels.topk import make_linear_topk
@@ -147,10 +148,13 @@ def test_topk_generic_ties_every_row_count(name, largest, threads, request):
     kd = 64 if name == "f32_screen" else 16
     w = tied(3001, kd, dtype=dtype)
     f, specs = built(make_linear_topk, w, None, 40, largest, **kwargs)
-    # on a CPU with tiles a second kernel, the tile path's, takes the many rows
+    # on a CPU with tiles the tile path's kernel takes the many rows; with AVX512_VNNI the
+    # int8 screen's the few of a screened float32 top-k; the vector path's any others
     tiles = name != "f32" and bool(host_target().tiles)
-    assert len(specs) == 1 + tiles and all(s.m == 0 for s in specs) and f.spec.m == 0
-    assert [s.path for s in specs] == ["vector", "tile"][:1 + tiles]
+    int8 = name == "f32_screen" and topk._int8_screens(kd, host_target())
+    paths = ["vector"] * int8 + ["vector"] * (not (int8 and tiles)) + ["tile"] * tiles
+    assert [s.path for s in specs] == paths and all(s.m == 0 for s in specs) and f.spec.m == 0
+    assert (specs[0].approx == "int8") == int8
     x = torch.randint(-8, 9, (max(ROWS), kd)).float()
     if name == "f32_screen":
         x = x * (1025 / 1024)  # exact in float32, not in bf16: the bound must work
