@@ -58,7 +58,7 @@ from llvmlite import ir
 
 from . import bf16 as bf
 from . import simd
-from .fused_topk_screen import ScreenBounds
+from .fused_topk_screen import PendingScreen, ScreenBounds, nonzero
 from .gemm_bf16 import emit_dot, emit_micro_bf16, emit_pack_bf16
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_rows
@@ -197,9 +197,11 @@ class _Emitter(ScreenBounds):
         raw_a = b.call(self.malloc, [_v(_add(b, _mul(b, _add(b, a_floats, _mul(b, m, 4)), 4),
                                              128))])
         # the float32 tile, and the stale heap root of each row the micro-kernel screens with
-        raw_t = b.call(self.malloc, [_v(_add(b, _mul(b, m, 4), s.mr * s.nr * 4 + 128))])
+        # (on tiles two: a block's scores are screened while the next block's are computed)
+        tile_floats = s.mr * s.nr * (2 if self.tiles else 1)
+        raw_t = b.call(self.malloc, [_v(_add(b, _mul(b, m, 4), tile_floats * 4 + 128))])
         ap, tile = _align64(b, raw_a), _align64(b, raw_t)
-        roots = simd.gep(b, tile, const(i64, s.mr * s.nr))
+        roots = simd.gep(b, tile, const(i64, tile_floats))
         with f.for_range(row0, row1, name="nan") as r:
             simd.store_scalar(b, ir.Constant(f32, float("nan")), roots, r)
         # |x_row| (bf16 screening), or 4 words of quantisation data per row (int8)
@@ -225,6 +227,29 @@ class _Emitter(ScreenBounds):
         log_base = b.mul(q0.get(), const(i64, s.nr))
         state = (hv, hi, cnt, nlog, logv, logi, b.zext(split_cols, i64), log_base)
         a_tile_size = s.mr * kp
+
+        def filter_block(block, q, row_t, rows, cols, which=None):
+            """Filter the rows of a block of scores (those of the ``which`` bitmask, if given):
+            ``block`` holds them, ``q`` is its panel, ``row_t`` its first row."""
+            with f.for_range(0, rows, name="fr") as r, \
+                    f.if_(b.trunc(b.lshr(which, r), i1) if which else const(i1, 1)):
+                extra = []
+                if self.screen:
+                    i_rel = b.sub(b.add(row_t, r), row0)
+                    qn = simd.gep(b, qnorm, b.mul(i_rel, const(i64, 4))) if self.int8 \
+                        else simd.load_scalar(b, qnorm, i_rel)
+                    extra = [simd.gep(b, x, b.mul(b.add(row_t, r), const(i64, s.k_dim))),
+                             qn, w_exact, evec]
+                i = b.add(row_t, r)
+                b.call(self.filter_row, [
+                    simd.gep(b, block, b.mul(r, const(i64, s.nr))), i,
+                    b.mul(q, const(i64, s.nr)), cols, *state, *extra])
+                if not self.screen:  # the root the next tiles screen with
+                    self.update_root(b, i, hv, cnt, roots)
+                elif self.tiles:  # that root less the row's widest bound
+                    self.update_screen_root(b, i, hv, cnt, roots, qn, e_max)
+
+        pending = PendingScreen(self, roots, filter_block) if self.tiles else None
         with f.for_range(q0.get(), q1.get(), name="q") as q:
             wq = simd.gep(b, w, b.mul(q, const(i64, kp * s.nr)))
             with f.for_range(t0.get(), t1.get(), name="t") as t:
@@ -232,38 +257,17 @@ class _Emitter(ScreenBounds):
                 row_t = b.mul(t, const(i64, s.mr))
 
                 def filter_rows(rows, cols, which=None):
-                    """Filter the tile's rows (those of the ``which`` bitmask, if given)."""
-                    with f.for_range(0, rows, name="fr") as r, \
-                            f.if_(b.trunc(b.lshr(which, r), i1) if which else const(i1, 1)):
-                        extra = []
-                        if self.screen:
-                            i_rel = b.sub(b.add(row_t, r), row0)
-                            qn = simd.gep(b, qnorm, b.mul(i_rel, const(i64, 4))) if self.int8 \
-                                else simd.load_scalar(b, qnorm, i_rel)
-                            extra = [simd.gep(b, x, b.mul(b.add(row_t, r),
-                                                          const(i64, s.k_dim))),
-                                     qn, w_exact, evec]
-                        i = b.add(row_t, r)
-                        b.call(self.filter_row, [
-                            simd.gep(b, tile, b.mul(r, const(i64, s.nr))), i,
-                            b.mul(q, const(i64, s.nr)), cols, *state, *extra])
-                        if not self.screen:  # the root the next tiles screen with
-                            self.update_root(b, i, hv, cnt, roots)
-                        elif self.tiles:  # that root less the row's widest bound
-                            self.update_screen_root(b, i, hv, cnt, roots, qn, e_max)
+                    filter_block(tile, q, row_t, rows, cols, which)
 
                 last_q = b.icmp_signed("==", q, const(i64, self.np - 1))
                 cols = b.select(last_q, const(i64, self.nr_edge), const(i64, s.nr))
                 last_t = b.icmp_signed("==", t, _v(_add(b, mt, -1)))
                 rows_v = b.select(last_t, _v(mr_edge), const(i64, s.mr))
                 if self.tiles:
-                    self.tile_block(a_tile, wq, tile)
-                    # the scores (bf16), or their approximations (screen), against each row's
-                    # stale root (screen: less the row's widest bound): only rows with a lane
-                    # that may enter their heap are filtered
-                    hit = self.screen_stored(tile, simd.gep(b, roots, row_t), rows_v, cols)
-                    with f.if_(_nonzero(b, hit), likely=False):
-                        filter_rows(rows_v, cols, hit)
+                    block = pending.next_block(tile)
+                    self.tile_block(a_tile, wq, block, pending)
+                    pending.filter()
+                    pending.set(block, q, row_t, rows_v, cols)
                 elif self.int8:
                     b.call(emit_micro_int8(self.module, s.mr, s.nr // 16, s.nr, kp),
                            [a_tile, wq, tile])
@@ -284,14 +288,17 @@ class _Emitter(ScreenBounds):
                                             const(i64, FIRST | LAST), nullp, nullp]
                                            + ([tile] if self.half else []) + [tile_roots]))
                             if s.m:
-                                with f.if_(_nonzero(b, hit.get()), likely=False):
+                                with f.if_(nonzero(b, hit.get()), likely=False):
                                     filter_rows(const(i64, rows), const(i64, ncols), hit.get())
                     if not s.m:  # generic: one filter per column variant, not per tile variant
-                        with f.if_(_nonzero(b, hit.get()), likely=False):
+                        with f.if_(nonzero(b, hit.get()), likely=False):
                             for ncols in _variants(f, cols, s.nr, self.nr_edge, last_q):
                                 filter_rows(rows_v, const(i64, ncols), hit.get())
                 if self.screen and not self.tiles:
                     filter_rows(rows_v, cols)
+        if self.tiles:  # the thread's last block
+            pending.screen(const(i64, 0), const(i64, s.mr))
+            pending.filter()
         # row mode: this thread's rows are final
         with f.if_(b.not_(split_cols)), f.for_range(row0, row1, name="out") as r:
             self.emit_output(f, r, simd.gep(b, hv, b.mul(r, const(i64, s.k))),
@@ -300,7 +307,7 @@ class _Emitter(ScreenBounds):
         b.call(self.free, [raw_t])
         return f.finish()
 
-    def tile_block(self, a_tile, wq, tile) -> None:
+    def tile_block(self, a_tile, wq, tile, pending) -> None:
         """The 16 x 32 scores (bf16 approximations, or bf16 products) of one row tile and
         panel, on matrix tiles. Every row tile streams all the weight panels, prefetched
         ``STREAM_AHEAD`` bytes ahead as the GEMM's pre-packed ones (Intel Xeon with AMX, 2
@@ -315,24 +322,8 @@ class _Emitter(ScreenBounds):
             lambda k, j: simd.gep(b, wq, b.add(b.mul(k, const(i64, 32)), const(i64, j * 16)),
                                   i32),
             const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1), row_tiles=1,
+            side=pending.screen_at_step, side_rest=pending.screen_after,
             b_ahead=simd.STREAM_AHEAD)
-
-    def screen_stored(self, tile, roots, rows, cols) -> ir.Value:
-        """The rows (bit r: row r) of the stored block ``tile`` (32 columns a row) with a valid
-        lane that may beat the row's root: the register screen of gemm_micro.py, stored."""
-        f, s = self.f, self.s
-        b = f.b
-        op = ">" if s.largest else "<"
-        mask = simd.lane_mask(b, 32, cols)
-        hit = f.var(i64, const(i64, 0), "hit")
-        with f.for_range(0, rows, name="sr") as r:
-            row = simd.load_vec(b, tile, b.mul(r, const(i64, 32)), 32)
-            root = simd.broadcast(b, simd.load_scalar(b, roots, r), 32)
-            lanes = b.and_(b.fcmp_unordered(op, row, root), mask)
-            any_ = b.icmp_unsigned("!=", b.bitcast(lanes, ir.IntType(32)),
-                                   ir.Constant(ir.IntType(32), 0))
-            hit.set(b.or_(hit.get(), b.shl(b.zext(any_, i64), r)))
-        return hit.get()
 
     def update_root(self, b, i, hv, cnt, roots):
         """roots[i] = row i's heap root once its heap is full, else NaN (every lane passes)."""
@@ -548,10 +539,6 @@ class _Emitter(ScreenBounds):
                     b.call(self.heap.push, [rhv, rhi, rcnt, k, simd.load_scalar(b, logv, pos),
                                             simd.load_scalar(b, logi, pos, i32)])
             self.emit_output(f, i, rhv, rhi, vals, idx)
-
-
-def _nonzero(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    return b.icmp_unsigned("!=", x, const(i64, 0))
 
 
 def _v(x) -> ir.Value:

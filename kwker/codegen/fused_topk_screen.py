@@ -1,13 +1,16 @@
-"""The fused top-k's screening bounds: how far an approximate score (bf16 products, or int8
-weights on ``vpdpbusd``) may lie from the float32 one, so a lane whose approximation cannot beat
-the heap root moved by that bound is dropped without rescoring (fused_topk.py's module doc)."""
+"""The fused top-k's screening: the bounds of how far an approximate score (bf16 products, or
+int8 weights on ``vpdpbusd``) may lie from the float32 one, so a lane whose approximation cannot
+beat the heap root moved by that bound is dropped without rescoring (fused_topk.py's module
+doc); and on matrix tiles, the screen of a stored block of scores run beside the next block's
+products (``PendingScreen``)."""
 from __future__ import annotations
 
 from llvmlite import ir
 
 from . import simd, vmath
 from .gemm_bf16 import bound_factor
-from .irutil import const, f32, i32, i64
+from .gemm_tile import STEP
+from .irutil import const, f32, i1, i32, i64, ptr, smin
 
 
 class ScreenBounds:
@@ -76,3 +79,87 @@ def _denormal_slack(kd: int) -> tuple[float, float]:
     """(C1, C2) of the bf16 screen's bound: denormals (flushed by vdpbf16ps) add at most
     2^-126 K (|w| + |q| + 1); with e_j = c |w_j| that is e_j * C1 + (|q| + 1) * C2."""
     return 2.0 ** -126 * kd / bound_factor(kd), 2.0 ** -126 * kd * 1.01
+
+
+class PendingScreen:
+    """The screen of the last block of scores on the tiles, run in slices of rows between the
+    tile products of the next block (``block_product``'s ``side``), then the filter of its rows
+    that may enter their heaps. The vector screen then overlaps the tile unit's work, where it
+    waited for the block's products and they for it: tile registers are not renamed, so the
+    next block's products could not start before the last one's scores were stored (Intel
+    Xeon with AMX, 2 threads, 20000 x 128, k = 10, float32, alternating processes: 32 rows
+    234-256 -> 208-215 us, 77 rows 520-561 -> 472-492; prefetching the float32 rows of the
+    lanes that pass, to be rescored, measured no faster). Blocks
+    alternate between two buffers; each block is filtered before the next one is screened, so
+    every screen reads the roots its sequential form read, and heaps see columns in order.
+
+    A block's scores (bf16), or their approximations (float32 with a bf16 screen), are compared
+    with each row's stale root (screen: less the row's widest bound): only rows with a lane
+    that may enter their heap are filtered (gemm_micro.py's register screen, stored)."""
+
+    def __init__(self, e, roots, filter_block):
+        self.e, self.f, self.roots, self.filter_block = e, e.f, roots, filter_block
+        f, mr = self.f, e.s.mr
+        # block rows per tile step: the rows spread over a product's steps
+        self.per_step = -(-mr // (e.kwa // STEP))
+        self.on = f.var(i1, const(i1, 0), "scr.on")
+        self.parity = f.var(i64, const(i64, 0), "scr.par")
+        self.hit = f.var(i64, const(i64, 0), "scr.hit")
+        self.block = f.var(ptr, ir.Constant(ptr, None), "scr.block")
+        self.q = f.var(i64, const(i64, 0), "scr.q")
+        self.row_t = f.var(i64, const(i64, 0), "scr.row")
+        self.rows = f.var(i64, const(i64, 0), "scr.rows")
+        self.cols = f.var(i64, const(i64, 0), "scr.cols")
+
+    def next_block(self, tiles) -> ir.Value:
+        """The buffer the next block's scores go to: not the pending block's."""
+        b, s = self.f.b, self.e.s
+        block = simd.gep(b, tiles, b.mul(self.parity.get(), const(i64, s.mr * s.nr)))
+        self.parity.set(b.xor(self.parity.get(), const(i64, 1)))
+        return block
+
+    def set(self, block, q, row_t, rows, cols) -> None:
+        """A block just stored is pending."""
+        for var, v in ((self.block, block), (self.q, q), (self.row_t, row_t), (self.rows, rows),
+                       (self.cols, cols), (self.hit, const(i64, 0))):
+            var.set(v)
+        self.on.set(const(i1, 1))
+
+    def screen(self, r0, r1) -> None:
+        """The hit bits of the pending block's rows [r0, r1) (clipped to its rows)."""
+        f, e = self.f, self.e
+        b = f.b
+        op = ">" if e.s.largest else "<"
+        with f.if_(self.on.get()):
+            block, roots = self.block.get(), simd.gep(b, self.roots, self.row_t.get())
+            mask = simd.lane_mask(b, 32, self.cols.get())
+            with f.for_range(r0, smin(b, r1, self.rows.get()), name="sr") as r:
+                row = simd.load_vec(b, block, b.mul(r, const(i64, 32)), 32)
+                root = simd.broadcast(b, simd.load_scalar(b, roots, r), 32)
+                lanes = b.and_(b.fcmp_unordered(op, row, root), mask)
+                any_ = b.icmp_unsigned("!=", b.bitcast(lanes, ir.IntType(32)),
+                                       ir.Constant(ir.IntType(32), 0))
+                self.hit.set(b.or_(self.hit.get(), b.shl(b.zext(any_, i64), r)))
+
+    def screen_at_step(self, step) -> None:
+        b = self.f.b
+        r0 = b.mul(step, const(i64, self.per_step))
+        self.screen(r0, b.add(r0, const(i64, self.per_step)))
+
+    def screen_after(self, steps) -> None:
+        b = self.f.b
+        self.screen(smin(b, b.mul(steps, const(i64, self.per_step)), const(i64, self.e.s.mr)),
+                    const(i64, self.e.s.mr))
+
+    def filter(self) -> None:
+        """Filter the pending block's rows that hit (it was screened whole), then none is."""
+        f = self.f
+        b = f.b
+        with f.if_(b.and_(self.on.get(), nonzero(b, self.hit.get())), likely=False):
+            self.filter_block(self.block.get(), self.q.get(), self.row_t.get(), self.rows.get(),
+                              self.cols.get(), self.hit.get())
+        self.on.set(const(i1, 0))
+
+
+def nonzero(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    return b.icmp_unsigned("!=", x, const(i64, 0))

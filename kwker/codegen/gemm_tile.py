@@ -48,7 +48,21 @@ from . import simd
 from .gemm_lowbit_vnni import HEAD, combine_planes, load_factor
 from .gemm_micro import epilogue_rows
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, aligned_malloc, const, defined, i1, i8, i16, i32, i64, intrinsic, ptr, void
+from .irutil import (
+    Fn,
+    aligned_malloc,
+    const,
+    defined,
+    i1,
+    i8,
+    i16,
+    i32,
+    i64,
+    intrinsic,
+    ptr,
+    smin,
+    void,
+)
 from .tiles import Tiles
 
 TILE_BLOCK = (32, 32)   # rows x columns of C per block: 2 x 2 accumulator tiles
@@ -121,18 +135,18 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
         b_mat = b_all if s.b_layout == "packed" else \
             at(b_all, b.mul(bi, const(i64, s.k * s.n)), i16)
         with f.for_range(t0.get(), t1.get(), step=p.tiles_per_chunk, name="jc") as tc0:
-            tc1 = _min(b, b.add(tc0, const(i64, p.tiles_per_chunk)), t1.get())
+            tc1 = smin(b, b.add(tc0, const(i64, p.tiles_per_chunk)), t1.get())
             row0 = b.mul(tc0, a_rows)
-            rows = b.sub(_min(b, b.mul(tc1, a_rows), m_rows), row0)
+            rows = b.sub(smin(b, b.mul(tc1, a_rows), m_rows), row0)
             with f.for_range(0, kw, step=p.kc, name="pc") as k0:
-                kcl = _min(b, b.sub(const(i64, kw), k0), const(i64, p.kc))
+                kcl = smin(b, b.sub(const(i64, kw), k0), const(i64, p.kc))
                 kcp = b.and_(b.add(kcl, const(i64, STEP - 1)), const(i64, -STEP))
                 first = b.icmp_signed("==", k0, const(i64, 0))
                 last = b.icmp_signed("==", b.add(k0, kcl), const(i64, kw))
                 b.call(pack_a, [simd.gep(b, a_mat, b.add(b.mul(row0, const(i64, kw)), k0), i32),
                                 rows, kcl, ap])
                 with f.for_range(q0.get(), q1.get(), step=s.nb, name="ic") as qb0:
-                    qb1 = _min(b, b.add(qb0, const(i64, s.nb)), q1.get())
+                    qb1 = smin(b, b.add(qb0, const(i64, s.nb)), q1.get())
                     if pack_lowbit is not None:
                         pack_lowbit(f, b_all, quant, qb0, qb1, k0, kcl, bp, kcp)
                         _zero_pad(f, p, qb0, qb1, kcl, kcp, bp)
@@ -142,7 +156,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
                         a_tile = simd.gep(b, ap, b.mul(b.sub(t, tc0), b.mul(kcp, const(i64, 32))),
                                           i32)
                         with f.for_range(0, kcp, step=sub, name="kk") as kk:
-                            steps = _min(b, b.sub(kcp, kk), const(i64, sub))
+                            steps = smin(b, b.sub(kcp, kk), const(i64, sub))
                             ends = b.and_(last, b.icmp_signed(">=", b.add(kk, steps), kcp))
                             from_zero = b.and_(first, b.icmp_signed("==", kk, const(i64, 0)))
                             a_sub = simd.gep(b, a_tile, b.mul(kk, const(i64, 32)), i32)
@@ -249,7 +263,7 @@ class _PendingEpilogue:
         self.on.set(last)
         self.block.set(block)
         self.q.set(q)
-        self.rows.set(_min(b, rows_left, const(i64, self.p.a_rows)))
+        self.rows.set(smin(b, rows_left, const(i64, self.p.a_rows)))
         self.out.set(out)
         self.out_row.set(out_row)
         if res is not None:
@@ -260,7 +274,7 @@ class _PendingEpilogue:
     def run(self, r0, r1) -> None:
         """Rows [r0, r1) of the pending epilogue (i64 values), clipped to its valid rows."""
         f, b, p = self.f, self.f.b, self.p
-        count = b.sub(_min(b, self.rows.get(), r1), r0)
+        count = b.sub(smin(b, self.rows.get(), r1), r0)
         with f.if_(b.and_(self.on.get(), b.icmp_signed(">", count, const(i64, 0)))):
             n = p.ldo   # the output's (and residual's) row stride
             res = simd.gep(b, self.res.get(), b.mul(r0, const(i64, n)), self.out_t) \
@@ -281,7 +295,7 @@ class _PendingEpilogue:
     def rows_after(self, steps) -> None:
         """After a product of ``steps`` tile steps: the rows no step took."""
         b = self.f.b
-        self.run(_min(b, b.mul(steps, const(i64, self.per_step)), const(i64, 32)),
+        self.run(smin(b, b.mul(steps, const(i64, self.per_step)), const(i64, 32)),
                  const(i64, 32))
 
     def finish(self) -> None:
@@ -289,10 +303,6 @@ class _PendingEpilogue:
         last one at its end."""
         self.run(const(i64, 0), const(i64, 32))
         self.on.set(const(i1, 0))
-
-
-def _min(b: ir.IRBuilder, x, y) -> ir.Value:
-    return b.select(b.icmp_signed("<", x, y), x, y)
 
 
 def block_registers(tiles: Tiles) -> dict:
@@ -426,7 +436,7 @@ def _pack_b_block(f: Fn, p, pack_b, b_mat, qb0, qb1, k0, kcl, kcp, bp) -> None:
     nr = s.nr
     with f.for_range(qb0, qb1, name="pb") as q:
         col0 = b.mul(q, const(i64, nr))
-        cols = _min(b, b.sub(const(i64, s.n), col0), const(i64, nr))
+        cols = smin(b, b.sub(const(i64, s.n), col0), const(i64, nr))
         if s.b_layout == "nk":
             src = simd.gep(b, b_mat, b.add(b.mul(col0, const(i64, p.kw)), k0), i32)
         else:  # rows 2 k0 and 2 k0 + 1 start the first pair
@@ -495,7 +505,7 @@ def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32) -> ir.Fu
     with f.for_range(0, b.sdiv(b.add(rows, const(i64, block_rows - 1)),
                                const(i64, block_rows)), name="blk") as blk:
         row0 = b.mul(blk, const(i64, block_rows))
-        real = _min(b, b.sub(rows, row0), const(i64, block_rows))
+        real = smin(b, b.sub(rows, row0), const(i64, block_rows))
         base = b.mul(blk, b.mul(kcp, const(i64, 32)))
         with f.for_range(0, kcp, step=STEP, name="s") as k:
             step0 = b.add(base, b.mul(k, const(i64, 32)))

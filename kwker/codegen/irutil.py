@@ -46,6 +46,11 @@ def const(ty: ir.Type, value) -> ir.Constant:
     return ir.Constant(ty, value)
 
 
+def smin(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
+    """The lesser of two signed integers."""
+    return b.select(b.icmp_signed("<", x, y), x, y)
+
+
 def vec(ty: ir.Type, lanes: int) -> ir.VectorType:
     return ir.VectorType(ty, lanes)
 
