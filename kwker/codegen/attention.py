@@ -75,7 +75,7 @@ def _cdiv(a: int, b: int) -> int:
 def emit(spec, target) -> ir.Module:
     L = simd.float_lanes(target)
     module = new_module(spec.symbol)
-    dpbf16 = target.has("avx512bf16") and L == 16
+    dpbf16 = bf16.native(target)
     if spec.path == "tile" and target.tiles not in ("amx", "emulated"):
         raise ValueError(f"kwker attention: the tile path needs a target with tiles, not "
                          f"{target.describe()}")

@@ -21,6 +21,12 @@ from . import simd
 from .irutil import NamedType, f32, i16, i32, intrinsic, ptr
 
 
+def native(target) -> bool:
+    """Whether bf16 runs natively here: ``vdpbf16ps`` and ``vcvtneps2bf16`` on 16 float32 lanes
+    (AVX-512 with AVX512_BF16); elsewhere bf16 is widened to float32 and rounded by integer ops."""
+    return simd.float_lanes(target) == 16 and target.has("avx512bf16")
+
+
 def i16v(lanes: int) -> ir.VectorType:
     return ir.VectorType(i16, lanes)
 

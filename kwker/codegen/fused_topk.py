@@ -100,9 +100,9 @@ class _Emitter(ScreenBounds):
             raise ValueError("kwker topk: bf16 scores need an even K and no screening")
         self.dot = "fma"
         if self.half:
-            self.dot = "dpbf16" if self.L == 16 and target.has("avx512bf16") else "widen"
+            self.dot = "dpbf16" if bf.native(target) else "widen"
         self.kw = s.k_dim // 2 if self.half else s.k_dim  # k steps (words) of x and W
-        if self.bf16 and not (target.has("avx512bf16") and self.L == 16 and s.nr % 16 == 0):
+        if self.bf16 and not (bf.native(target) and s.nr % 16 == 0):
             raise ValueError("kwker topk: bf16 screening needs AVX512_BF16 and 16-lane panels")
         # int8: one row tile (the generic kernel's caller passes at most ``mr`` rows)
         if self.int8 and not (self.L == 16 and s.nr % 16 == 0 and s.mr >= s.m

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import gemm_lowbit, gemm_lowbit_unpack, gemm_lowbit_vnni, gemm_tile, omp, simd
+from . import bf16, gemm_lowbit, gemm_lowbit_unpack, gemm_lowbit_vnni, gemm_tile, omp, simd
 from .gemm_edges import dispatch, emit_small_rows
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_cols, emit_pack_rows
@@ -88,7 +88,7 @@ class _Plan:
         self.per_word = per_word
         self.dot = "fma"
         if self.bf16:
-            self.dot = "dpbf16" if self.lanes == 16 and target.has("avx512bf16") else "widen"
+            self.dot = "dpbf16" if bf16.native(target) else "widen"
         if self.int8:
             self.dot = "vnni"
         self.kw = -(-spec.k // per_word)  # k steps of A and B (32-bit words)

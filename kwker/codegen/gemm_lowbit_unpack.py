@@ -50,18 +50,14 @@ def emit_slice(module: ir.Module, fmt: WeightFormat, target, ld: int) -> ir.Func
     with f.for_range(0, rows, name="row") as r:
         wr, sr, zr = _row_ptrs(b, fmt, tiles, w, scale, zp, b.add(row0, r))
         out = simd.gep(b, dst, b.mul(r, const(i64, ld)), elem)
-        _unpack_row(f, fmt, tiles, wr, sr, zr, out, k0, kn, _native(tiles, target))
+        # bf16 rounded by vcvtneps2bf16 where it runs: one instruction where the emulated
+        # rounding takes nine (GPT-2's 2304 x 768 int8 weights, 128 bf16 rows, on AMX tiles:
+        # the dequantisation was 28% of the product)
+        _unpack_row(f, fmt, tiles, wr, sr, zr, out, k0, kn, bf16.native(target))
         if fmt.dtype == "bf16" and fmt.k % 2:
             with f.if_(b.icmp_signed("==", b.add(k0, kn), const(i64, fmt.k))):
                 simd.store_scalar(b, const(i16, 0), out, kn)
     return f.finish()
-
-
-def _native(tiles: _Tile, target) -> bool:
-    """Whether bf16 is rounded by ``vcvtneps2bf16`` (one instruction where the emulation of the
-    same rounding takes nine: GPT-2's 2304 x 768 int8 weights, 128 bf16 rows, on AMX tiles:
-    the dequantisation was 28% of the product)."""
-    return tiles.L == 16 and target.has("avx512bf16")
 
 
 def _row_ptrs(b: ir.IRBuilder, spec, tiles: _Tile, w, scale, zp, n) -> tuple:

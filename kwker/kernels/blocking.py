@@ -16,6 +16,7 @@ import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..codegen.bf16 import native as native_bf16
 from ..codegen.gemm_tile import STEP as TILE_K_STEP
 from ..codegen.gemm_tile import TILE_BLOCK, VECTOR_ROWS
 from ..runtime.target import Target, host_target
@@ -80,8 +81,7 @@ def lanes(target: Target | None = None) -> int:
 def widens_bf16(target: Target | None = None) -> bool:
     """Whether bf16 products are widened to float32 FMAs here (no ``vdpbf16ps``): as fast as
     float32 ones at best."""
-    target = target or host_target()
-    return not (lanes(target) == 16 and target.has("avx512bf16"))
+    return not native_bf16(target or host_target())
 
 
 def tiles_bf16(target: Target | None = None) -> bool:

@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..codegen.bf16 import native as native_bf16
 from ..codegen.fused_topk import MAX_INT8_K, TOPK_TILE
 from ..codegen.gemm_bf16 import bound_factor
 from ..codegen.gemm_tile import STEP as TILE_K_STEP
@@ -176,7 +177,7 @@ def _paths(m, kd, half, screen, target) -> dict[str, tuple[str, bool]]:
         if tiles_ok and m <= blocking.TILE_OR_VECTOR_ROWS:
             out.setdefault("vector" if tiles else "tile", ("none", not tiles))
         return out
-    can_screen = target.has("avx512bf16") and blocking.lanes(target) == 16
+    can_screen = native_bf16(target)
     if screen is None:
         screen = can_screen and kd >= MIN_BF16_K
     elif screen and not can_screen:
