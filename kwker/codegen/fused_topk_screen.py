@@ -89,9 +89,9 @@ class PendingScreen:
     next block's products could not start before the last one's scores were stored (Intel
     Xeon with AMX, 2 threads, 20000 x 128, k = 10, float32, alternating processes: 32 rows
     234-256 -> 208-215 us, 77 rows 520-561 -> 472-492; prefetching the float32 rows of the
-    lanes that pass, to be rescored, measured no faster). Blocks
-    alternate between two buffers; each block is filtered before the next one is screened, so
-    every screen reads the roots its sequential form read, and heaps see columns in order.
+    lanes that pass, to be rescored, measured no faster). Blocks alternate between two
+    buffers; each block is filtered before the next one is screened, so every screen reads the
+    roots its sequential form read, and heaps see columns in order.
 
     A block's scores (bf16), or their approximations (float32 with a bf16 screen), are compared
     with each row's stale root (screen: less the row's widest bound): only rows with a lane

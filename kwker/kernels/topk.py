@@ -1,6 +1,7 @@
 """``make_linear_topk``: fused ``torch.topk(x @ W.T, k)`` with W packed once at build time."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -141,13 +142,10 @@ def _any_rows(weight_rows, k, largest, dtype, half, approx: str, target):
     int8 = approx == "bf16" and _int8_screens(kd, target)
     tiles = bool(target.tiles) and (half or approx == "bf16")
     covered = int8 and tiles and blocking.TILE_MIN_ROWS <= MAX_INT8_ROWS + 1
-
-    def generic(on: bool, screen: str, on_tiles: bool):
-        return _build(weight_rows, None, k, largest, dtype, half, screen, on_tiles) if on \
-            else None
-    few = generic(int8, "int8", False)
-    rest = generic(not covered, approx, False)   # the row counts neither takes
-    many = generic(tiles, approx, True)
+    generic = functools.partial(_build, weight_rows, None, k, largest, dtype, half)
+    few = generic("int8", False) if int8 else None
+    rest = None if covered else generic(approx, False)   # the row counts neither takes
+    many = generic(approx, True) if tiles else None
     parts = [p for p in (few, rest, many) if p is not None]
     if len(parts) == 1:
         return rest
