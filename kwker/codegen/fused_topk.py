@@ -37,13 +37,14 @@ widened to float32 (exact), as ATen's top-k compares bf16 values; so the indices
 
 Screening (float32 with AVX512_BF16): the tile is first computed approximately and only the
 columns whose approximation plus a rigorous error bound could beat the heap root are rescored in
-float32 (``emit_dot``). ``approx="bf16"``: bf16 weights and ``vdpbf16ps``. ``approx="int8"``
-(one to four rows, where the screening is bound by the bytes it reads): int8 weights and
-``vpdpbusd``, half the bytes; see topk_int8.py for its bound. Survivors are rescored either way,
-so results are exact.
+float32 (``emit_dot``). ``approx="bf16"``: bf16 weights and ``vdpbf16ps`` (on matrix tiles
+``tdpbf16ps``). ``approx="int8"`` (where the screening is bound by the bytes it reads: one to
+four rows on the vector path, any number on the tiles): int8 weights and ``vpdpbusd`` (on the
+tiles ``tdpbsud``, the same s8 x and u8 weight operands), half the bytes; see topk_int8.py for
+its bound. Survivors are rescored either way, so results are exact.
 
-The generic kernel screens with int8 too, for at most ``mr`` rows a call (its caller sends it
-only those): one row tile, zero-padded past the rows.
+The generic kernel screens with int8 too, on the vector path for at most ``mr`` rows a call (its
+caller sends it only those): one row tile, zero-padded past the rows.
 
 Deferred rescoring (topk_int8.Deferred): with screening and one row tile on the vector path (the
 generic kernel: at one row), the kernel first tries a path with no heap replay and no malloc:
@@ -104,8 +105,10 @@ class _Emitter(ScreenBounds):
         self.kw = s.k_dim // 2 if self.half else s.k_dim  # k steps (words) of x and W
         if self.bf16 and not (bf.native(target) and s.nr % 16 == 0):
             raise ValueError("kwker topk: bf16 screening needs AVX512_BF16 and 16-lane panels")
-        # int8: one row tile (the generic kernel's caller passes at most ``mr`` rows)
-        if self.int8 and not (self.L == 16 and s.nr % 16 == 0 and s.mr >= s.m
+        self.tiles = s.path == "tile"
+        # int8 on the vector path: one row tile (the generic kernel's caller passes at most
+        # ``mr`` rows)
+        if self.int8 and not (self.L == 16 and s.nr % 16 == 0 and (s.mr >= s.m or self.tiles)
                               and s.k_dim <= MAX_INT8_K and not self.half):
             raise ValueError("kwker topk: int8 screening needs 16-lane panels, one row tile "
                              f"and K <= {MAX_INT8_K}")
@@ -114,12 +117,11 @@ class _Emitter(ScreenBounds):
             self.kw
         # on matrix tiles: TOPK_TILE blocks, x packed in rows of pairs and W in panels, both
         # padded to whole tile steps (gemm_tile.py)
-        self.tiles = s.path == "tile"
         if self.tiles:
-            if not ((self.bf16 or self.half) and (s.mr, s.nr) == TOPK_TILE
+            if not ((self.screen or self.half) and (s.mr, s.nr) == TOPK_TILE
                     and target.tiles in ("amx", "emulated")):
-                raise ValueError("kwker topk: the tile path is for bf16 screening or bf16 "
-                                 f"scores, in {TOPK_TILE} blocks, on a target with tiles")
+                raise ValueError("kwker topk: the tile path is for screening or bf16 scores, "
+                                 f"in {TOPK_TILE} blocks, on a target with tiles")
             self.kwa = padded_k(self.kwa)
         self.tile_mode = target.tiles
         self.heap = Heap(self.module, s.largest)
@@ -207,8 +209,8 @@ class _Emitter(ScreenBounds):
         # |x_row| (bf16 screening), or 4 words of quantisation data per row (int8)
         qnorm = simd.gep(b, ap, _v(_add(b, a_floats, 16)))
         x_rows = simd.gep(b, x, b.mul(row0, const(i64, self.kw)))
-        if self.int8:
-            b.call(emit_pack_int8(self.module, s.mr, s.k_dim),
+        if self.int8:  # on tiles: rows of k-quad words padded to whole tile steps
+            b.call(emit_pack_int8(self.module, s.mr, s.k_dim, kp if self.tiles else 0),
                    [x_rows, b.sub(row1, row0), ap, qnorm])
         elif self.bf16 and (s.m or self.tiles):  # whole tiles, zero past the rows
             b.call(emit_pack_bf16(self.module, s.mr, s.k_dim, kp if self.tiles else 0),
@@ -221,9 +223,12 @@ class _Emitter(ScreenBounds):
             b.call(emit_pack_rows(self.module, s.mr, self.kw, self.L),
                    [x_rows, b.sub(row1, row0), const(i64, self.kw), ap])
         nullp = ir.Constant(ptr, None)
-        # the widest screening bound e_j of any column, stored after the n bounds
-        e_max = simd.load_scalar(b, evec, const(i64, s.n)) if self.screen and self.tiles \
-            else None
+        # the widest screening bound of any column, stored after the columns' bounds: e_j
+        # (bf16), or E1_j and E2_j (int8)
+        e_max = None
+        if self.screen and self.tiles:
+            e_max = [simd.load_scalar(b, evec, const(i64, s.n * (3 if self.int8 else 1) + j))
+                     for j in range(2 if self.int8 else 1)]
         log_base = b.mul(q0.get(), const(i64, s.nr))
         state = (hv, hi, cnt, nlog, logv, logi, b.zext(split_cols, i64), log_base)
         a_tile_size = s.mr * kp
@@ -249,7 +254,8 @@ class _Emitter(ScreenBounds):
                 elif self.tiles:  # that root less the row's widest bound
                     self.update_screen_root(b, i, hv, cnt, roots, qn, e_max)
 
-        pending = PendingScreen(self, roots, filter_block) if self.tiles else None
+        pending = PendingScreen(self, roots, filter_block,
+                                (qnorm, row0, evec) if self.int8 else None) if self.tiles else None
         with f.for_range(q0.get(), q1.get(), name="q") as q:
             wq = simd.gep(b, w, b.mul(q, const(i64, kp * s.nr)))
             with f.for_range(t0.get(), t1.get(), name="t") as t:
@@ -308,8 +314,9 @@ class _Emitter(ScreenBounds):
         return f.finish()
 
     def tile_block(self, a_tile, wq, tile, pending) -> None:
-        """The 16 x 32 scores (bf16 approximations, or bf16 products) of one row tile and
-        panel, on matrix tiles. Every row tile streams all the weight panels, prefetched
+        """The 16 x 32 scores of one row tile and panel, on matrix tiles: bf16 approximations,
+        int8 ones (s8 x rows times the u8 weight panels, ``tdpbsud``: the vector path's
+        operands), or bf16 products. Every row tile streams all the weight panels, prefetched
         ``STREAM_AHEAD`` bytes ahead as the GEMM's pre-packed ones (Intel Xeon with AMX, 2
         threads, 20000 x 128, k = 10, float32, alternating processes: 32 rows 279-304 ->
         251-281 us, 77 rows 627-650 -> 553-576)."""
@@ -321,7 +328,8 @@ class _Emitter(ScreenBounds):
             const(i64, kp * 4),
             lambda k, j: simd.gep(b, wq, b.add(b.mul(k, const(i64, 32)), const(i64, j * 16)),
                                   i32),
-            const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1), row_tiles=1,
+            const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1),
+            int8="s8u8" if self.int8 else False, row_tiles=1,
             side=pending.screen_at_step, side_rest=pending.screen_after,
             b_ahead=simd.STREAM_AHEAD)
 

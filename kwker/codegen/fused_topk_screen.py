@@ -21,12 +21,19 @@ class ScreenBounds:
         """roots[i] = row i's heap root moved by the widest bound of the row, rounded outward
         (a lane whose approximation does not pass it cannot pass its own bound: see
         ``screen_lanes``), once the heap is full, else NaN (every lane passes). An infinite or
-        NaN bound makes the moved root NaN: every lane passes."""
-        c1, c2 = _denormal_slack(self.s.k_dim)
+        NaN bound makes the moved root NaN: every lane passes. ``e_max``: [max e_j] (bf16), or
+        [max E1_j, max E2_j] (int8; ``qn`` points at the row's (t, alpha, beta, ..))."""
         full = b.icmp_signed("==", simd.load_scalar(b, cnt, i, i64), const(i64, self.s.k))
         root = simd.load_scalar(b, hv, b.mul(i, const(i64, self.s.k)))
         fc = lambda v: ir.Constant(f32, v)  # noqa: E731
-        margin = b.fadd(b.fmul(e_max, b.fadd(qn, fc(c1))), b.fmul(b.fadd(qn, fc(1.0)), fc(c2)))
+        if self.int8:  # alpha max E1 + beta max E2 + slack (screen_lanes's e_j for any j)
+            alpha, beta = (simd.load_scalar(b, qn, const(i64, j)) for j in (1, 2))
+            margin = b.fadd(b.fadd(b.fmul(e_max[0], alpha), b.fmul(e_max[1], beta)),
+                            fc((self.s.k_dim + 64) * 2.0 ** -122))
+        else:
+            c1, c2 = _denormal_slack(self.s.k_dim)
+            margin = b.fadd(b.fmul(e_max[0], b.fadd(qn, fc(c1))),
+                            b.fmul(b.fadd(qn, fc(1.0)), fc(c2)))
         # each rounding above and below is within 2^-24 of its result: widen by 2^-20 of
         # |root| + margin (and 2^-100 for zeros and denormals) so the moved root errs outward
         slack = b.fadd(b.fmul(b.fadd(self.f.call_intrinsic("llvm.fabs.f32", f32, [root]),
@@ -97,8 +104,10 @@ class PendingScreen:
     with each row's stale root (screen: less the row's widest bound): only rows with a lane
     that may enter their heap are filtered (gemm_micro.py's register screen, stored)."""
 
-    def __init__(self, e, roots, filter_block):
+    def __init__(self, e, roots, filter_block, int8=None):
         self.e, self.f, self.roots, self.filter_block = e, e.f, roots, filter_block
+        # int8 sums: (the rows' quantisation data, the thread's first row, the columns' data)
+        self.int8 = int8
         f, mr = self.f, e.s.mr
         # block rows per tile step: the rows spread over a product's steps
         self.per_step = -(-mr // (e.kwa // STEP))
@@ -133,8 +142,19 @@ class PendingScreen:
         with f.if_(self.on.get()):
             block, roots = self.block.get(), simd.gep(b, self.roots, self.row_t.get())
             mask = simd.lane_mask(b, 32, self.cols.get())
+            if self.int8:
+                qinfo, row0, evec = self.int8
+                sj = simd.masked_load(b, evec, b.mul(self.q.get(), const(i64, e.s.nr)), mask, 32)
             with f.for_range(r0, smin(b, r1, self.rows.get()), name="sr") as r:
                 row = simd.load_vec(b, block, b.mul(r, const(i64, 32)), 32)
+                if self.int8:  # the approximations screen_lanes computes, 32 lanes at once
+                    info = simd.gep(b, qinfo, b.mul(b.sub(b.add(self.row_t.get(), r), row0),
+                                                    const(i64, 4)))
+                    acc = b.load(simd.gep(b, block, b.mul(r, const(i64, 32)), i32),
+                                 typ=ir.VectorType(i32, 32), align=4)
+                    c = simd.broadcast(b, simd.load_scalar(b, info, const(i64, 3), i32), 32)
+                    t = simd.broadcast(b, simd.load_scalar(b, info, const(i64, 0)), 32)
+                    row = b.fmul(b.fmul(b.sitofp(b.sub(acc, c), simd.vty(32)), sj), t)
                 root = simd.broadcast(b, simd.load_scalar(b, roots, r), 32)
                 lanes = b.and_(b.fcmp_unordered(op, row, root), mask)
                 any_ = b.icmp_unsigned("!=", b.bitcast(lanes, ir.IntType(32)),

@@ -312,11 +312,12 @@ def block_registers(tiles: Tiles) -> dict:
 
 
 def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_stride, c, ldc: int,
-                  kcp, first, int8: bool = False, row_tiles: int = 2, side=None,
+                  kcp, first, int8: bool | str = False, row_tiles: int = 2, side=None,
                   side_rest=None, b_ahead: int = 0) -> None:
     """A 32 x 32 float32 block ``C (+)= A B`` over ``kcp`` k pairs (a multiple of ``STEP``):
     2 x 2 accumulators from zero (``first``, an i1) or loaded from ``c`` (row stride ``ldc``
-    floats), stored back whole. ``int8``: u8 A x s8 B words (4 k each) into int32 sums.
+    floats), stored back whole. ``int8``: u8 A x s8 B words (4 k each) into int32 sums
+    (``"s8u8"``: s8 A x u8 B).
     ``row_tiles`` 1: a 16 x 32 block (two accumulators, one A tile a step). ``side(step)``:
     vector work emitted in each step (its index, i64) after the first product, and
     ``side_rest(steps)`` after the last (the pending epilogue). ``a_at(k, i)`` /
@@ -338,7 +339,7 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
             for i, row in enumerate(acc):
                 for j, t in enumerate(row):
                     tiles.load(t, c_at(i, j), ldc_bytes)
-    dot = tiles.dot_u8s8 if int8 else tiles.dot_bf16
+    dot = tiles.dot_s8u8 if int8 == "s8u8" else tiles.dot_u8s8 if int8 else tiles.dot_bf16
     with f.for_range(0, kcp, step=STEP, name="kstep") as k:
         # each load just before the first product that needs it: tile registers are not
         # renamed, so a load waits for the products still reading its register

@@ -68,11 +68,13 @@ def emit_micro_int8(module: ir.Module, mr: int, nv: int, nr: int, kq: int) -> ir
     return f.finish()
 
 
-def emit_pack_int8(module: ir.Module, mr: int, k: int) -> ir.Function:
+def emit_pack_int8(module: ir.Module, mr: int, k: int, row_words: int = 0) -> ir.Function:
     """``void pack_int8(ptr x, i64 rows, ptr dst, ptr qinfo)``: rows of a (rows, k) float32
     matrix quantised to q8 = round(x / t) in [-127, 127], t = max(max|x|/127, 2^-100), packed
     as ``mr``-row tiles of 4-byte words ``dst[p * mr + r]`` (zero past ``rows`` and ``k``), and
-    per row ``qinfo[4 r ..]`` = (t, alpha, beta, 128 sum q8 as int32).
+    per row ``qinfo[4 r ..]`` = (t, alpha, beta, 128 sum q8 as int32). ``row_words``: rows of
+    that many words instead, ``dst[r * row_words + p]`` (matrix tiles' A operand), every row of
+    the ``mr``-row tiles that hold ``rows``.
 
     The bound: with q^ = t q8 and w^_j = s_j w8_j (as reals), the float32 rescored score s'
     (emit_dot) and approx = fl(fl(D s_j) t) obey
@@ -83,7 +85,7 @@ def emit_pack_int8(module: ir.Module, mr: int, k: int) -> ir.Function:
     are summed in float64 (no underflow), and (K + 64) 2^-122 covers underflow and flushing
     (every stored factor is a normal float). |q| > 2^60, inf or NaN: alpha is NaN and every
     lane passes. s' > root implies fl(approx + e) > root: rounding is monotone."""
-    name = f"pack_int8.{mr}.{k}"
+    name = f"pack_int8.{mr}.{k}" + (f".r{row_words}" if row_words else "")
     existing = defined(module, name)
     if existing is not None:
         return existing
@@ -94,7 +96,13 @@ def emit_pack_int8(module: ir.Module, mr: int, k: int) -> ir.Function:
     kq = _cdiv(k, 4)
     g = 1.01 * k * 2.0 ** -24
     zero64 = ir.Constant(F64, 0.0)
-    with f.for_range(0, mr, name="r") as r:
+    tiles = b.udiv(b.add(rows, const(i64, mr - 1)), const(i64, mr))
+    padded_rows = b.mul(tiles, const(i64, mr)) if row_words else const(i64, mr)
+
+    def word_at(p, r):
+        return b.add(b.mul(r, const(i64, row_words)), p) if row_words else \
+            b.add(b.mul(p, const(i64, mr)), r)
+    with f.for_range(0, padded_rows, name="r") as r:
         real = b.icmp_signed("<", r, rows)
         with f.if_else(real) as (yes, no):
             with yes:
@@ -130,7 +138,7 @@ def emit_pack_int8(module: ir.Module, mr: int, k: int) -> ir.Function:
                     word = const(i32, 0)
                     for j, idx in enumerate(idxs):
                         word = b.or_(word, b.shl(quant(idx), const(i32, 8 * j)))
-                    simd.store_scalar(b, word, dst, b.add(b.mul(p, const(i64, mr)), r))
+                    simd.store_scalar(b, word, dst, word_at(p, r))
 
                 with f.for_range(0, k // 4, name="p") as p:
                     store_word(p, [b.add(b.mul(p, const(i64, 4)), const(i64, j))
@@ -138,6 +146,8 @@ def emit_pack_int8(module: ir.Module, mr: int, k: int) -> ir.Function:
                 if k % 4:
                     store_word(const(i64, k // 4), [const(i64, 4 * (k // 4) + j)
                                                     for j in range(k % 4)])
+                for p in range(kq, row_words):  # the tile step's zero tail
+                    simd.store_scalar(b, const(i32, 0), dst, word_at(const(i64, p), r))
                 qn = f.call_intrinsic("llvm.sqrt.f64", F64, [ss.get()])
                 dn = f.call_intrinsic("llvm.sqrt.f64", F64, [dd.get()])
 
@@ -155,8 +165,8 @@ def emit_pack_int8(module: ir.Module, mr: int, k: int) -> ir.Function:
                 for j, val in enumerate((t, alpha, beta)):
                     simd.store_scalar(b, val, info, const(i64, j))
                 simd.store_scalar(b, b.mul(csum.get(), const(i32, 128)), info, const(i64, 3))
-            with no, f.for_range(0, kq, name="z") as p:
-                simd.store_scalar(b, const(i32, 0), dst, b.add(b.mul(p, const(i64, mr)), r))
+            with no, f.for_range(0, max(kq, row_words), name="z") as p:
+                simd.store_scalar(b, const(i32, 0), dst, word_at(p, r))
     return f.finish()
 
 

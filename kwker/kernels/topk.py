@@ -53,15 +53,16 @@ def _bounds(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([e, widest.view(1)]).contiguous()
 
 
-def _int8_pack(w: torch.Tensor, nr: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_pack(w: torch.Tensor, nr: int, step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 screening data of float32 (N, K) weights: panels of int32 words (panels,
-    ceil(K/4), nr), four bytes w8 + 128 per column (w8 = round(w / s_j) in [-127, 127], s_j =
-    max|w_j| / 127, never subnormal; zero past N and K), and float32 (3, N) by column: s_j,
-    E1_j >= |w_j - s_j w8_j| and E2_j >= |s_j w8_j| (normal floats, rounded up). A row with
-    inf or NaN or a norm past 2^60 gets E1_j = NaN: it always passes (codegen/fused_topk.py
-    emit_pack_int8 has the bound)."""
+    ceil(K/4) rounded up to whole ``step``s, nr), four bytes w8 + 128 per column (w8 =
+    round(w / s_j) in [-127, 127], s_j = max|w_j| / 127, never subnormal; zero past N and K),
+    and float32 by column (3, N): s_j, E1_j >= |w_j - s_j w8_j| and E2_j >= |s_j w8_j| (normal
+    floats, rounded up), then max E1_j and max E2_j (NaN if any is: the tile path's whole-row
+    screen). A row with inf or NaN or a norm past 2^60 gets E1_j = NaN: it always passes
+    (codegen/topk_int8.py emit_pack_int8 has the bound)."""
     n, k = w.shape
-    kq, npan = -(-k // 4), -(-n // nr)
+    kq, npan = -(-(-(-k // 4)) // step) * step, -(-n // nr)
     wd = w.detach().double()
     ok = torch.isfinite(wd).all(dim=1)
     wd = torch.where(ok[:, None], wd, 0.0)
@@ -79,7 +80,9 @@ def _int8_pack(w: torch.Tensor, nr: int) -> tuple[torch.Tensor, torch.Tensor]:
     u8 = torch.full((npan * nr, kq * 4), 128, dtype=torch.uint8)
     u8[:n, :k] = (w8 + 128).to(torch.uint8)
     panels = u8.view(npan, nr, kq, 4).permute(0, 2, 1, 3).contiguous().view(torch.int32)
-    return panels.view(npan, kq, nr), torch.stack([s, e1.float(), e2.float()]).contiguous()
+    e1, e2 = e1.float(), e2.float()
+    widest = torch.stack([e1.max(), e2.max()])  # NaN if any is
+    return panels.view(npan, kq, nr), torch.cat([s, e1, e2, widest]).contiguous()
 
 
 def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: bool = True,
@@ -134,7 +137,8 @@ def _any_rows(weight_rows, k, largest, dtype, half, approx: str, target):
     """The kernel for any row count, from generic kernels each taking the row counts it is best
     at, as fixed row counts are served: on a CPU with tiles the tile path's from
     ``TILE_MIN_ROWS`` rows (Intel Xeon with AMX, 2 threads, 20000 x 128, k = 10, float32 with
-    its bf16 screen: 32 rows 888 -> 266 us, 77 rows 2254 -> 612; bf16 32 rows 834 -> 227);
+    its bf16 screen: 32 rows 888 -> 266 us, 77 rows 2254 -> 612; bf16 32 rows 834 -> 227),
+    screening with int8 where the vector path's few rows do;
     the int8 screen's up to ``MAX_INT8_ROWS`` rows, where the screen is bound by the bytes it
     reads (there, float32, alternating processes: 1 row 71-75 -> 17-18 us, 4 rows 140-146 ->
     67-69); the vector path's for the rest, and for every count where neither applies."""
@@ -145,7 +149,7 @@ def _any_rows(weight_rows, k, largest, dtype, half, approx: str, target):
     generic = functools.partial(_build, weight_rows, None, k, largest, dtype, half)
     few = generic("int8", False) if int8 else None
     rest = None if covered else generic(approx, False)   # the row counts neither takes
-    many = generic(approx, True) if tiles else None
+    many = generic("int8" if int8 else approx, True) if tiles else None
     parts = [p for p in (few, rest, many) if p is not None]
     if len(parts) == 1:
         return rest
@@ -180,16 +184,19 @@ def _paths(m, kd, half, screen, target) -> dict[str, tuple[str, bool]]:
         screen = can_screen and kd >= MIN_BF16_K
     elif screen and not can_screen:
         raise NotImplementedError("make_linear_topk: bf16 screening needs AVX512_BF16")
-    int8 = screen and m is not None and m <= MAX_INT8_ROWS and _int8_screens(kd, target)
+    tiles = screen and tiles_ok and m >= blocking.TILE_MIN_ROWS
+    # int8 halves the bytes the screen reads: on the vector path at few rows, on the tiles at
+    # any (Intel Xeon with AMX, 2 threads, 20000 x 128, k = 10: 16 rows 160 -> 126 us, 32 rows
+    # 237 -> 183, 64 rows 407 -> 332, 128 and 256 rows level); bf16 stays a candidate
+    int8 = screen and m is not None and (m <= MAX_INT8_ROWS or tiles) and \
+        _int8_screens(kd, target)
     approx = "int8" if int8 else "bf16" if screen else "none"
-    tiles = approx == "bf16" and tiles_ok and m >= blocking.TILE_MIN_ROWS
     out = {f"{approx} screen" + (" tile" if tiles else ""): (approx, tiles)}
-    if approx == "int8":  # few rows: int8 halves the bytes read, bf16 may still win
-        out["bf16 screen"] = ("bf16", False)
-        if tiles_ok:
-            out["bf16 screen tile"] = ("bf16", True)
-    elif approx == "bf16" and tiles_ok and m <= blocking.TILE_OR_VECTOR_ROWS:
-        out.setdefault("bf16 screen tile" if not tiles else "bf16 screen", ("bf16", not tiles))
+    if int8:
+        out["bf16 screen" + (" tile" if tiles else "")] = ("bf16", tiles)
+    if screen and tiles_ok and m <= blocking.TILE_OR_VECTOR_ROWS:
+        out.setdefault("bf16 screen", ("bf16", False))
+        out.setdefault("bf16 screen tile", ("bf16", True))
     return out
 
 
@@ -221,7 +228,7 @@ def _build(weight_rows, m, k, largest, dtype, half, approx: str, tiles: bool):
     def pack():
         w32 = weight_rows.detach().to(torch.float32).contiguous()
         if int8:
-            panels, evec = _int8_pack(w32, nr)
+            panels, evec = _int8_pack(w32, nr, TILE_K_STEP if tiles else 1)
             return panels, w32, evec
         if screen:
             return pack_bf16_panels(w32, nr, TILE_K_STEP if tiles else 1), w32, _bounds(w32)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kwker.codegen.fused_topk import TOPK_TILE
-from kwker.kernels import blocking
+from kwker.kernels import blocking, topk
 from kwker.kernels.linear import make_linear
 from kwker.kernels.linear_int8 import make_linear_u8s8
 from kwker.kernels.specs import GemmSpec, TopkGemmSpec, instruction_path
@@ -126,15 +126,19 @@ BF16_TOPK_CASES = [(32, 20000, 128, 10, True, False), (7, 5000, 64, 50, True, Tr
 
 
 def check_topk_screen(m, n, kd, k, largest) -> None:
-    """The float32 fused top-k with its bf16 screen on tiles: close values on random scores,
-    and exactly torch.topk's values and tie order on small-integer (exact, tie-heavy) ones."""
+    """The float32 fused top-k with its bf16 screen on tiles, and with AVX512_VNNI its int8
+    screen (the default there): close values on random scores, and exactly torch.topk's values
+    and tie order on small-integer (exact, tie-heavy) ones."""
     g = torch.Generator().manual_seed(m + n)
     w, x = torch.randn(n, kd, generator=g) / kd ** 0.5, torch.randn(m, kd, generator=g)
-    assert make_linear_topk(w, m, k, largest).spec.path == "tile"
-    check_topk(w, x, k, largest, exact=False)
     wi = torch.randint(-2, 3, (n, kd), generator=g).float()
     xi = torch.randint(-2, 3, (m, kd), generator=g).float()
-    check_topk(wi, xi, k, largest, exact=True)
+    int8 = topk._int8_screens(kd, host_target())
+    assert make_linear_topk(w, m, k, largest).spec.path == "tile"
+    for approx in ("bf16", "int8")[:1 + int8]:
+        for weights, rows, exact in ((w, x, False), (wi, xi, True)):
+            fn = topk._build(weights, m, k, largest, torch.float32, False, approx, True)
+            check_topk(weights, rows, k, largest, exact=exact, fn=fn)
 
 
 def check_topk_generic(half: bool) -> None:
@@ -159,8 +163,9 @@ SPECIAL_SCREEN_CASES = ["nan_w", "inf_w", "nan_x", "zero_x", "tiny", "huge", "sm
 
 
 def check_topk_screen_special(case: str) -> None:
-    """The tile screen's whole-row test (each row's heap root moved by the widest bound) on
-    non-finite, zero, subnormal and huge scores: torch.topk's indices, NaN included."""
+    """The tile screens' whole-row test (each row's heap root moved by the widest bound), bf16
+    and, with AVX512_VNNI, int8 (the default there), on non-finite, zero, subnormal and huge
+    scores: torch.topk's indices, NaN included."""
     g = torch.Generator().manual_seed(len(case))
     w, x = torch.randn(3000, 48, generator=g), torch.randn(20, 48, generator=g)
     largest = case != "smallest"
@@ -169,12 +174,14 @@ def check_topk_screen_special(case: str) -> None:
         w, x = w * 1e-20, x * 1e-21
     elif case == "huge":
         w, x = w * 1e17, x * 1e17
+    int8 = topk._int8_screens(w.shape[1], host_target())
     f = make_linear_topk(w, 20, 10, largest)
-    assert f.spec.path == "tile" and f.spec.approx == "bf16"
-    v, i = f(x)
+    assert f.spec.path == "tile" and f.spec.approx == ("int8" if int8 else "bf16")
     rv, ri = torch.topk(x @ w.t(), 10, largest=largest)
-    assert torch.equal(i, ri), case
-    torch.testing.assert_close(v, rv, rtol=1e-5, atol=0, equal_nan=True)
+    for approx in ("bf16", "int8")[:1 + int8]:
+        v, i = topk._build(w, 20, 10, largest, torch.float32, False, approx, True)(x)
+        assert torch.equal(i, ri), (case, approx)
+        torch.testing.assert_close(v, rv, rtol=1e-5, atol=0, equal_nan=True)
 
 
 def _worker(out: str, generic: str = "all") -> int:
@@ -358,13 +365,17 @@ def test_native_build_keeps_tiles_in_registers(layout):
     assert ("prefetcht0" in asm) == (layout == "packed")
 
 
+@pytest.mark.parametrize("approx,op", [("bf16", "tdpbf16ps"), ("int8", "tdpbsud")])
 @pytest.mark.parametrize("m", [32, 0], ids=["32 rows", "any rows"])
-def test_native_topk_streams_its_weights(m):
-    """The fused top-k's bf16 screen on tiles prefetches its weight panels ahead of their
-    tile loads, as the GEMM streams pre-packed weights: every row tile reads all of them."""
-    spec = TopkGemmSpec(m, 20000, 128, 10, True, *TOPK_TILE, "bf16", path="tile")
+def test_native_topk_streams_its_weights(m, approx, op):
+    """The fused top-k's screens on tiles (bf16 products, or s8 x rows times u8 weights)
+    prefetch their weight panels ahead of their tile loads, as the GEMM streams pre-packed
+    weights: every row tile reads all of them."""
+    spec = TopkGemmSpec(m, 20000, 128, 10, True, *TOPK_TILE, approx, path="tile")
     _, asm = compile_assembly(ir_text(spec, SAPPHIRE), SAPPHIRE)
-    assert re.search(r"\btdpbf16ps\b", asm) and re.search(r"\bprefetcht0\b", asm)
+    assert re.search(rf"\b{op}\b", asm) and re.search(r"\bprefetcht0\b", asm)
+    spills = re.findall(r"tile(?:stored|loadd)\s+[^\n]*(?:\(%rsp|-\d+\(%rbp)", asm)
+    assert not spills, spills
 
 
 def test_emulated_build_has_no_tile_instructions():
