@@ -303,7 +303,7 @@ class _Emitter(ScreenBounds):
                 if self.screen and not self.tiles:
                     filter_rows(rows_v, cols)
         if self.tiles:  # the thread's last block
-            pending.screen(const(i64, 0), const(i64, s.mr))
+            pending.run(const(i64, 0), const(i64, s.mr))
             pending.filter()
         # row mode: this thread's rows are final
         with f.if_(b.not_(split_cols)), f.for_range(row0, row1, name="out") as r:
@@ -330,7 +330,7 @@ class _Emitter(ScreenBounds):
                                   i32),
             const(i64, 32 * 4), tile, 32, const(i64, kp), const(i1, 1),
             int8="s8u8" if self.int8 else False, row_tiles=1,
-            side=pending.screen_at_step, side_rest=pending.screen_after,
+            side=pending.rows_at_step, side_rest=pending.rows_after,
             b_ahead=simd.STREAM_AHEAD)
 
     def update_root(self, b, i, hv, cnt, roots):

@@ -9,7 +9,7 @@ from llvmlite import ir
 
 from . import simd, vmath
 from .gemm_bf16 import bound_factor
-from .gemm_tile import STEP
+from .gemm_tile import STEP, StepSlices
 from .irutil import const, f32, i1, i32, i64, ptr, smin
 
 
@@ -88,7 +88,7 @@ def _denormal_slack(kd: int) -> tuple[float, float]:
     return 2.0 ** -126 * kd / bound_factor(kd), 2.0 ** -126 * kd * 1.01
 
 
-class PendingScreen:
+class PendingScreen(StepSlices):
     """The screen of the last block of scores on the tiles, run in slices of rows between the
     tile products of the next block (``block_product``'s ``side``), then the filter of its rows
     that may enter their heaps. The vector screen then overlaps the tile unit's work, where it
@@ -110,7 +110,7 @@ class PendingScreen:
         self.int8 = int8
         f, mr = self.f, e.s.mr
         # block rows per tile step: the rows spread over a product's steps
-        self.per_step = -(-mr // (e.kwa // STEP))
+        self.per_step, self.block_rows = -(-mr // (e.kwa // STEP)), mr
         self.on = f.var(i1, const(i1, 0), "scr.on")
         self.parity = f.var(i64, const(i64, 0), "scr.par")
         self.hit = f.var(i64, const(i64, 0), "scr.hit")
@@ -134,8 +134,8 @@ class PendingScreen:
             var.set(v)
         self.on.set(const(i1, 1))
 
-    def screen(self, r0, r1) -> None:
-        """The hit bits of the pending block's rows [r0, r1) (clipped to its rows)."""
+    def run(self, r0, r1) -> None:
+        """Screen the pending block's rows [r0, r1) (clipped to its rows) into its hit bits."""
         f, e = self.f, self.e
         b = f.b
         op = ">" if e.s.largest else "<"
@@ -160,16 +160,6 @@ class PendingScreen:
                 any_ = b.icmp_unsigned("!=", b.bitcast(lanes, ir.IntType(32)),
                                        ir.Constant(ir.IntType(32), 0))
                 self.hit.set(b.or_(self.hit.get(), b.shl(b.zext(any_, i64), r)))
-
-    def screen_at_step(self, step) -> None:
-        b = self.f.b
-        r0 = b.mul(step, const(i64, self.per_step))
-        self.screen(r0, b.add(r0, const(i64, self.per_step)))
-
-    def screen_after(self, steps) -> None:
-        b = self.f.b
-        self.screen(smin(b, b.mul(steps, const(i64, self.per_step)), const(i64, self.e.s.mr)),
-                    const(i64, self.e.s.mr))
 
     def filter(self) -> None:
         """Filter the pending block's rows that hit (it was screened whole), then none is."""

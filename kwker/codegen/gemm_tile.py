@@ -230,7 +230,26 @@ def _product(f: Fn, p, tiles, regs, a_sub, b_panel, block, steps, from_zero, pen
 DEFERRED = ("gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
 
 
-class _PendingEpilogue:
+class StepSlices:
+    """Vector work over a block's rows spread across the tile steps of a block product
+    (``block_product``'s ``side`` and ``side_rest``): ``per_step`` rows in each step, then the
+    rows no step took. A subclass sets ``f``, ``per_step`` and ``block_rows`` and defines
+    ``run(r0, r1)`` for rows [r0, r1) (i64 values)."""
+
+    def rows_at_step(self, step) -> None:
+        """The slice of tile step ``step`` (i64): ``per_step`` rows from ``per_step * step``."""
+        b = self.f.b
+        r0 = b.mul(step, const(i64, self.per_step))
+        self.run(r0, b.add(r0, const(i64, self.per_step)))
+
+    def rows_after(self, steps) -> None:
+        """After a product of ``steps`` tile steps: the rows no step took."""
+        b = self.f.b
+        self.run(smin(b, b.mul(steps, const(i64, self.per_step)),
+                      const(i64, self.block_rows)), const(i64, self.block_rows))
+
+
+class _PendingEpilogue(StepSlices):
     """The epilogue of the last finished block, deferred for the costly activations
     (``DEFERRED``): run in slices of a few rows between the tile products of the next
     block, its vector math then overlaps the tile unit's work instead of stalling it between
@@ -246,6 +265,7 @@ class _PendingEpilogue:
         self.deferred = p.s.epilogue in DEFERRED and not p.planes
         # rows per tile step: the 32 rows spread over a (full) product's steps
         self.per_step = -(-32 // (sub_pairs(p) // STEP))
+        self.block_rows = 32
         self.side = self.rows_at_step if self.deferred else None
         self.side_rest = self.rows_after if self.deferred else None
         self.on = f.var(i1, const(i1, 0), "pend")
@@ -285,18 +305,6 @@ class _PendingEpilogue:
                                         self.out_row.get())
             _epilogue(f, p, block, self.q.get(), count, self.bias,
                       simd.gep(b, self.out.get(), b.mul(r0, const(i64, n)), self.out_t), res)
-
-    def rows_at_step(self, step) -> None:
-        """The slice of tile step ``step`` (i64): ``per_step`` rows from ``per_step * step``."""
-        b = self.f.b
-        r0 = b.mul(step, const(i64, self.per_step))
-        self.run(r0, b.add(r0, const(i64, self.per_step)))
-
-    def rows_after(self, steps) -> None:
-        """After a product of ``steps`` tile steps: the rows no step took."""
-        b = self.f.b
-        self.run(smin(b, b.mul(steps, const(i64, self.per_step)), const(i64, 32)),
-                 const(i64, 32))
 
     def finish(self) -> None:
         """The pending epilogue, whole: at once when it is not deferred, else the thread's
