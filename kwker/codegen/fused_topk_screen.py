@@ -100,9 +100,10 @@ class PendingScreen(StepSlices):
     buffers; each block is filtered before the next one is screened, so every screen reads the
     roots its sequential form read, and heaps see columns in order.
 
-    A block's scores (bf16), or their approximations (float32 with a bf16 screen), are compared
-    with each row's stale root (screen: less the row's widest bound): only rows with a lane
-    that may enter their heap are filtered (gemm_micro.py's register screen, stored)."""
+    A block's scores (bf16), or their approximations (float32 with a bf16 screen; with the int8
+    one, computed from its sums as ``screen_lanes`` does), are compared with each row's stale
+    root (screen: less the row's widest bound): only rows with a lane that may enter their heap
+    are filtered (gemm_micro.py's register screen, stored)."""
 
     def __init__(self, e, roots, filter_block, int8=None):
         self.e, self.f, self.roots, self.filter_block = e, e.f, roots, filter_block
@@ -146,7 +147,6 @@ class PendingScreen(StepSlices):
                 qinfo, row0, evec = self.int8
                 sj = simd.masked_load(b, evec, b.mul(self.q.get(), const(i64, e.s.nr)), mask, 32)
             with f.for_range(r0, smin(b, r1, self.rows.get()), name="sr") as r:
-                row = simd.load_vec(b, block, b.mul(r, const(i64, 32)), 32)
                 if self.int8:  # the approximations screen_lanes computes, 32 lanes at once
                     info = simd.gep(b, qinfo, b.mul(b.sub(b.add(self.row_t.get(), r), row0),
                                                     const(i64, 4)))
@@ -155,6 +155,8 @@ class PendingScreen(StepSlices):
                     c = simd.broadcast(b, simd.load_scalar(b, info, const(i64, 3), i32), 32)
                     t = simd.broadcast(b, simd.load_scalar(b, info, const(i64, 0)), 32)
                     row = b.fmul(b.fmul(b.sitofp(b.sub(acc, c), simd.vty(32)), sj), t)
+                else:
+                    row = simd.load_vec(b, block, b.mul(r, const(i64, 32)), 32)
                 root = simd.broadcast(b, simd.load_scalar(b, roots, r), 32)
                 lanes = b.and_(b.fcmp_unordered(op, row, root), mask)
                 any_ = b.icmp_unsigned("!=", b.bitcast(lanes, ir.IntType(32)),
