@@ -137,12 +137,14 @@ class _Emitter(ScreenBounds):
                 if fn is not None:
                     fn.attributes.add("alwaysinline")
         # one row tile of screened scores on the vector path: screen all, rescore the few that
-        # can make the top k
-        self.fast = None
+        # can make the top k (by row count; the generic kernel's at one row, and with int8 at
+        # every count it takes: Intel Xeon with AMX, 20000 x 128, k = 10, 2 rows 46-48 -> 23-25
+        # us, 4 rows 68-69 -> 36-38, as the specialised kernels)
+        self.fast = {}
         if self.screen and 0 < s.m <= s.mr and not self.tiles:
-            self.fast = Deferred(self, s.m, s.mr)
+            self.fast = {s.m: Deferred(self, s.m, s.mr)}
         elif self.screen and not s.m and not self.tiles:
-            self.fast = Deferred(self, 1, 1)
+            self.fast = {r: Deferred(self, r, r) for r in range(1, s.mr + 1 if self.int8 else 2)}
         body = self.emit_body()
         self.emit_main(body)
 
@@ -483,9 +485,10 @@ class _Emitter(ScreenBounds):
         x, w, vals, idx, w_exact, evec = f.args[:6]
         nreq = f.args[-1]
         m = s.m or f.args[6]
-        if self.fast:  # usually decides alone; ties, NaN or overflow take the exact path
-            one = const(i1, 1) if s.m else b.icmp_signed("==", m, const(i64, 1))
-            with f.if_(one), f.if_(b.call(self.fast.fn, [x, w, vals, idx, w_exact, evec, nreq])):
+        for count, fast in self.fast.items():  # usually decides alone; ties, NaN or overflow
+            # take the exact path
+            these = const(i1, 1) if s.m else b.icmp_signed("==", m, const(i64, count))
+            with f.if_(these), f.if_(b.call(fast.fn, [x, w, vals, idx, w_exact, evec, nreq])):
                 f.ret()
         mt, _ = self.row_tiles(b, m)
         if s.m:
