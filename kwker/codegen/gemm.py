@@ -56,7 +56,20 @@ from . import bf16, gemm_lowbit, gemm_lowbit_unpack, gemm_lowbit_vnni, gemm_tile
 from .gemm_edges import dispatch, emit_small_rows
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .irutil import Fn, aligned_malloc, const, f32, i8, i16, i32, i64, intrinsic, new_module, ptr
+from .irutil import (
+    Fn,
+    aligned_malloc,
+    const,
+    f32,
+    i8,
+    i16,
+    i32,
+    i64,
+    intrinsic,
+    new_module,
+    ptr,
+    smin,
+)
 
 MIN_FLOPS_PER_THREAD = 1 << 18  # ~2.5 us of FMAs: a fork (~1 us) pays off above it
 # pre-packed weights are streamed from memory once a call: a thread per this many bytes of them
@@ -544,17 +557,12 @@ def _lowbit_packer(module: ir.Module, p: _Plan):
         pw = const(i64, p.per_word)
         with f.for_range(qb0, qb1, name="uq") as q:
             row0 = b.mul(q, const(i64, s.nr))
-            rows = b.sub(const(i64, s.n), row0)
-            rows = b.select(b.icmp_signed("<", rows, const(i64, s.nr)), rows,
-                            const(i64, s.nr))
+            rows = smin(b, b.sub(const(i64, s.n), row0), const(i64, s.nr))
             panel = simd.gep(b, bp, b.mul(b.sub(q, qb0), b.mul(ld, const(i64, s.nr))))
             with f.for_range(0, kcl, step=step, name="uk") as c:
-                words = b.sub(kcl, c)
-                words = b.select(b.icmp_signed("<", words, const(i64, step)), words,
-                                 const(i64, step))
+                words = smin(b, b.sub(kcl, c), const(i64, step))
                 ka = b.mul(b.add(k0, c), pw)     # k of the piece's first word
-                kn = b.sub(const(i64, s.k), ka)
-                kn = b.select(b.icmp_signed("<", kn, b.mul(words, pw)), kn, b.mul(words, pw))
+                kn = smin(b, b.sub(const(i64, s.k), ka), b.mul(words, pw))
                 b.call(unpack, [w, scale, zp, row0, rows, ka, kn, rows_buf])
                 b.call(pack_b, [rows_buf, rows, words,
                                 simd.gep(b, panel, b.mul(c, const(i64, s.nr)))])

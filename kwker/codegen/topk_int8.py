@@ -96,8 +96,10 @@ def emit_pack_int8(module: ir.Module, mr: int, k: int, row_words: int = 0) -> ir
     kq = _cdiv(k, 4)
     g = 1.01 * k * 2.0 ** -24
     zero64 = ir.Constant(F64, 0.0)
-    tiles = b.udiv(b.add(rows, const(i64, mr - 1)), const(i64, mr))
-    padded_rows = b.mul(tiles, const(i64, mr)) if row_words else const(i64, mr)
+    padded_rows = const(i64, mr)
+    if row_words:  # every row of the tiles that hold ``rows``
+        tiles = b.udiv(b.add(rows, const(i64, mr - 1)), const(i64, mr))
+        padded_rows = b.mul(tiles, const(i64, mr))
 
     def word_at(p, r):
         return b.add(b.mul(r, const(i64, row_words)), p) if row_words else \

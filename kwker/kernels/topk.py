@@ -62,7 +62,8 @@ def _int8_pack(w: torch.Tensor, nr: int, step: int = 1) -> tuple[torch.Tensor, t
     screen). A row with inf or NaN or a norm past 2^60 gets E1_j = NaN: it always passes
     (codegen/topk_int8.py emit_pack_int8 has the bound)."""
     n, k = w.shape
-    kq, npan = -(-(-(-k // 4)) // step) * step, -(-n // nr)
+    kq = -(-k // 4)                      # k quads, then whole steps of them
+    kq, npan = -(-kq // step) * step, -(-n // nr)
     wd = w.detach().double()
     ok = torch.isfinite(wd).all(dim=1)
     wd = torch.where(ok[:, None], wd, 0.0)
