@@ -26,7 +26,10 @@ Both forms cost three vector instructions per 16 weights on AVX-512 (widen or sh
 look up, FMA), and are bound by them where the weights come from cache (Emerald Rapids, 2 threads,
 1024 x 1024 warm: int8 29 G weights/s). With ``spec.vnni`` (int8 per output channel on a CPU with
 AVX512_VNNI) the int8 form runs instead on ``vpdpbusd`` over x split into byte planes,
-3 instructions per 64 weights and exact to float32 (gemm_lowbit_vnni.py): 40 G weights/s there.
+3 instructions per 64 weights and exact to float32 (gemm_lowbit_vnni.py): 40 G weights/s there;
+symmetric int4 (groups of 32, 64 or multiples of 128 k) likewise, on x's signed digits and the
+packed nibbles transposed by one ``vpshufb`` (gemm_lowbit_vnni4.py): 16 instructions per 128
+weights instead of ~28 (GPT-2's 49 int4 GEMVs, Emerald Rapids: 1.27-1.38x faster).
 
 ``scale`` is float32 (N, groups) and ``zp`` int8 (N, groups) (read only with
 ``zero_point=True``; int4 groups padded as the weights are).
@@ -47,14 +50,14 @@ runs as vectors over the thread's columns: ``act(sum + bias) + residual``, round
 for a bf16 model.
 
 ABI: ``sym(x, w, scale, zp, bias, res, out[, rows], nthreads)``; ``bias``, ``res``, ``zp`` may be
-null when the spec says they are absent; with ``spec.vnni``, ``zp`` holds the W rows' sums of q
-(int32).
+null when the spec says they are absent; with ``spec.vnni`` and int8, ``zp`` holds the W rows'
+sums of q (int32).
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from . import bf16, gemm_lowbit_fold, gemm_lowbit_vnni, omp, simd, vmath
+from . import bf16, gemm_lowbit_fold, gemm_lowbit_vnni, gemm_lowbit_vnni4, omp, simd, vmath
 from .gemm_micro import epilogue_masked
 from .irutil import (
     Fn,
@@ -141,7 +144,8 @@ class _Tile:
         key = (mr, rr, exact)
         if key not in self._made and mr in ("vnni", "vnnis"):
             self._made[key] = gemm_lowbit_vnni.emit_tile(self.module, self.s, rr,
-                                                         streamed=mr == "vnnis")
+                                                         streamed=mr == "vnnis") \
+                if self.s.bits == 8 else gemm_lowbit_vnni4.emit_tile(self, rr)
         if key not in self._made:
             f = Fn(self.module, f"{self.s.symbol}.tile{mr}x{rr}{'e' if exact else ''}", void,
                    [ptr] * 5, ["x", "w", "scale", "zp", "sums"])
@@ -437,9 +441,10 @@ def _start(spec, target):
 
 def emit(spec, target) -> ir.Module:
     L, module, tiles, body, ctx = _start(spec, target)
-    if spec.vnni and not gemm_lowbit_vnni.usable(spec, L):
-        raise ValueError(f"kwker gemm_lowbit: the vpdpbusd path takes int8 per output channel, "
-                         f"no zero points, K <= {gemm_lowbit_vnni.MAX_K} ({spec})")
+    if spec.vnni and not vnni_usable(spec, L):
+        raise ValueError(f"kwker gemm_lowbit: the vpdpbusd path takes int8 per output channel "
+                         f"with K <= {gemm_lowbit_vnni.MAX_K} or int4 in groups of 32, 64 or "
+                         f"multiples of 128, without zero points ({spec})")
     b = body.b
     x, w, scale, zp, bias, res, out = (ctx.ptr(slot) for slot in range(7))
     rows = const(i64, spec.m) if spec.m else ctx.i64(7)
@@ -457,10 +462,13 @@ def emit(spec, target) -> ir.Module:
         planes = heads = None
         if spec.vnni:
             praw, planes = aligned_malloc(body, b.mul(rows, const(
-                i64, gemm_lowbit_vnni.row_bytes(spec.k) + gemm_lowbit_vnni.HEAD)))
-            heads = simd.gep(b, planes, b.mul(rows, const(i64, gemm_lowbit_vnni.row_bytes(
-                spec.k))), i8)
-            gemm_lowbit_vnni.emit_planes(body, spec.k, spec.dtype, x, planes, heads, rows)
+                i64, _plane_bytes(spec, tiles) + gemm_lowbit_vnni.HEAD)))
+            heads = simd.gep(b, planes, b.mul(rows, const(i64, _plane_bytes(spec, tiles))), i8)
+            if spec.bits == 8:
+                gemm_lowbit_vnni.emit_planes(body, spec.k, spec.dtype, x, planes, heads, rows)
+            else:
+                gemm_lowbit_vnni4.emit_planes(body, spec.k, tiles.kp, spec.dtype, x, planes,
+                                              heads, rows)
         wrow = tiles.kp if spec.bits == 8 else tiles.kp // 2     # bytes a W row
         with body.for_range(begin, end, name="blk") as blk:
             r0 = b.mul(blk, const(i64, rr))
@@ -477,6 +485,17 @@ def emit(spec, target) -> ir.Module:
     cap = max(1, n * spec.k // GRAIN)
     omp.emit_parallel(module, spec.symbol, args, body.fn, max_threads=min(cap, blocks))
     return module
+
+
+def vnni_usable(spec, lanes: int) -> bool:
+    """Whether ``spec`` may take the ``vpdpbusd`` path (the factory also asks the target)."""
+    return gemm_lowbit_vnni.usable(spec, lanes) or gemm_lowbit_vnni4.usable(spec, lanes)
+
+
+def _plane_bytes(spec, tiles: _Tile) -> int:
+    """Bytes of an x row's planes (int8) or digits (int4) on the vpdpbusd path."""
+    return gemm_lowbit_vnni.row_bytes(spec.k) if spec.bits == 8 else \
+        gemm_lowbit_vnni4.row_bytes(tiles.kp)
 
 
 def tile_rows(spec) -> int:
@@ -504,8 +523,7 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
 
     def _planes_of(i):
         """(planes, head) of x row ``i``."""
-        return (simd.gep(b, planes[0], b.mul(i, const(i64, gemm_lowbit_vnni.row_bytes(spec.k))),
-                         i8),
+        return (simd.gep(b, planes[0], b.mul(i, const(i64, _plane_bytes(spec, tiles))), i8),
                 simd.gep(b, planes[1], b.mul(i, const(i64, gemm_lowbit_vnni.HEAD)), i8))
 
     def run(rows_here: int, w_rows: int, i0, kind=None, exact=False, h: int = 0):
@@ -553,8 +571,8 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
     def by_rows_of(w_rows: int, exact: bool, h: int):
         if spec.vnni:  # a lone x row streams its W rows; several share each plane load
             # (int8 in place: whole blocks, h == 0)
-            if spec.m:
-                by_planes(w_rows, "vnnis" if spec.m == 1 else "vnni")
+            if spec.m or spec.bits == 4:   # int4: a block's chunks are one stream anyway
+                by_planes(w_rows, "vnnis" if spec.m == 1 and spec.bits == 8 else "vnni")
                 return
             with f.if_else(b.icmp_unsigned("==", rows, const(i64, 1))) as (one, several):
                 with one:

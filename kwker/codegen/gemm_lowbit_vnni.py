@@ -67,47 +67,14 @@ def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = 
     bits = 8 * count
     b = f.b
     vt, it = simd.vty(16), simd.vty(16, i32)
-    stride, full = plane_stride(k), k // 16
-    elem = i16 if dtype == "bf16" else f32
+    stride = plane_stride(k)
     with f.for_range(0, rows, name="pr") as r:
-        src = simd.gep(b, x, b.mul(r, const(i64, k)), elem)
+        src = simd.gep(b, x, b.mul(r, const(i64, k)), i16 if dtype == "bf16" else f32)
         row = simd.gep(b, planes, b.mul(r, const(i64, row_bytes(k, count))), i8)
         head = simd.gep(b, heads, b.mul(r, const(i64, HEAD)), i8)
-        amax = f.var(vt, ir.Constant(vt, [0.0] * 16), "amax")
-        bad = f.var(ir.VectorType(ir.IntType(1), 16), ir.Constant(ir.VectorType(ir.IntType(1), 16),
-                                                                   [0] * 16), "bad")
-
-        def scan(v):
-            a = f.call_intrinsic("llvm.fabs.v16f32", vt, [v])
-            amax.set(f.call_intrinsic("llvm.maxnum.v16f32", vt, [amax.get(), a]))
-            # NaN and inf fail this ordered compare
-            bad.set(b.or_(bad.get(), b.fcmp_unordered(">=", a, simd.broadcast(
-                b, ir.Constant(f32, float("inf")), 16))))
-
-        def each_vector(body):
-            if full:
-                with f.for_range(0, full, name="pv") as v:
-                    at = b.mul(v, const(i64, 16))
-                    body(bf16.load_as(b, dtype, src, at, 16), at, 16)
-            if k % 16:
-                at = const(i64, full * 16)
-                body(bf16.load_as(b, dtype, src, at, 16, k % 16), at, k % 16)
-
-        each_vector(lambda v, at, n: scan(v))
-        top = simd.hmax(b, amax.get())
-        any_bad = f.call_intrinsic("llvm.vector.reduce.or.v16i1", ir.IntType(1), [bad.get()])
-        exp = b.sub(b.and_(b.lshr(b.bitcast(top, i32), const(i32, 23)), const(i32, 255)),
-                    const(i32, 126))                       # max|x| < 2**exp
-        ok = b.and_(b.not_(any_bad), b.icmp_signed(">=", exp, const(i32, TINY)))
-        b.store(b.zext(ok, i32), simd.gep(b, head, const(i64, 8), i8))
-        fine_at = simd.gep(b, head, const(i64, 12), i8)
-        b.store(const(i32, 1), fine_at)
+        ok, exp = scan_row(f, k, dtype, src, head)
         with f.if_(ok):
-            mult = b.bitcast(b.shl(b.sub(const(i32, bits - 2 + 127), exp), const(i32, 23)), f32)
-            factor = b.bitcast(b.shl(b.zext(b.add(exp, const(i32, 1023 - bits + 2)), i64),
-                                     const(i64, 52)), F64)
-            b.store(factor, head)
-            mv = simd.broadcast(b, mult, 16)
+            mv = store_factor(b, head, exp, bits)
             for p in range(count):   # zeros past K (the weights there are masked to 0 anyway)
                 with f.for_range(k // 16 * 16, stride, step=16, name="pz") as z:
                     b.store(ir.Constant(ir.VectorType(i8, 16), [0] * 16),
@@ -126,13 +93,62 @@ def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = 
                     byte = b.trunc(b.lshr(u, ir.Constant(it, [8 * p] * 16)) if p else u,
                                    ir.VectorType(i8, 16))
                     simd.store_any(b, byte, row, b.add(at, const(i64, p * stride)), n, elem=i8)
-            each_vector(split)
+            each_vector(f, k, dtype, src, split)
             if count < PLANES:
                 # x's rounding (a step of 2**(E - bits + 2)) no coarser than TF32's, in the mean
                 # square: 2**E <= 16 rms(x), i.e. sum (x * mult)**2 >= K * 2**(2 bits - 12)
                 floor = ir.Constant(f32, k * 2.0 ** (2 * bits - 12))
                 fine = b.fcmp_ordered(">=", simd.hsum(b, squares.get()), floor)
-                b.store(b.zext(fine, i32), fine_at)
+                b.store(b.zext(fine, i32), simd.gep(b, head, const(i64, 12), i8))
+
+
+def each_vector(f: Fn, k: int, dtype: str, src, body) -> None:
+    """``body(v, at, n)`` on each 16 floats of an x row (``n`` of them real, zeros past K)."""
+    b = f.b
+    if k // 16:
+        with f.for_range(0, k // 16, name="pv") as v:
+            at = b.mul(v, const(i64, 16))
+            body(bf16.load_as(b, dtype, src, at, 16), at, 16)
+    if k % 16:
+        at = const(i64, k // 16 * 16)
+        body(bf16.load_as(b, dtype, src, at, 16, k % 16), at, k % 16)
+
+
+def scan_row(f: Fn, k: int, dtype: str, src, head) -> tuple:
+    """An x row's (i1 it may go by planes: finite and max|x| >= 2**TINY, ``exp``: max|x| <
+    2**exp), the first flag stored in its head and the second (fine) set to 1."""
+    b = f.b
+    vt = simd.vty(16)
+    b1 = ir.VectorType(ir.IntType(1), 16)
+    amax = f.var(vt, ir.Constant(vt, [0.0] * 16), "amax")
+    bad = f.var(b1, ir.Constant(b1, [0] * 16), "bad")
+
+    def scan(v, at, n):
+        a = f.call_intrinsic("llvm.fabs.v16f32", vt, [v])
+        amax.set(f.call_intrinsic("llvm.maxnum.v16f32", vt, [amax.get(), a]))
+        # NaN and inf fail this ordered compare
+        bad.set(b.or_(bad.get(), b.fcmp_unordered(">=", a, simd.broadcast(
+            b, ir.Constant(f32, float("inf")), 16))))
+
+    each_vector(f, k, dtype, src, scan)
+    top = simd.hmax(b, amax.get())
+    any_bad = f.call_intrinsic("llvm.vector.reduce.or.v16i1", ir.IntType(1), [bad.get()])
+    exp = b.sub(b.and_(b.lshr(b.bitcast(top, i32), const(i32, 23)), const(i32, 255)),
+                const(i32, 126))                       # max|x| < 2**exp
+    ok = b.and_(b.not_(any_bad), b.icmp_signed(">=", exp, const(i32, TINY)))
+    b.store(b.zext(ok, i32), simd.gep(b, head, const(i64, 8), i8))
+    b.store(const(i32, 1), simd.gep(b, head, const(i64, 12), i8))
+    return ok, exp
+
+
+def store_factor(b: ir.IRBuilder, head, exp, bits: int) -> ir.Value:
+    """Store the row's factor ``2**(exp - bits + 2)`` (float64) in its head; return the
+    multiplier ``2**(bits - 2 - exp)`` that takes x to integers, broadcast to 16 lanes."""
+    mult = b.bitcast(b.shl(b.sub(const(i32, bits - 2 + 127), exp), const(i32, 23)), f32)
+    factor = b.bitcast(b.shl(b.zext(b.add(exp, const(i32, 1023 - bits + 2)), i64),
+                             const(i64, 52)), F64)
+    b.store(factor, head)
+    return simd.broadcast(b, mult, 16)
 
 
 def is_ready(b, head) -> ir.Value:

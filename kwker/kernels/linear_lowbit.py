@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..codegen import gemm_lowbit, gemm_lowbit_fold, gemm_lowbit_vnni, simd
+from ..codegen import gemm_lowbit, gemm_lowbit_fold, simd
 from ..runtime.target import host_target
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, on_rows, record_function
 from .linear import EPILOGUES
@@ -207,7 +207,7 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     block = 1 if folded else ROWS_PER_BLOCK[1 if lw.bits == 4 else rows]
     spec = LowbitGemmSpec(m or 0, n, k, lw.bits, group, lw.zero_point is not None,
                           bias is not None, epilogue, residual, dt, lanes, rows, block)
-    if _vnni(spec, lanes):  # one x row at a time, 3 accumulators a W row
+    if _vnni(spec, lanes):  # one x row at a time
         spec = replace(spec, vnni=True, mr=1, rr=ROWS_PER_BLOCK[1])
     elif m is not None and m >= PREFILL_ROWS:  # no decode tile: int4 packed as decode packs it
         spec = replace(spec, mr=1, rr=1 if folded else ROWS_PER_BLOCK[1])
@@ -220,7 +220,7 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     bias_c = None
     if bias is not None:  # bf16: rounded as the model holds it, added in float32
         bias_c = bias.detach().to(dtype).float().contiguous()
-    if spec.vnni:  # the row sums of q, in the zero points' place (gemm_lowbit_vnni)
+    if spec.vnni and spec.bits == 8:  # the row sums of q, in the zero points' place
         zp = _row_sums(lw.qdata)
     buffers = Buffers(w, scale, zp, bias_c)
     if m is not None and m < PREFILL_ROWS:
@@ -279,9 +279,10 @@ def _row_sums(q: torch.Tensor) -> torch.Tensor:
 
 
 def _vnni(spec: LowbitGemmSpec, lanes: int) -> bool:
-    """Whether the decode kernel takes int8 weights on ``vpdpbusd`` (where the CPU has
-    AVX512_VNNI: 3/64 of an instruction a weight instead of 3/16)."""
-    return host_target().has("avx512vnni") and gemm_lowbit_vnni.usable(spec, lanes)
+    """Whether the decode kernel takes its weights on ``vpdpbusd`` (where the CPU has
+    AVX512_VNNI): int8 per channel (3/64 of an instruction a weight instead of 3/16) and
+    symmetric int4 (16/128 instead of ~28/128)."""
+    return host_target().has("avx512vnni") and gemm_lowbit.vnni_usable(spec, lanes)
 
 
 def _leading(run, lead: tuple, k: int, n: int, residual: bool):

@@ -265,7 +265,7 @@ class LowbitGemmSpec(Spec):
     lanes: int = 16
     mr: int = 1
     rr: int = 8
-    vnni: bool = False     # int8 on vpdpbusd over x split into byte planes (gemm_lowbit_vnni)
+    vnni: bool = False     # on vpdpbusd over x's byte planes (gemm_lowbit_vnni, _vnni4)
     family = "gemm_lowbit"
 
 

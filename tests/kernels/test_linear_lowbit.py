@@ -26,6 +26,8 @@ FORMATS = {
     "int4-group64-asym": (IntxWeightOnlyConfig, {"weight_dtype": torch.int4,
                                                  "granularity": PerGroup(64),
                                                  "mapping_type": MappingType.ASYMMETRIC}),
+    "int4-group64": (IntxWeightOnlyConfig, {"weight_dtype": torch.int4,
+                                            "granularity": PerGroup(64)}),
     "int4-group128": (IntxWeightOnlyConfig, {"weight_dtype": torch.int4,
                                              "granularity": PerGroup(128)}),
     "int4-axis": (IntxWeightOnlyConfig, {"weight_dtype": torch.int4,
@@ -319,16 +321,22 @@ def _vnni_host() -> bool:
     return host_target().has("avx512vnni")
 
 
+VNNI_CASES = [("int8-channel", k) for k in (64, 70, 200, 777)] + \
+    [("int4-group32", k) for k in (64, 96, 800)] + [("int4-group64", 192), ("int4-group128", 384),
+                                                    ("int4-axis", 70), ("int4-axis", 300)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("k", [64, 70, 200, 777])
-def test_int8_channel_on_vpdpbusd_and_float_paths(dtype, k, monkeypatch):
-    """int8 per output channel takes vpdpbusd over x's byte planes where the CPU has
-    AVX512_VNNI, else the float path (forced here too): both agree with the reference on rows
-    the planes take (ordinary, huge, a single nonzero) and on rows they hand to the float path
-    (all zeros, below 2**-100, non-finite), in one call; K whole steps of 64, a tail under one
-    vector, odd."""
+@pytest.mark.parametrize("fmt, k", VNNI_CASES, ids=[f"{f}-{k}" for f, k in VNNI_CASES])
+def test_vpdpbusd_and_float_paths(fmt, k, dtype, monkeypatch):
+    """int8 per output channel and symmetric int4 take vpdpbusd over x's byte planes (int4:
+    signed digits) where the CPU has AVX512_VNNI, else the float path (forced here too): both
+    agree with the reference on rows the planes take (ordinary, huge, a single nonzero) and on
+    rows they hand to the float path (all zeros, below 2**-100, non-finite), in one call. int8:
+    K whole steps of 64, a tail under one vector, odd; int4: groups of 32, 64 and 128 k and one
+    per row, K a chunk of 128 or less, several, with a part chunk."""
     import kwker.kernels.linear_lowbit as lowbit
-    lin = quantized("int8-channel", 45, k, dtype)
+    lin = quantized(fmt, 45, k, dtype)
     lin.bias.data.zero_()    # each row's error is then against that row's own scale
     rows = [torch.randn(k), torch.randn(k) * 1e30, torch.zeros(k), torch.randn(k) * 1e-36,
             torch.randn(k).index_fill(0, torch.tensor([k - 1]), float("nan")),
@@ -338,7 +346,7 @@ def test_int8_channel_on_vpdpbusd_and_float_paths(dtype, k, monkeypatch):
     paths = {"float": False} if not _vnni_host() else {"vnni": True, "float": False}
     for name, vnni in paths.items():
         monkeypatch.setattr(lowbit, "_vnni", lambda spec, lanes, v=vnni: v and
-                            lowbit.gemm_lowbit_vnni.usable(spec, lanes))
+                            lowbit.gemm_lowbit.vnni_usable(spec, lanes))
         # a lone x row streams its W rows (m=1, or one row through the generic kernel)
         for m, one_by_one in ((1, True), (len(rows), False), (None, False), (None, True)):
             fn = make_linear_lowbit(lin.weight, None, m, dtype=dtype)
@@ -352,8 +360,9 @@ def test_int8_channel_on_vpdpbusd_and_float_paths(dtype, k, monkeypatch):
         pytest.skip("this CPU has no AVX512_VNNI: the float path alone ran")
 
 
-def test_int8_channel_vnni_kernel_holds_vpdpbusd():
-    """The vpdpbusd kernel compiles for a VNNI target whatever this host (its assembly)."""
+def test_vnni_kernels_hold_vpdpbusd():
+    """The vpdpbusd kernels compile for a VNNI target whatever this host (their assembly):
+    int8 per channel, and int4 in groups of 32 (its nibbles transposed by vpshufb)."""
     import re
 
     from kwker.kernels.specs import LowbitGemmSpec
@@ -364,6 +373,9 @@ def test_int8_channel_vnni_kernel_holds_vpdpbusd():
     spec = LowbitGemmSpec(1, 100, 300, 8, 300, bias=True, vnni=True)
     _, asm = compile_assembly(ir_text(spec, target), target)
     assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm)
+    int4 = LowbitGemmSpec(0, 100, 320, 4, 32, bias=True, mr=1, vnni=True)
+    _, asm = compile_assembly(ir_text(int4, target), target)
+    assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm) and re.search(r"vpshufb\s[^\n]*%zmm", asm)
 
 
 @pytest.mark.parametrize("cpu, lanes", [("haswell", 8), ("znver4", 16)])
