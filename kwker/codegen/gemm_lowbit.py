@@ -466,9 +466,10 @@ def emit(spec, target) -> ir.Module:
             heads = simd.gep(b, planes, b.mul(rows, const(i64, _plane_bytes(spec, tiles))), i8)
             if spec.bits == 8:
                 gemm_lowbit_vnni.emit_planes(body, spec.k, spec.dtype, x, planes, heads, rows)
-            else:
-                gemm_lowbit_vnni4.emit_planes(body, spec.k, tiles.kp, spec.dtype, x, planes,
-                                              heads, rows)
+            else:   # int4 takes them for a lone x row
+                with body.if_(b.icmp_unsigned("==", rows, const(i64, 1))):
+                    gemm_lowbit_vnni4.emit_planes(body, spec.k, tiles.kp, spec.dtype, x,
+                                                  planes, heads, rows)
         wrow = tiles.kp if spec.bits == 8 else tiles.kp // 2     # bytes a W row
         with body.for_range(begin, end, name="blk") as blk:
             r0 = b.mul(blk, const(i64, rr))
@@ -569,10 +570,10 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
                     run(1, w_rows, i)
 
     def by_rows_of(w_rows: int, exact: bool, h: int):
-        if spec.vnni:  # a lone x row streams its W rows; several share each plane load
-            # (int8 in place: whole blocks, h == 0)
-            if spec.m or spec.bits == 4:   # int4: a block's chunks are one stream anyway
-                by_planes(w_rows, "vnnis" if spec.m == 1 and spec.bits == 8 else "vnni")
+        if spec.vnni and spec.bits == 8:  # a lone x row streams its W rows; several share
+            # each plane load (int8 in place: whole blocks, h == 0)
+            if spec.m:
+                by_planes(w_rows, "vnnis" if spec.m == 1 else "vnni")
                 return
             with f.if_else(b.icmp_unsigned("==", rows, const(i64, 1))) as (one, several):
                 with one:
@@ -591,13 +592,27 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
             with f.if_(b.icmp_unsigned("==", left, const(i64, count))):
                 run(count, w_rows, i0, exact=exact, h=h)
 
+    def each(w_rows: int):
+        """int4 with ``spec.vnni``: a lone x row on vpdpbusd (its block's chunks one stream),
+        several on the float tiles."""
+        if not (spec.vnni and spec.bits == 4):
+            by_rows(w_rows)
+        elif spec.m == 1:
+            by_planes(w_rows, "vnni")
+        else:
+            with f.if_else(b.icmp_unsigned("==", rows, const(i64, 1))) as (one, several):
+                with one:
+                    by_planes(w_rows, "vnni")
+                with several:
+                    by_rows(w_rows)
+
     edge = n % rr
     if edge:
         is_edge = b.icmp_signed("==", r0, const(i64, n - edge))
         with f.if_else(is_edge) as (last, whole):
             with last:
-                by_rows(edge)
+                each(edge)
             with whole:
-                by_rows(rr)
+                each(rr)
     else:
-        by_rows(rr)
+        each(rr)

@@ -46,10 +46,12 @@ _TRANSPOSE = [4 * (j % 4) + (j % 16) // 4 for j in range(64)]
 
 
 def usable(spec, lanes: int) -> bool:
-    """int4, symmetric, on AVX-512, in groups that hold whole words of a chunk."""
+    """int4, symmetric, on AVX-512, in groups that hold whole words of a chunk; a decode kernel
+    of one x row or one generic over rows (a lone row goes by digits, several by the float
+    path's tiles, which share each weight's lookup among them and are as fast there)."""
     g = spec.group
     return (spec.bits == 4 and lanes == 16 and not spec.zero_point and g % 32 == 0
-            and (CHUNK % g == 0 or g % CHUNK == 0))
+            and (CHUNK % g == 0 or g % CHUNK == 0) and spec.m in (0, 1))
 
 
 def row_bytes(kp: int) -> int:

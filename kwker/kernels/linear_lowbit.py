@@ -207,8 +207,9 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     block = 1 if folded else ROWS_PER_BLOCK[1 if lw.bits == 4 else rows]
     spec = LowbitGemmSpec(m or 0, n, k, lw.bits, group, lw.zero_point is not None,
                           bias is not None, epilogue, residual, dt, lanes, rows, block)
-    if _vnni(spec, lanes):  # one x row at a time
-        spec = replace(spec, vnni=True, mr=1, rr=ROWS_PER_BLOCK[1])
+    if _vnni(spec, lanes):  # int8: one x row at a time; int4: a lone one (decode)
+        spec = replace(spec, vnni=True, mr=1, rr=ROWS_PER_BLOCK[1]) if lw.bits == 8 else \
+            replace(spec, vnni=True)
     elif m is not None and m >= PREFILL_ROWS:  # no decode tile: int4 packed as decode packs it
         spec = replace(spec, mr=1, rr=1 if folded else ROWS_PER_BLOCK[1])
     try:
@@ -281,7 +282,8 @@ def _row_sums(q: torch.Tensor) -> torch.Tensor:
 def _vnni(spec: LowbitGemmSpec, lanes: int) -> bool:
     """Whether the decode kernel takes its weights on ``vpdpbusd`` (where the CPU has
     AVX512_VNNI): int8 per channel (3/64 of an instruction a weight instead of 3/16) and
-    symmetric int4 (16/128 instead of ~28/128)."""
+    symmetric int4 for a lone x row (16/128 instead of ~28/128; several rows share each
+    weight's lookup on the float path's tiles, as fast there)."""
     return host_target().has("avx512vnni") and gemm_lowbit.vnni_usable(spec, lanes)
 
 
