@@ -441,6 +441,31 @@ def test_bf16_decode_sizes_measure_the_tile_and_the_vector_path(tuned, native_ti
     assert again.spec == f.spec  # the recorded choice gives the same kernel
 
 
+def test_int4_decode_measures_vpdpbusd_and_the_float_path(tuned):
+    """Where the CPU has AVX512_VNNI, an int4 decode linear is built on whichever of vpdpbusd
+    and the float path measured faster on this machine, recorded; either answers as the
+    dequantised reference."""
+    pytest.importorskip("torchao")
+    if not host_target().has("avx512vnni"):
+        pytest.skip(f"one int4 decode path without AVX512_VNNI; this CPU: "
+                    f"{host_target().describe()}")
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    from kwker.kernels.linear_lowbit import dequantized, make_linear_lowbit
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 96)
+    quantize_(lin, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    f = make_linear_lowbit(lin.weight, lin.bias.detach(), 1)
+    (record,) = [r for r in _records() if r["op"] == "low-bit decode variant"]
+    assert set(record["times_us"]) == {"vpdpbusd", "float"}
+    assert f.specs[0].vnni == (record["choice"] == "vpdpbusd")
+    x = torch.randn(1, 256)
+    reference = x.double() @ dequantized(lin.weight).double().T + lin.bias.detach().double()
+    assert (f(x).double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert make_linear_lowbit(lin.weight, lin.bias.detach(), 1).specs[0] == f.specs[0]
+
+
 def test_threshold_fit_takes_the_faster_side_everywhere():
     """Synthetic grid: Kwker faster from 4096 elements and rows of 128 up; the fitted
     thresholds choose the faster side at every point (the built-in pair loses time here)."""
