@@ -27,7 +27,7 @@ look up, FMA), and are bound by them where the weights come from cache (Emerald 
 1024 x 1024 warm: int8 29 G weights/s). With ``spec.vnni`` (int8 per output channel on a CPU with
 AVX512_VNNI) the int8 form runs instead on ``vpdpbusd`` over x split into byte planes,
 3 instructions per 64 weights and exact to float32 (gemm_lowbit_vnni.py): 40 G weights/s there;
-symmetric int4 (groups of 32, 64 or multiples of 128 k) likewise, on x's signed digits and the
+int4 (groups of 32, 64 or multiples of 128 k) likewise, on x's signed digits and the
 packed nibbles transposed by one ``vpshufb`` (gemm_lowbit_vnni4.py): 16 instructions per 128
 weights instead of ~28 (GPT-2's 49 int4 GEMVs, Emerald Rapids: 1.27-1.38x faster).
 
@@ -443,8 +443,8 @@ def emit(spec, target) -> ir.Module:
     L, module, tiles, body, ctx = _start(spec, target)
     if spec.vnni and not vnni_usable(spec, L):
         raise ValueError(f"kwker gemm_lowbit: the vpdpbusd path takes int8 per output channel "
-                         f"with K <= {gemm_lowbit_vnni.MAX_K} or int4 in groups of 32, 64 or "
-                         f"multiples of 128, without zero points ({spec})")
+                         f"with K <= {gemm_lowbit_vnni.MAX_K} and no zero points, or int4 in "
+                         f"groups of 32, 64 or multiples of 128 for one row or any ({spec})")
     b = body.b
     x, w, scale, zp, bias, res, out = (ctx.ptr(slot) for slot in range(7))
     rows = const(i64, spec.m) if spec.m else ctx.i64(7)
@@ -531,7 +531,8 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
         """x rows ``i0 ..`` against the block's W rows ``h .. h + w_rows``."""
         fn = tiles.get(kind or rows_here, w_rows, exact)
         if kind:
-            f.call(fn, *_planes_of(i0), wp, sp, simd.gep(b, zp, r0, i32), tsums)
+            f.call(fn, *_planes_of(i0), wp, sp, zpp if spec.bits == 4 else
+                   simd.gep(b, zp, r0, i32), tsums)
         else:
             xp = simd.gep(b, xbuf, b.mul(i0, const(i64, tiles.xstride)))
             # an int4 chunk holds the block's rows one vector (L words) each

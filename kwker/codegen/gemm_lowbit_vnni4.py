@@ -16,14 +16,14 @@ out in the same order, 64 weights an instruction.
 x is written once per call as integers, ``x_int = rint(x * 2**(22 - E))`` with ``max|x| <
 2**E`` (as for int8, gemm_lowbit_vnni.py), in three signed digits ``x_int = d0 + 2**8 d1 + 2**16
 d2`` (``d0, d1`` in [-128, 127], ``|d2| <= 65``). Per word and chunk the three digit sums
-combine exactly in int32, the first starting from ``-8 * sum x_int`` over the word's 8 k
-(written with the digits):
-``sum x_int (u - 8) = sum x_int q``, below ``2**22 * 8 * 8``. That integer, converted once,
+combine exactly in int32, the first starting from ``-(8 + zp) * sum x_int`` over the word's 8 k
+(``-sum x_int`` is written with the digits): ``sum x_int (u - 8 - zp) = sum x_int (q - zp)``,
+below ``2**22 * 8 * 15``. That integer, converted once,
 times its group's scale (every group holds whole words: groups of 32, 64 or multiples of 128),
 is added into float32 sums, reduced at the row's end and scaled by ``2**(E - 22)``. Roundings:
 x's to ``2**(E - 23)`` as for int8, and float32 accumulation of one term per 8 weights (the
 float path rounds one per weight). Rows whose x is not finite or is tiny take the float path.
-Symmetric weights only (no zero points).
+Zero points (asymmetric weights) cost a ``vpmulld`` per word and chunk.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from .irutil import Fn, const, f32, i8, i16, i32, i64, ptr
 
 CHUNK = 128                # k of a packed chunk (8 nibbles x 16 words)
 VEC = 64                   # bytes of a 512-bit register
-# per chunk of an x row: the low and high nibbles' digits of planes 0, 1, 2, then -8 * sum x_int
-# per word (16 int32)
+# per chunk of an x row: the low and high nibbles' digits of planes 0, 1, 2, then -sum x_int per
+# word (16 int32)
 CHUNK_BYTES = 7 * VEC
 I8x64 = ir.VectorType(i8, 64)
 I32x16 = ir.VectorType(i32, 16)
@@ -46,11 +46,11 @@ _TRANSPOSE = [4 * (j % 4) + (j % 16) // 4 for j in range(64)]
 
 
 def usable(spec, lanes: int) -> bool:
-    """int4, symmetric, on AVX-512, in groups that hold whole words of a chunk; a decode kernel
+    """int4 on AVX-512, in groups that hold whole words of a chunk; a decode kernel
     of one x row or one generic over rows (a lone row goes by digits, several by the float
     path's tiles, which share each weight's lookup among them and are as fast there)."""
     g = spec.group
-    return (spec.bits == 4 and lanes == 16 and not spec.zero_point and g % 32 == 0
+    return (spec.bits == 4 and lanes == 16 and g % 32 == 0
             and (CHUNK % g == 0 or g % CHUNK == 0) and spec.m in (0, 1))
 
 
@@ -99,8 +99,8 @@ def emit_planes(f: Fn, k: int, kp: int, dtype: str, x, planes, heads, rows) -> N
                         b.store(_interleave(b, digits[half][p]),
                                 simd.gep(b, out, const(i64, (2 * p + half) * VEC), i8),
                                 align=1)
-                x8 = b.mul(_gather_words(b, words), ir.Constant(it, [-8] * 16))
-                b.store(x8, simd.gep(b, out, const(i64, 6 * VEC), i8), align=1)
+                neg = b.neg(_gather_words(b, words))
+                b.store(neg, simd.gep(b, out, const(i64, 6 * VEC), i8), align=1)
 
             if k // CHUNK:
                 with f.for_range(0, k // CHUNK, name="xc") as c:
@@ -148,15 +148,16 @@ def _gather_words(b: ir.IRBuilder, per_g: list) -> ir.Value:
 
 
 def emit_tile(tiles, rr: int) -> ir.Function:
-    """``tile(row, head, w, scale, wsum, sums)``: ``sums[r]`` = x row . dequantised W row ``r``
-    for the block's first ``rr`` W rows (``wsum`` unused), from the x row's digits and head.
+    """``tile(row, head, w, scale, zp, sums)``: ``sums[r]`` = x row . dequantised W row ``r``
+    for the block's first ``rr`` W rows, from the x row's digits and head (``zp``: the block's
+    zero points, int8 per group, read with ``spec.zero_point``).
     The block's chunks are read in their packed order, one stream, prefetched as the float
     path's are."""
     spec, module = tiles.s, tiles.module
     f = Fn(module, f"{spec.symbol}.vnni4x{rr}", ir.VoidType(), [ptr] * 6,
-           ["row", "head", "w", "scale", "wsum", "sums"])
+           ["row", "head", "w", "scale", "zp", "sums"])
     b = f.b
-    row, head, w, scale, _, sums = f.args
+    row, head, w, scale, zp, sums = f.args
     vt = simd.vty(16)
     zero = ir.Constant(I32x16, [0] * 16)
     factor = simd.broadcast(b, b.fptrunc(b.load(head, typ=ir.DoubleType()), f32), 16)
@@ -171,7 +172,8 @@ def emit_tile(tiles, rr: int) -> ir.Function:
         at = b.mul(c, const(i64, CHUNK_BYTES))
         xs = [b.load(simd.gep(b, row, b.add(at, const(i64, j * VEC)), i8), typ=I32x16,
                      align=1) for j in range(6)]
-        x8 = b.load(simd.gep(b, row, b.add(at, const(i64, 6 * VEC)), i8), typ=I32x16, align=1)
+        neg = b.load(simd.gep(b, row, b.add(at, const(i64, 6 * VEC)), i8), typ=I32x16, align=1)
+        x8 = b.shl(neg, ir.Constant(I32x16, [3] * 16))      # -8 sum x_int
         tiles.prefetch_int4(f, w, scale, c, spec.rr * VEC)
         for r in range(rr):
             word = b.load(simd.gep(b, w, b.mul(b.add(b.mul(c, const(i64, spec.rr)),
@@ -182,8 +184,10 @@ def emit_tile(tiles, rr: int) -> ir.Function:
             hi16 = b.lshr(b.bitcast(t, ir.VectorType(i16, 32)), ir.Constant(
                 ir.VectorType(i16, 32), [4] * 32))
             hi = b.bitcast(b.and_(b.bitcast(hi16, I8x64), low4), I32x16)
-            # plane 0's sums start from -8 sum x_int: the u - 8 of every nibble
-            s = [dot(dot(x8 if p == 0 else zero, lo, xs[2 * p]), hi, xs[2 * p + 1])
+            # plane 0's sums start from -(8 + zp) sum x_int: the u - 8 - zp of every nibble
+            start = b.add(x8, b.mul(_zero_points(f, tiles, zp, c, r), neg)) \
+                if spec.zero_point else x8
+            s = [dot(dot(start if p == 0 else zero, lo, xs[2 * p]), hi, xs[2 * p + 1])
                  for p in range(3)]
             total = b.add(b.add(s[0], b.shl(s[1], ir.Constant(I32x16, [8] * 16))),
                           b.shl(s[2], ir.Constant(I32x16, [16] * 16)))
@@ -196,14 +200,24 @@ def emit_tile(tiles, rr: int) -> ir.Function:
     return f.fn
 
 
-def _scales(f: Fn, tiles, scale, c, r: int) -> ir.Value:
-    """The scales of W row ``r``'s chunk ``c`` per word (word ``4 i + g`` in 32-k block g)."""
+def _per_word(f: Fn, tiles, values, c, r: int, elem: ir.Type) -> ir.Value:
+    """W row ``r``'s per-group ``values`` (``elem``) of chunk ``c``, one per word (word ``4 i +
+    g`` in 32-k block g), as 16 lanes of ``elem``."""
     b, g = f.b, tiles.s.group
     base = b.add(const(i64, r * tiles.ng), b.mul(c, const(i64, CHUNK // g)) if g <= CHUNK
                  else b.udiv(b.mul(c, const(i64, CHUNK)), const(i64, g)))
     if g >= CHUNK:
-        return simd.broadcast(b, simd.load_scalar(b, scale, base), 16)
+        return simd.broadcast(b, simd.load_scalar(b, values, base, elem), 16)
     per = CHUNK // g            # groups a chunk: 4 (32 k) or 2 (64 k)
-    v = b.load(simd.gep(b, scale, base), typ=simd.vty(per), align=4)
+    v = b.load(simd.gep(b, values, base, elem), typ=ir.VectorType(elem, per), align=1)
     mask = [(j % 4) * per // 4 for j in range(16)]
     return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 16), mask))
+
+
+def _scales(f: Fn, tiles, scale, c, r: int) -> ir.Value:
+    return _per_word(f, tiles, scale, c, r, f32)
+
+
+def _zero_points(f: Fn, tiles, zp, c, r: int) -> ir.Value:
+    """W row ``r``'s zero points per word of chunk ``c``, as int32."""
+    return f.b.sext(_per_word(f, tiles, zp, c, r, i8), I32x16)

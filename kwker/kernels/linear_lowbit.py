@@ -209,7 +209,7 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     spec = LowbitGemmSpec(m or 0, n, k, lw.bits, group, lw.zero_point is not None,
                           bias is not None, epilogue, residual, dt, lanes, rows, block)
     args = (spec, lw, bias, m, dtype, lead, lanes, folded)
-    vnni = _vnni(spec, lanes)
+    vnni = _vnni(spec, lanes) and (lw.bits == 8 or _digit_sums_fit(lw))
     if not vnni or lw.bits == 8:
         return _build(*args, vnni)
     # int4 for a lone x row: vpdpbusd or the float path's lookups, measured (Emerald Rapids:
@@ -306,9 +306,16 @@ def _row_sums(q: torch.Tensor) -> torch.Tensor:
 def _vnni(spec: LowbitGemmSpec, lanes: int) -> bool:
     """Whether the decode kernel takes its weights on ``vpdpbusd`` (where the CPU has
     AVX512_VNNI): int8 per channel (3/64 of an instruction a weight instead of 3/16) and
-    symmetric int4 for a lone x row (16/128 instead of ~28/128; several rows share each
+    int4 for a lone x row (16/128 instead of ~28/128; several rows share each
     weight's lookup on the float path's tiles, as fast there)."""
     return host_target().has("avx512vnni") and gemm_lowbit.vnni_usable(spec, lanes)
+
+
+def _digit_sums_fit(lw: LowbitWeight) -> bool:
+    """Whether int4 on vpdpbusd sums exactly in int32: ``|q - zp| <= 63`` (8 products of x's
+    22-bit integers a word, gemm_lowbit_vnni4.py), so zero points in [-56, 55]."""
+    zp = lw.zero_point
+    return zp is None or zp.numel() == 0 or (int(zp.min()) >= -56 and int(zp.max()) <= 55)
 
 
 def _leading(run, lead: tuple, k: int, n: int, residual: bool):

@@ -323,19 +323,20 @@ def _vnni_host() -> bool:
 
 VNNI_CASES = [("int8-channel", k) for k in (64, 70, 200, 777)] + \
     [("int4-group32", k) for k in (64, 96, 800)] + [("int4-group64", 192), ("int4-group128", 384),
-                                                    ("int4-axis", 70), ("int4-axis", 300)]
+                                                    ("int4-axis", 70), ("int4-axis", 300),
+                                                    ("int4-group64-asym", 320)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt, k", VNNI_CASES, ids=[f"{f}-{k}" for f, k in VNNI_CASES])
 def test_vpdpbusd_and_float_paths(fmt, k, dtype, monkeypatch):
-    """int8 per output channel and symmetric int4 take vpdpbusd over x's byte planes (int4:
+    """int8 per output channel and int4 take vpdpbusd over x's byte planes (int4:
     signed digits) where the CPU has AVX512_VNNI, else the float path (forced here too): both
     agree with the reference on rows the planes take (ordinary, huge, a single nonzero) and on
     rows they hand to the float path (all zeros, below 2**-100, non-finite), in one call. int8:
     K whole steps of 64, a tail under one vector, odd; int4: groups of 32, 64 and 128 k and one
-    per row, K a chunk of 128 or less, several, with a part chunk; several x rows of int4 on
-    the float tiles."""
+    per row, K a chunk of 128 or less, several, with a part chunk, zero points; several x rows
+    of int4 on the float tiles."""
     import kwker.kernels.linear_lowbit as lowbit
     lin = quantized(fmt, 45, k, dtype)
     lin.bias.data.zero_()    # each row's error is then against that row's own scale
