@@ -18,8 +18,9 @@ x is written once per call as integers, ``x_int = rint(x * 2**(22 - E))`` with `
 d2`` (``d0, d1`` in [-128, 127], ``|d2| <= 65``). Per word and chunk the three digit sums
 combine exactly in int32, the first starting from ``-(8 + zp) * sum x_int`` over the word's 8 k
 (``-sum x_int`` is written with the digits): ``sum x_int (u - 8 - zp) = sum x_int (q - zp)``,
-below ``2**22 * 8 * 15``. That integer, converted once,
-times its group's scale (every group holds whole words: groups of 32, 64 or multiples of 128),
+below ``2**22 * 8 * 63 < 2**31`` (the factory sends zero points outside [-56, 55] to the float
+path; int32 wraps in between, so only the sum must fit). That integer, converted once, times
+its group's scale (every group holds whole words: groups of 32, 64 or multiples of 128),
 is added into float32 sums, reduced at the row's end and scaled by ``2**(E - 22)``. Roundings:
 x's to ``2**(E - 23)`` as for int8, and float32 accumulation of one term per 8 weights (the
 float path rounds one per weight). Rows whose x is not finite or is tiny take the float path.

@@ -220,8 +220,8 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
         x = torch.randn(*shape, k, dtype=dtype)
         return [x, torch.randn(*shape, n, dtype=dtype)] if residual else [x]
     problem = {"inputs": [["tensor", [*shape, k], None, str(dtype)]], "n": n, "k": k,
-               "group": group, "rows": m or 0, "bias": bias is not None, "epilogue": epilogue,
-               "residual": residual}
+               "group": group, "zero_point": spec.zero_point, "rows": m or 0,
+               "bias": bias is not None, "epilogue": epilogue, "residual": residual}
     return variants.pick("low-bit decode", problem, {
         "vpdpbusd": lambda: _build(*args, True), "float": lambda: _build(*args, False)},
         inputs)[1]
