@@ -441,7 +441,7 @@ def _start(spec, target):
 
 def emit(spec, target) -> ir.Module:
     L, module, tiles, body, ctx = _start(spec, target)
-    if spec.vnni and not vnni_usable(spec, L):
+    if spec.vnni and not gemm_lowbit_vnni4.either_usable(spec, L):
         raise ValueError(f"kwker gemm_lowbit: the vpdpbusd path takes int8 per output channel "
                          f"with K <= {gemm_lowbit_vnni.MAX_K} and no zero points, or int4 in "
                          f"groups of 32, 64 or multiples of 128 for one row or any ({spec})")
@@ -461,9 +461,9 @@ def emit(spec, target) -> ir.Module:
         foldable = _widen_x(body, spec, tiles, x, xbuf, rows)
         planes = heads = None
         if spec.vnni:
-            praw, planes = aligned_malloc(body, b.mul(rows, const(
-                i64, _plane_bytes(spec, tiles) + gemm_lowbit_vnni.HEAD)))
-            heads = simd.gep(b, planes, b.mul(rows, const(i64, _plane_bytes(spec, tiles))), i8)
+            xb = gemm_lowbit_vnni4.x_bytes(spec, tiles.kp)
+            praw, planes = aligned_malloc(body, b.mul(rows, const(i64, xb + gemm_lowbit_vnni.HEAD)))
+            heads = simd.gep(b, planes, b.mul(rows, const(i64, xb)), i8)
             if spec.bits == 8:
                 gemm_lowbit_vnni.emit_planes(body, spec.k, spec.dtype, x, planes, heads, rows)
             else:   # int4 takes them for a lone x row
@@ -486,17 +486,6 @@ def emit(spec, target) -> ir.Module:
     cap = max(1, n * spec.k // GRAIN)
     omp.emit_parallel(module, spec.symbol, args, body.fn, max_threads=min(cap, blocks))
     return module
-
-
-def vnni_usable(spec, lanes: int) -> bool:
-    """Whether ``spec`` may take the ``vpdpbusd`` path (the factory also asks the target)."""
-    return gemm_lowbit_vnni.usable(spec, lanes) or gemm_lowbit_vnni4.usable(spec, lanes)
-
-
-def _plane_bytes(spec, tiles: _Tile) -> int:
-    """Bytes of an x row's planes (int8) or digits (int4) on the vpdpbusd path."""
-    return gemm_lowbit_vnni.row_bytes(spec.k) if spec.bits == 8 else \
-        gemm_lowbit_vnni4.row_bytes(tiles.kp)
 
 
 def tile_rows(spec) -> int:
@@ -524,7 +513,8 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
 
     def _planes_of(i):
         """(planes, head) of x row ``i``."""
-        return (simd.gep(b, planes[0], b.mul(i, const(i64, _plane_bytes(spec, tiles))), i8),
+        xb = gemm_lowbit_vnni4.x_bytes(spec, tiles.kp)
+        return (simd.gep(b, planes[0], b.mul(i, const(i64, xb)), i8),
                 simd.gep(b, planes[1], b.mul(i, const(i64, gemm_lowbit_vnni.HEAD)), i8))
 
     def run(rows_here: int, w_rows: int, i0, kind=None, exact=False, h: int = 0):

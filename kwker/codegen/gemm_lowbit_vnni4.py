@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import simd, vmath
+from . import gemm_lowbit_vnni, simd, vmath
 from .bf16 import load_as
 from .gemm_lowbit_vnni import HEAD, scan_row, store_factor
 from .irutil import Fn, const, f32, i8, i16, i32, i64, ptr
@@ -55,9 +55,20 @@ def usable(spec, lanes: int) -> bool:
             and (CHUNK % g == 0 or g % CHUNK == 0) and spec.m in (0, 1))
 
 
+def either_usable(spec, lanes: int) -> bool:
+    """Whether ``spec`` may take a ``vpdpbusd`` path, int8's or this one (the factory also asks
+    the target)."""
+    return gemm_lowbit_vnni.usable(spec, lanes) or usable(spec, lanes)
+
+
 def row_bytes(kp: int) -> int:
     """Bytes of one x row's digits over the padded K."""
     return kp // CHUNK * CHUNK_BYTES
+
+
+def x_bytes(spec, kp: int) -> int:
+    """Bytes of an x row's planes (int8) or digits (int4) on the vpdpbusd path."""
+    return gemm_lowbit_vnni.row_bytes(spec.k) if spec.bits == 8 else row_bytes(kp)
 
 
 def emit_planes(f: Fn, k: int, kp: int, dtype: str, x, planes, heads, rows) -> None:
@@ -161,7 +172,7 @@ def emit_tile(tiles, rr: int) -> ir.Function:
     row, head, w, scale, zp, sums = f.args
     vt = simd.vty(16)
     zero = ir.Constant(I32x16, [0] * 16)
-    factor = simd.broadcast(b, b.fptrunc(b.load(head, typ=ir.DoubleType()), f32), 16)
+    factor = b.fptrunc(b.load(head, typ=ir.DoubleType()), f32)   # 2**(E - 22), exact
     transpose = ir.Constant(I8x64, _TRANSPOSE)
     low4 = ir.Constant(I8x64, [15] * 64)
     acc = [f.var(vt, vmath.splat(vt, 0.0), f"a{r}") for r in range(rr)]
@@ -195,8 +206,7 @@ def emit_tile(tiles, rr: int) -> ir.Function:
             acc[r].set(vmath.fma(b, b.sitofp(total, vt), _scales(f, tiles, scale, c, r),
                                  acc[r].get()))
     for r in range(rr):
-        simd.store_scalar(b, b.fmul(simd.hsum(b, acc[r].get()), b.extract_element(
-            factor, const(i32, 0))), sums, const(i64, r))
+        simd.store_scalar(b, b.fmul(simd.hsum(b, acc[r].get()), factor), sums, const(i64, r))
     f.finish()
     return f.fn
 

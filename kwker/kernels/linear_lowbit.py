@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..codegen import gemm_lowbit, gemm_lowbit_fold, simd
+from ..codegen import gemm_lowbit, gemm_lowbit_fold, gemm_lowbit_vnni4, simd
 from ..runtime.target import host_target
 from . import variants
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, on_rows, record_function
@@ -308,7 +308,7 @@ def _vnni(spec: LowbitGemmSpec, lanes: int) -> bool:
     AVX512_VNNI): int8 per channel (3/64 of an instruction a weight instead of 3/16) and
     int4 for a lone x row (16/128 instead of ~28/128; several rows share each
     weight's lookup on the float path's tiles, as fast there)."""
-    return host_target().has("avx512vnni") and gemm_lowbit.vnni_usable(spec, lanes)
+    return host_target().has("avx512vnni") and gemm_lowbit_vnni4.either_usable(spec, lanes)
 
 
 def _digit_sums_fit(lw: LowbitWeight) -> bool:

@@ -348,7 +348,7 @@ def test_vpdpbusd_and_float_paths(fmt, k, dtype, monkeypatch):
     paths = {"float": False} if not _vnni_host() else {"vnni": True, "float": False}
     for name, vnni in paths.items():
         monkeypatch.setattr(lowbit, "_vnni", lambda spec, lanes, v=vnni: v and
-                            lowbit.gemm_lowbit.vnni_usable(spec, lanes))
+                            lowbit.gemm_lowbit_vnni4.either_usable(spec, lanes))
         # a lone x row streams its W rows (m=1, or one row through the generic kernel)
         for m, one_by_one in ((1, True), (len(rows), False), (None, False), (None, True)):
             fn = make_linear_lowbit(lin.weight, None, m, dtype=dtype)
