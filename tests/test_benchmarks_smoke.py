@@ -248,3 +248,38 @@ def test_single_ops_rows_and_table(bo, monkeypatch, tmp_path):
                                  "python": "3", "date": "d"})
     assert "Tuned cases below 1.0x: 1 (linear 7x33x65 float32 0.50x)" in md
     assert os.environ.get("KWKER_TUNE") == "off"  # the suite's pin is restored
+
+
+@pytest.fixture(scope="module")
+def dbk():
+    yield from _bench_module("decode_breakdown")
+
+
+def test_decode_breakdown_times_every_step_of_the_program(dbk):
+    """The step clock sees each kernel step in its group and the other steps apart, adds up
+    to no more than the program's time, leaves the outputs alone and restores the runner."""
+    from kwker.lowering.runner import Program
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 96),
+                                torch.nn.ReLU(), torch.nn.Linear(96, 64)).eval()
+    x = torch.randn(8, 64)
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    plain_call = Program.__call__
+    with torch.no_grad():
+        want = compiled(x)
+        parts = dbk.defaultdict(float)
+        with dbk.step_clock(parts):
+            got = compiled(x)
+    assert Program.__call__ is plain_call
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    linears = next(g for word, g in dbk.GROUPS if word == "linear")
+    norms = next(g for word, g in dbk.GROUPS if word == "norm")
+    assert parts[linears] > 0 and parts[norms] > 0, dict(parts)
+    steps = sum(v for k, v in parts.items() if k != "program")
+    assert 0 < steps <= parts["program"]
+    row = {"weights": "int4", "token_ms": 1.0, "weight_mb": 1.0, "stream_gbps": 10.0,
+           "stream_ms": 0.1, "parts_ms": {"call": 1.0, "program": 0.6, linears: 0.5}}
+    rows = dbk.table_rows(row)
+    assert rows[0][1] == "0.400" and rows[-1] == ["the model call (timed)", "1.000", "100%"]
+    text = dbk.render([row], {"name": "gpt2", "layers": 1, "width": 8, "new_tokens": 4}, {})
+    assert "0.13 ms (now 10%)" in text
