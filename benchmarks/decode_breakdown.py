@@ -36,6 +36,7 @@ GROUPS = (("linear", "linears (low-bit: the roofline's bytes)"), ("sdpa", "atten
           ("kv_append", "KV cache appends"), ("norm", "norms"), ("", "other kernels"))
 OTHER_STEPS = "other program steps (views, embedding, ...)"
 ROOFLINE_TARGET = 0.75   # issue 20
+MEMORY_PROBE = 1 << 30   # bytes: a read well past any L3, the memory's own speed
 
 
 def group_of(step) -> str:
@@ -114,15 +115,23 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
             if best is None or parts["call"] < best["call"]:
                 best = parts
         nbytes = weight_bytes(linear_shapes(cfg), "f32", quant)
-        gbps = probes.read_gbps(torch.get_num_threads(), nbytes, 1, 5)
+        threads = torch.get_num_threads()
+        gbps = probes.read_gbps(threads, nbytes, 1, 5)
+        memory = probes.read_gbps(threads, MEMORY_PROBE, 1, 3)
         per_token = {k: v / steps * 1e3 for k, v in best.items()}        # ms
         rows.append({"weights": quant, "token_ms": plain * 1e3, "parts_ms": per_token,
                      "weight_mb": nbytes / 1e6, "stream_gbps": gbps,
-                     "stream_ms": nbytes / gbps / 1e6})
+                     "stream_ms": nbytes / gbps / 1e6, "memory_gbps": memory})
         print(f"{quant}: {plain * 1e3:.2f} ms a token untimed, {per_token['call']:.2f} timed "
               f"(program {per_token['program']:.2f}); weights at the stream's speed "
               f"{rows[-1]['stream_ms']:.2f} ms", flush=True)
     return rows, {**describe(cfg), "new_tokens": steps}
+
+
+def linear_gbps(row: dict) -> float:
+    """The low-bit linears' weight bytes over their time in the model (GB/s)."""
+    ms = row["parts_ms"].get(GROUPS[0][1], 0.0)
+    return row["weight_mb"] / ms if ms else 0.0
 
 
 def table_rows(row: dict) -> list[list]:
@@ -145,16 +154,20 @@ def render(rows: list[dict], model: dict, info: dict) -> str:
              (f"Each step of Kwker's program timed as it runs, over {model['new_tokens']} "
               f"greedy tokens after a {PROMPT}-token prompt (the timed run least disturbed of "
               "several); ms a token. The roofline budget: the linear weights' bytes at the "
-              "speed of a streaming read of as many bytes, measured in the same run; issue "
-              "20's target is 75% of the roofline, i.e. a whole token within budget / 0.75."),
-             ""]
+              "speed of a streaming read of as many bytes, measured in the same run (best of "
+              "a few passes, so the caches hold what they can); issue 20's target is 75% of "
+              "the roofline, i.e. a whole token within budget / 0.75. The memory's own speed, "
+              "a read of 1 GB, is given beside it: the linears' GB/s in the model (their "
+              "bytes over their time) against both says where their weights came from."), ""]
     for row in rows:
         budget = row["stream_ms"]
         lines += [f"## {row['weights']} weights ({row['weight_mb']:.0f} MB)", "",
                   (f"Token untimed {row['token_ms']:.2f} ms; the weights at "
                    f"{row['stream_gbps']:.1f} GB/s take {budget:.2f} ms: 75% of the roofline "
                    f"is a token in {budget / ROOFLINE_TARGET:.2f} ms (now "
-                   f"{budget / row['token_ms']:.0%})."), ""]
+                   f"{budget / row['token_ms']:.0%}). In the model the linears read their "
+                   f"weights at {linear_gbps(row):.1f} GB/s; the memory's own speed is "
+                   f"{row['memory_gbps']:.1f} GB/s."), ""]
         lines.append(common.md_table(["part", "ms a token", "share"], table_rows(row)))
         lines.append("")
     return "\n".join(lines)

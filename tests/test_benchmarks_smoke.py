@@ -278,8 +278,9 @@ def test_decode_breakdown_times_every_step_of_the_program(dbk):
     steps = sum(v for k, v in parts.items() if k != "program")
     assert 0 < steps <= parts["program"]
     row = {"weights": "int4", "token_ms": 1.0, "weight_mb": 1.0, "stream_gbps": 10.0,
-           "stream_ms": 0.1, "parts_ms": {"call": 1.0, "program": 0.6, linears: 0.5}}
+           "stream_ms": 0.1, "memory_gbps": 5.0,
+           "parts_ms": {"call": 1.0, "program": 0.6, linears: 0.5}}
     rows = dbk.table_rows(row)
     assert rows[0][1] == "0.400" and rows[-1] == ["the model call (timed)", "1.000", "100%"]
     text = dbk.render([row], {"name": "gpt2", "layers": 1, "width": 8, "new_tokens": 4}, {})
-    assert "0.13 ms (now 10%)" in text
+    assert "0.13 ms (now 10%)" in text and "weights at 2.0 GB/s" in text
