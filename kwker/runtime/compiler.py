@@ -22,13 +22,13 @@ def target_machine(target: Target) -> llvm.TargetMachine:
     llvm.initialize_native_asmprinter()
     tgt = llvm.Target.from_triple(target.triple)
     return tgt.create_target_machine(cpu=target.cpu, features=target.features,
-                                     opt=target.opt_level, reloc="static",
+                                     opt=target.compile_level, reloc="static",
                                      codemodel="jitdefault")
 
 
 def _optimise(module: llvm.ModuleRef, target: Target) -> None:
     tm = target_machine(target)
-    pto = llvm.create_pipeline_tuning_options(speed_level=target.opt_level)
+    pto = llvm.create_pipeline_tuning_options(speed_level=target.compile_level)
     pto.loop_vectorization = True
     pto.slp_vectorization = True
     pto.loop_unrolling = True

@@ -143,3 +143,15 @@ def test_cache_cli_reports_the_named_cpus_features(tmp_path):
                        check=False)
     assert r.returncode == 1 and "does not know the CPU name 'znver9'" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_emulated_tiles_compile_at_the_lower_level():
+    """Emulated tile kernels only check the tile logic: they compile at ``EMULATED_OPT``, every
+    other target at its own level (the cache key holds the target, so neither reuses the other's
+    objects)."""
+    emulated = make_target("sapphirerapids", tiles="emulated")
+    native = make_target("sapphirerapids", tiles="amx")
+    vector = make_target("sapphirerapids", tiles="")
+    assert emulated.compile_level == T.EMULATED_OPT < emulated.opt_level
+    assert native.compile_level == vector.compile_level == native.opt_level == 3
+    assert emulated != native
