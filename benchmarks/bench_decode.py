@@ -308,9 +308,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    ap.add_argument("--out", type=Path, default=None,
-                    help=f"results directory (default {common.RESULTS}; other CPU types: "
-                    "results/<cpu>/)")
+    common.add_out_argument(ap)
     args = ap.parse_args(argv)
     common.set_threads()
     info = common.machine_info()

@@ -445,8 +445,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", nargs="+", choices=tuple(SECTIONS), default=list(SECTIONS))
     ap.add_argument("--warm-inductor", action="store_true",
                     help="keep the user's Inductor cache (default: an empty one per variant)")
-    ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS}; "
-                                             "with --quick, none unless given)")
+    common.add_out_argument(ap)
     ap.add_argument("--child", nargs=2, metavar=("SECTION", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:

@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     ap.add_argument("--section", choices=("all", "f32", "bf16"), default="all",
                     help="float32 kernels, bf16 kernels or both (a subset updates only its "
                          "part of the results files)")
-    ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS})")
+    common.add_out_argument(ap)
     args = ap.parse_args(argv)
     reps = 8 if args.quick else args.reps
     torch.set_num_threads(args.threads)

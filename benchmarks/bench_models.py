@@ -397,7 +397,7 @@ def main(argv=None) -> int:
                     help="run only the bf16 rows of this ISA in this process and print them "
                          "as JSON (re-executes with its environment)")
     ap.add_argument("--probe", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS})")
+    common.add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.probe:
         probe(*args.probe)

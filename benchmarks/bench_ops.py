@@ -191,9 +191,7 @@ def render(rows: list[dict], info: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=None,
-                    help=f"results directory (default {common.RESULTS}; other CPU types: "
-                    "results/<cpu>/)")
+    common.add_out_argument(ap)
     args = ap.parse_args(argv)
     common.set_threads()
     info = common.machine_info()

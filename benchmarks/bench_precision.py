@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer reps, no results files")
     ap.add_argument("--models", nargs="+", choices=NAMES, default=list(NAMES))
-    ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS})")
+    common.add_out_argument(ap)
     args = ap.parse_args(argv)
     common.set_threads()
     info = common.machine_info()

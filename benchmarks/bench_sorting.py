@@ -431,7 +431,7 @@ def main(argv=None) -> int:
                     help="passes over all cases, samples spread across them (default 4, quick 1)")
     ap.add_argument("--threads", type=int, default=common.THREADS,
                     help=f"torch threads (default {common.THREADS})")
-    ap.add_argument("--out", type=Path, help=f"results directory (default {common.RESULTS})")
+    common.add_out_argument(ap)
     args = ap.parse_args(argv)
 
     import kwker.torch_ops as kto

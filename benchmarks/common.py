@@ -221,6 +221,13 @@ def contexts(*makers: Callable[[], AbstractContextManager]) -> Callable[[], Abst
 
 
 # ------------------------------------------------------------------------------------ output
+def add_out_argument(ap) -> None:
+    """Every script's ``--out``: the directory its tables, JSON and plots go to."""
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"results directory (default {RESULTS}; other CPU types: "
+                    "results/<cpu>/; with --quick, none unless given)")
+
+
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub markdown table (no dependency on tabulate)."""
     def cell(v):
