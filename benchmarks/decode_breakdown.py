@@ -48,26 +48,25 @@ def group_of(step) -> str:
 @contextmanager
 def step_clock(into: dict):
     """Every Kwker program called inside runs with each step timed: ``into[group]`` gains its
-    seconds, ``into["program"]`` each call's."""
+    seconds, ``into["program"]`` each call's. The program runs as ever (its own ``__call__``),
+    its steps wrapped in a clock the first time it is called here and restored on leaving."""
     plain = Program.__call__
     clock = time.perf_counter
-    groups = {}   # id(program) -> (the program, its steps' groups), worked out once
+    own_steps = {}   # program -> its steps before the clocks
 
-    def timed(self, args):
-        start = clock()
-        known = groups.get(id(self))
-        if known is None or known[0] is not self:
-            known = groups[id(self)] = (self, [group_of(step) for step, _ in self.steps])
-        env = self.template.copy()
-        env[:self.n_inputs] = args
-        for (step, dead), group in zip(self.steps, known[1]):
+    def clocked(step, group: str):
+        def run(env):
             t = clock()
             step(env)
             into[group] += clock() - t
-            if dead:
-                for i in dead:
-                    env[i] = None
-        out = self.output(env)
+        return run
+
+    def timed(self, args):
+        if self not in own_steps:
+            own_steps[self] = self.steps
+            self.steps = [(clocked(step, group_of(step)), dead) for step, dead in self.steps]
+        start = clock()
+        out = plain(self, args)
         into["program"] += clock() - start
         return out
 
@@ -76,6 +75,8 @@ def step_clock(into: dict):
         yield
     finally:
         Program.__call__ = plain
+        for program, steps in own_steps.items():
+            program.steps = steps
 
 
 def decode(model, prompt, steps: int, into: dict | None) -> float:

@@ -257,7 +257,8 @@ def dbk():
 
 def test_decode_breakdown_times_every_step_of_the_program(dbk):
     """The step clock sees each kernel step in its group and the other steps apart, adds up
-    to no more than the program's time, leaves the outputs alone and restores the runner."""
+    to no more than the program's time, leaves the outputs alone and restores the runner and
+    the program's steps."""
     from kwker.lowering.runner import Program
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 96),
@@ -270,7 +271,9 @@ def test_decode_breakdown_times_every_step_of_the_program(dbk):
         parts = dbk.defaultdict(float)
         with dbk.step_clock(parts):
             got = compiled(x)
-    assert Program.__call__ is plain_call
+        timed = dict(parts)
+        compiled(x)   # the program's own steps are back: nothing more is clocked
+    assert Program.__call__ is plain_call and dict(parts) == timed
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     linears = next(g for word, g in dbk.GROUPS if word == "linear")
     norms = next(g for word, g in dbk.GROUPS if word == "norm")
