@@ -120,9 +120,9 @@ class _Plan:
             raise ValueError("kwker gemm: u8s8 runs on the tile path or on a CPU with "
                              "AVX512_VNNI, with packed weights and no residual")
         if self.planes and not (self.int8 and spec.batch == 1 and spec.planes in (2, 3) and (
-                spec.mr % spec.planes == 0 or self.tiles and not spec.b_group)):
+                spec.mr % spec.planes == 0 or self.tiles)):
             raise ValueError(f"kwker gemm: byte planes ({spec.planes}) are u8s8, one batch, "
-                             f"tiles of whole x rows (mr={spec.mr}); grouped on the vector path")
+                             f"tiles of whole x rows (mr={spec.mr})")
         # rows of A a row tile takes: on the tiles, whole x rows' planes of a 32-row block (30
         # of 3 planes, the last two rows zero), so the epilogue can combine them
         self.a_rows = spec.mr // spec.planes * spec.planes if self.tiles and self.planes \

@@ -38,16 +38,19 @@ output is float32. With ``planes`` (the low-bit prefill's byte planes of x, rows
 row) a row tile takes 30 rows of A (10 x rows' three planes; 32 of two), the last two zero, and
 its epilogue combines each x row's planes from the block's int32 sums, as the vector
 micro-kernel's does (gemm_lowbit_vnni.combine_planes), before the bias, activation and residual
-of the x rows (row stride ``ldo``).
+of the x rows (row stride ``ldo``). Against int4's grouped panels (``b_group``: a scale per 32 k)
+the sums restart every group, one tile step each, and are combined per group
+(gemm_tile_grouped.py).
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
 from . import simd
-from .gemm_lowbit_vnni import HEAD, combine_planes, load_factor
+from .gemm_lowbit_vnni import GROUP_QUADS, HEAD, combine_planes, load_factor
 from .gemm_micro import epilogue_rows
 from .gemm_pack import emit_pack_cols, emit_pack_rows
+from .gemm_tile_grouped import grouped_product
 from .irutil import (
     Fn,
     aligned_malloc,
@@ -87,7 +90,8 @@ def allocate(f: Fn, p) -> tuple[list, tuple]:
     s = p.s
     kcp = padded_k(p.kc)
     raws = []
-    raw, ap = aligned_malloc(f, p.tiles_per_chunk * 32 * kcp * 4)
+    spread = 2 if p.grouped else 1   # grouped A: 8 words and 8 zero a step
+    raw, ap = aligned_malloc(f, p.tiles_per_chunk * 32 * kcp * 4 * spread)
     raws.append(raw)
     bp = None
     if p.pack_b:
@@ -96,6 +100,10 @@ def allocate(f: Fn, p) -> tuple[list, tuple]:
     blocks = s.nb if p.one_block else p.tiles_per_chunk * p.np
     raw, acc = aligned_malloc(f, blocks * BLOCK_WORDS * 4)
     raws.append(raw)
+    if p.grouped:   # a group's int32 tiles, combined from there
+        raw, gbuf = aligned_malloc(f, BLOCK_WORDS * 4)
+        raws.append(raw)
+        return raws, (ap, bp, acc, gbuf)
     return raws, (ap, bp, acc)
 
 
@@ -108,11 +116,12 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
     s, b, module = p.s, f.b, f.module
     a_all, b_all, bias, res_all, c_all = ptrs
     bt0, bt1, t0, t1, q0, q1, u0, u1 = split
-    ap, bp, acc = bufs
+    ap, bp, acc = bufs[:3]
     kw, nr = p.kw, s.nr
     tiles = Tiles(f, p.tile_mode, native_bf16=p.dot == "dpbf16")
     regs = block_registers(tiles)
-    pack_a = emit_pack_a_tiles(module, kw, p.a_rows)
+    spread = 2 if p.grouped else 1   # words of packed A per word of A
+    pack_a = emit_pack_a_tiles(module, kw, p.a_rows, STEP // spread)
     a_rows = const(i64, p.a_rows)
     pack_b = None  # a runtime B's packer (a low-bit B has its own)
     if pack_lowbit is None and s.b_layout == "nk":
@@ -153,8 +162,8 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
                     elif p.pack_b:
                         _pack_b_block(f, p, pack_b, b_mat, qb0, qb1, k0, kcl, kcp, bp)
                     with f.for_range(tc0, tc1, name="jr") as t:
-                        a_tile = simd.gep(b, ap, b.mul(b.sub(t, tc0), b.mul(kcp, const(i64, 32))),
-                                          i32)
+                        a_tile = simd.gep(b, ap, b.mul(b.sub(t, tc0),
+                                                       b.mul(kcp, const(i64, 32 * spread))), i32)
                         with f.for_range(0, kcp, step=sub, name="kk") as kk:
                             steps = smin(b, b.sub(kcp, kk), const(i64, sub))
                             ends = b.and_(last, b.icmp_signed(">=", b.add(kk, steps), kcp))
@@ -164,20 +173,28 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
                                 unit = b.add(b.mul(q, mt), t)
                                 with f.if_(b.and_(b.icmp_signed(">=", unit, u0.get()),
                                                   b.icmp_signed("<", unit, u1.get()))):
-                                    b_panel = _b_panel(f, p, bp, b_mat, q, qb0, kcp,
-                                                       b.add(k0, kk), kk)
                                     index = b.sub(q, qb0) if p.one_block else \
                                         b.add(b.mul(b.sub(t, tc0), const(i64, p.np)), q)
                                     block = simd.gep(b, acc, b.mul(index, const(i64,
                                                                                 BLOCK_WORDS)))
-                                    _product(f, p, tiles, regs, a_sub, b_panel, block, steps,
-                                             from_zero, pending)
                                     out_row = b.mul(t, const(i64, p.out_rows))
                                     off = b.add(b.mul(out_row, const(i64, p.ldo)),
                                                 b.mul(q, const(i64, nr)))
-                                    pending.set(ends, block, q, b.sub(m_rows, b.mul(t, a_rows)),
-                                                at(c_mat, off),
-                                                at(r_mat, off) if s.residual else None, out_row)
+                                    out, res = at(c_mat, off), \
+                                        at(r_mat, off) if s.residual else None
+                                    rows_left = b.sub(m_rows, b.mul(t, a_rows))
+                                    if p.grouped:
+                                        _grouped(f, p, tiles, regs, a_tile, b_mat, q,
+                                                 b.add(k0, kk), kk, steps, from_zero, ends,
+                                                 block, bufs[3], quant, out_row, rows_left,
+                                                 bias, out, res)
+                                    else:
+                                        b_panel = _b_panel(f, p, bp, b_mat, q, qb0, kcp,
+                                                           b.add(k0, kk), kk)
+                                        _product(f, p, tiles, regs, a_sub, b_panel, block,
+                                                 steps, from_zero, pending)
+                                        pending.set(ends, block, q, rows_left, out, res,
+                                                    out_row)
     pending.finish()
 
 
@@ -186,6 +203,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
 # at K = 768) streamed from L2 beside each B panel (Emerald Rapids-class core, 1 thread, 10 row
 # tiles x 21 panels, K = 768: 1463-1762 -> 2205-2346 GFLOP/s; 64 pairs: 1672)
 SUB_PAIRS = 128
+GROUPED_SUB = 64
 
 
 def sub_pairs(p) -> int:
@@ -195,7 +213,26 @@ def sub_pairs(p) -> int:
     blocks there. A deferred epilogue (``DEFERRED``) keeps whole-K products too: only the last
     sub-block's products would carry it, and they measured 7-14% slower (1024 x 3072 x 768,
     128 x 1536 x 384, 256 x 768 x 768 with GELU, in one process)."""
+    if p.grouped:   # 8 groups (16 KB of A with its zero words)
+        return GROUPED_SUB
     return SUB_PAIRS if p.one_block and p.s.epilogue not in DEFERRED else padded_k(p.kc)
+
+
+def _grouped(f: Fn, p, tiles, regs, a_tile, b_mat, q, k, kk, words, first, last, block, gbuf,
+             quant, out_row, rows_left, bias, out, res) -> None:
+    """Block (row tile, panel ``q``) of the grouped int4 product (gemm_tile_grouped.py) over
+    ``words`` k quads from quad ``k`` (``kk`` into the packed row tile ``a_tile``), B from the
+    pre-packed grouped panels; after the last, the epilogue of its valid x rows."""
+    b, nr = f.b, p.s.nr
+    b_panel = simd.gep(b, b_mat, b.add(b.mul(q, const(i64, p.panel_rows(p.kw_panel) * nr)),
+                                       b.mul(p.panel_rows(k, b), const(i64, nr))), i32)
+    a_sub = simd.gep(b, a_tile, b.mul(kk, const(i64, 64)), i32)   # 2 packed words a word
+    x_rows = b.udiv(smin(b, rows_left, const(i64, p.a_rows)), const(i64, p.planes))
+    groups = b.udiv(words, const(i64, GROUP_QUADS))
+    grouped_product(f, p, tiles, regs, a_sub, b_panel, groups, first, last, block, gbuf,
+                    quant, out_row, x_rows)
+    with f.if_(last):
+        _epilogue(f, p, block, q, x_rows, bias, out, res)
 
 
 def _b_panel(f: Fn, p, bp, b_mat, q, qb0, kcp, k, kk) -> ir.Value:
@@ -491,15 +528,18 @@ def emit_pad_rows(module: ir.Module, kw: int, kwp: int) -> ir.Function:
     return f.finish()
 
 
-def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32) -> ir.Function:
+def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32,
+                      src_step: int = STEP) -> ir.Function:
     """``void pack_a_tiles(ptr src, i64 rows, i64 kcl, ptr dst)``: rows ``[0, rows)`` x ``kcl``
     k pairs of A (row stride ``kw`` words), ``block_rows`` (at most 32) at a time, into blocks
     of 32 rows: per step of 16 pairs, rows 0-15 then 16-31, 16 words each (two A tiles, 1 KB
     apart); rows past ``rows`` or ``block_rows`` and pairs past ``kcl`` zero, up to whole
     blocks and steps. Step by step, each step's 2 KB written in
     order (row by row, with steps inside, the stores went 2 KB apart: 128 x 384 x 1536 on 2
-    threads 1274 -> 1672 GFLOP/s on Emerald Rapids)."""
-    name = f"pack_a_tiles.{kw}" + (f".{block_rows}" if block_rows != 32 else "")
+    threads 1274 -> 1672 GFLOP/s on Emerald Rapids). ``src_step`` 8: each step holds 8 words
+    of A and 8 zero (a group of the grouped int4 product, gemm_tile_grouped.py)."""
+    name = f"pack_a_tiles.{kw}" + (f".{block_rows}" if block_rows != 32 else "") + \
+        (f".s{src_step}" if src_step != STEP else "")
     existing = defined(module, name)
     if existing is not None:
         return existing
@@ -507,7 +547,9 @@ def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32) -> ir.Fu
     f.fn.attributes.add("noinline")
     src, rows, kcl, dst = f.args
     b = f.b
-    kcp = b.and_(b.add(kcl, const(i64, STEP - 1)), const(i64, -STEP))
+    spread = STEP // src_step    # words of a packed step per word of A
+    kcp = b.mul(b.and_(b.add(kcl, const(i64, src_step - 1)), const(i64, -src_step)),
+                const(i64, spread))
     load = intrinsic(module, "llvm.masked.load.v16i32.p0", I32x16,
                      [ptr, i32, ir.VectorType(i1, 16), I32x16])
     zero = ir.Constant(I32x16, [ir.Constant(i32, 0)] * 16)
@@ -518,9 +560,10 @@ def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32) -> ir.Fu
         base = b.mul(blk, b.mul(kcp, const(i64, 32)))
         with f.for_range(0, kcp, step=STEP, name="s") as k:
             step0 = b.add(base, b.mul(k, const(i64, 32)))
-            mask = simd.lane_mask(b, 16, b.sub(kcl, k))
+            ks = b.udiv(k, const(i64, spread))   # A's word at the step
+            mask = simd.lane_mask(b, 16, smin(b, b.sub(kcl, ks), const(i64, src_step)))
             with f.for_range(0, real, name="r") as r:
-                word = simd.gep(b, src, b.add(b.mul(b.add(row0, r), const(i64, kw)), k), i32)
+                word = simd.gep(b, src, b.add(b.mul(b.add(row0, r), const(i64, kw)), ks), i32)
                 out = simd.gep(b, dst, b.add(step0, b.mul(r, const(i64, 16))), i32)
                 b.store(b.call(load, [word, const(i32, 4), mask, zero]), out, align=64)
             with f.for_range(real, 32, name="z") as r:

@@ -2,7 +2,7 @@
 shares with the factory (kernels/linear_lowbit.py).
 
 Two schedules, picked by ``prefill_run``: x's byte planes on the u8s8 GEMM (float32 x with int8
-weights per channel where the CPU has an int8 GEMM; int4 in groups on ``vpdpbusd``); and the
+weights per channel or int4 in groups of 32 k, where the CPU has an int8 GEMM); and the
 GEMM family's kernel, on the vector path or on bf16 tiles (AMX), with the weights dequantised
 panel by panel as its driver packs them (``GemmSpec.b_bits``: no float copy of the weights).
 Where the user allows float32 products below full precision (torch's float32 matmul precision,
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..codegen import gemm_lowbit, gemm_lowbit_planes, gemm_lowbit_vnni
+from ..codegen import gemm_lowbit, gemm_lowbit_planes, gemm_lowbit_vnni, gemm_tile_grouped
 from ..runtime.target import host_target
 from . import blocking
 from ._call import entry, float32_precision, follow_precision
@@ -105,21 +105,23 @@ def _planes(spec: LowbitGemmSpec) -> bool:
       float32 GEMM of dequantised weights, 128 rows, 2 threads: on Emerald Rapids's tiles 2304
       x 768 2.04 -> 0.77 ms, 768 x 3072 2.71 -> 1.40, GPT-2's head 49.9 -> 17.2; on Zen 5's
       vpdpbusd against the panel-by-panel float path, GPT-2's linears 1.04-1.29x.
-    - int4 weights in groups of whole 32 k, on vpdpbusd (AVX-512 VNNI), against the float32
-      GEMM of dequantised panels: Zen 5, 128 rows, 2 threads, groups of 32, best of 3
-      alternating processes: 2304 x 768 0.95 -> 0.78 ms, 768 x 3072 1.32 -> 1.06, GPT-2's head
-      23.8 -> 18.4. Not on CPUs with tiles: on an Intel Xeon with AMX, where vpdpbusd runs at
-      half Zen 5's rate, the planes measured only 2-7% faster than the FMAs (2304 x 768 1.41 ->
-      1.36 ms, in alternating processes); there ``"medium"`` takes bf16 tile products.
+    - int4 weights in groups of whole 32 k, against the float32 GEMM of dequantised panels: on
+      vpdpbusd (AVX-512 VNNI; Zen 5, 128 rows, 2 threads, groups of 32, best of 3 alternating
+      processes: 2304 x 768 0.95 -> 0.78 ms, 768 x 3072 1.32 -> 1.06, GPT-2's head 23.8 ->
+      18.4), and on int8 tiles a group a tile step (gemm_tile_grouped.py; Emerald Rapids, 128
+      rows, 2 threads, best of 5 calls, interleaved in one process: 2304 x 768 2.25 -> 1.98
+      ms, 768 x 768 0.85 -> 0.77, 3072 x 768 3.04 -> 2.63, 768 x 3072 2.87 -> 2.87, GPT-2's
+      head 52.2 -> 42.2; GPT-2's prefill 201 -> 183 ms). There vpdpbusd, at half Zen 5's rate,
+      measured only 2-7% faster than the FMAs (2304 x 768 1.41 -> 1.36 ms on an Intel Xeon
+      with AMX).
 
     bf16 x keeps the bf16 GEMM of dequantised weights, faster on the tiles (0.55 against 0.80
     ms) and rounded as eager bf16 rounds."""
     if spec.dtype != "f32":
         return False
     if spec.bits == 4:
-        target = host_target()
-        return (spec.group % 32 == 0 and spec.lanes == 16 and not target.tiles
-                and blocking.int8_blocking(spec.n, spec.k, target) is not None)
+        return (spec.group % 32 == 0 and spec.lanes == 16
+                and blocking.int8_blocking(spec.n, spec.k, host_target()) is not None)
     return spec.vnni and blocking.int8_blocking(spec.n, spec.k) is not None
 
 
@@ -133,7 +135,8 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     1.13 -> 1.05, GPT-2's head 17.7 -> 16.9); on the tiles from each 32-row block's sums, whose
     rows hold 10 x rows' three planes (or 16 rows' two), where a combine kernel read the sums
     back from memory before. int4 weights are unpacked per call into grouped panels, with their sums
-    and scales per 32 k (vpdpbusd only). Rows the planes do not take (non-finite, tiny) go
+    and scales per 32 k, whose int32 sums restart every 32 k (on the tiles: gemm_tile_grouped.py).
+    Rows the planes do not take (non-finite, tiny) go
     through the decode kernel afterwards. Three planes, or two where the user allows float32
     products below full precision (``float32_precision``, read per call; the other count's
     kernels are built on its first call)."""
@@ -142,6 +145,8 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     nr = gemm_lowbit_planes.NR
     panel = gemm_lowbit_planes.grouped_words(k) * 4 if grouped else nr * stride  # bytes
     per_col = panel // nr
+    # the tiles' last group of a grouped panel reads rows past it (gemm_tile_grouped.py)
+    tail = gemm_tile_grouped.B_TAIL_ROWS * nr * 4 if grouped else 0
     nb = n if n * per_col <= PREFILL_WHOLE else max(nr, PREFILL_BLOCK // per_col // nr * nr)
     blocks = [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
     w_p, s_p, z_p, b_p = buf.ptrs()     # z_p: int8, the row sums of q (int32); int4, zero points
@@ -155,7 +160,9 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
         row ``n0``, its specs)."""
         if grouped:
             ps = LowbitPanelsSpec(width, k, 4, spec.group, spec.zero_point, spec.rr, spec.lanes)
-            blk = blocking.vnni_blocking(width, stride // 4, mr=3 * count)
+            blk = blocking.int8_blocking(width, stride // 4)
+            if blk.path != "tile":   # vpdpbusd: tiles of whole x rows beside their float sums
+                blk = blocking.vnni_blocking(width, stride // 4, mr=3 * count)
             unpack = entry(ps, 4)
 
             def pack(n0, panels):
@@ -212,7 +219,7 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
             if count == gemm_lowbit_vnni.PLANES or bool(heads[:, 3].all()):
                 break
             count = gemm_lowbit_vnni.PLANES  # a row's outliers: two planes coarser than TF32
-        panels = empty(-(-blocks[0][1] // nr) * panel, dtype=torch.uint8)
+        panels = empty(-(-blocks[0][1] // nr) * panel + tail, dtype=torch.uint8)
         for n0, width in blocks:
             per_width[width](a.data_ptr(), panels.data_ptr(), heads.data_ptr(), n0,
                              None if r is None else r.data_ptr() + n0 * esize,

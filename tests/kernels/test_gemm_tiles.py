@@ -343,6 +343,20 @@ def test_int8_build_uses_tdpbusd():
                       dtype="u8s8"), SAPPHIRE)
 
 
+@pytest.mark.parametrize("planes", [3, 2])
+def test_grouped_planes_build_restarts_tiles_per_group(planes):
+    """int4's grouped byte planes on the tiles (gemm_tile_grouped.py): per group, the four
+    accumulators zeroed, four tdpbusd and the four stored for the combine; the float sums of
+    the x rows stay in registers (nothing spilled to the stack)."""
+    spec = GemmSpec(0, 96, 768, 1, "packed", True, "gelu", True,
+                    **blocking.tile_blocking(96, 192).as_kwargs(), dtype="u8s8", planes=planes,
+                    ldo=96, b_group=32)
+    _, asm = compile_assembly(ir_text(spec, SAPPHIRE), SAPPHIRE)
+    for op in ("tilezero", "tdpbusd", "tilestored"):
+        assert len(re.findall(rf"\b{op}\b", asm)) == 4, op
+    assert "Spill" not in asm and "Reload" not in asm
+
+
 def _tile_spec(m=200, n=300, k=402, layout="packed", epilogue="gelu", residual=True):
     blk = blocking.choose(m, n, k // 2, SAPPHIRE, b_layout=layout, dtype="bf16")
     assert blk.path == "tile"

@@ -540,7 +540,7 @@ def test_int8_prefill_on_byte_planes(tiles, path, tmp_path):
 PLANES4_CHECK = CHECK_ROWS + """
 torch.manual_seed(3)
 for n, k, group, asym in ((70, 96, 32, True), (100, 256, 64, False), (33, 1000, 1000, True),
-                          (40, 3072, 32, False)):
+                          (40, 3072, 32, False), (45, 4992, 32, True)):
     g = -(-k // group)
     zp = torch.randint(-8, 8, (n, g), dtype=torch.int8) if asym else None
     w = LowbitTensor(torch.randint(-8, 8, (n, k), dtype=torch.int8),
@@ -563,17 +563,20 @@ bound = 2.0 ** (exp - 15)[:, None] * deq.abs().sum(1)[None] + 1e-6 * ref.abs().m
 err = (fn(x).double() - ref).abs()
 assert (err <= bound).all() and err.max() > 1e-6 * ref.abs().max(), float(err.max())
 assert {s.planes for s in fn.specs if s.family == "lowbit_planes"} == {2}, fn.specs
-print("int4 planes ok")
+print("int4 planes ok on", sorted({s.path for s in fn.specs if s.family == "gemm"}))
 """
 
 
-def test_int4_prefill_on_byte_planes(tmp_path):
+@pytest.mark.parametrize("tiles, path", [("emulate", "tile"), ("off", "vector")])
+def test_int4_prefill_on_byte_planes(tiles, path, tmp_path):
     """float32 prefill with int4 weights in groups (of 32, 64, one per row), symmetric or with
-    zero points, on x's byte planes and vpdpbusd (AVX512_VNNI without tiles; tiles off here):
-    int32 sums per 32 k, scaled per group. Every row agrees with the float64 reference to
-    float32 error, the rows the planes hand back included, with GELU and a residual; K odd, over
-    a K block. Two planes under ``torch.set_float32_matmul_precision("high")``, within x's
-    rounding to 2**-15 of its row's largest |x|."""
+    zero points, on x's byte planes: on the emulated int8 tiles (a group a tile step,
+    gemm_tile_grouped.py) and on vpdpbusd (AVX512_VNNI without tiles; tiles off here), both on
+    any AVX-512 CPU with VNNI. int32 sums per 32 k, scaled per group. Every row agrees with the
+    float64 reference to float32 error, the rows the planes hand back included, with GELU and a
+    residual; K odd, over a K block (two on the tiles: 4992 k). Two planes under
+    ``torch.set_float32_matmul_precision("high")``, within x's rounding to 2**-15 of its row's
+    largest |x|."""
     import os
     import subprocess
     import sys
@@ -582,10 +585,11 @@ def test_int4_prefill_on_byte_planes(tmp_path):
     if not (host_target().vector_bits == 512 and host_target().has("avx512vnni")):
         pytest.skip(f"the byte planes' u8s8 GEMM needs AVX-512 with VNNI; this CPU: "
                     f"{host_target().describe()}")
-    env = dict(os.environ, KWKER_TILES="off", KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, KWKER_TILES=tiles, KWKER_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", PLANES4_CHECK], env=env, capture_output=True,
                        text=True, check=False)
-    assert r.returncode == 0 and "int4 planes ok" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"int4 planes ok on ['{path}']" in r.stdout, \
+        r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("n, k", [(70, 77), (33, 1000), (64, 256), (1, 3)])

@@ -1,0 +1,118 @@
+"""int4 weights in groups of 32 k on int8 tiles, exact to float32: the grouped byte planes.
+
+The float32 prefill of int4 weights scales each group of 32 k by its own scale, so its int32
+sums cannot run over K as int8's per-channel sums do (gemm_tile.py's ``planes``): they restart
+every group. Here a group is one ``tdpbusd`` step per accumulator tile, its A tile 8 words of
+x's planes then 8 zero words (``emit_pack_a_tiles(src_step=8)``), so the B tile's rows 8-15
+(whatever the grouped panel holds there: the group's column sums and scales, the next group's
+rows) multiply zeros. After the step the four accumulators are stored (4 KB, L1) and each x
+row's planes combined as the vector micro-kernel's ``_grouped`` combines them (gemm_micro.py):
+
+    t = S0 + 2**8 S1 (+ 2**16 S2) - 2**(8 planes - 1) sum_k (q - zp)      (wrapping int32: exact)
+    sums[x row] += float(t) * scale[group]                                (float32 FMA)
+
+the float32 sums of a block's 10 x rows (16 with two planes) x 32 columns living in registers
+across the groups of a K block, through the block's scratch between K blocks. The last K block
+multiplies them by the rows' factors into the scratch, where gemm_tile.py's epilogue takes them.
+
+Half of each step's products are of zeros, and the group's 4 KB round trip is vector work the
+tile unit waits on; against the float32 FMAs of dequantised weights (the path before, exact to
+the same error) it still does a group's 10 x 32 x 32 products in 4 tile steps and ~200 vector
+instructions where the FMAs took 320 instructions per x row tile of 10.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import simd, vmath
+from .gemm_lowbit_vnni import GROUP_QUADS, GROUP_ROWS, HEAD, load_factor
+from .irutil import Fn, const, i8, i32, i64
+
+I32x16 = ir.VectorType(i32, 16)
+A_GROUP_WORDS = 32 * 16   # a group of a packed 32-row A block: two tiles of 16 rows x 16 words
+# rows a grouped panel's last group's B tiles read past it (its 10 rows of 16), zero or not
+B_TAIL_ROWS = 16 - GROUP_ROWS
+
+
+def grouped_product(f: Fn, p, tiles, regs, a_tile, b_panel, groups, first, last, block, gbuf,
+                    quant, x_row0, x_rows) -> None:
+    """One block of C over ``groups`` groups of a K block (module doc): A from its packed row
+    tile (``A_GROUP_WORDS`` a group), B from its grouped panel at the block's first group (rows
+    ``nr`` words apart), the int32 tiles through ``gbuf`` (32 x 32 words); ``first`` / ``last``
+    (i1): the K block starts the sums from zero / ends them, leaving the block's ``x_rows`` (an
+    i64) valid rows times their factors in ``block`` rows 0 .., else the partial sums there.
+    ``quant``: the x rows' heads, from x row ``x_row0``."""
+    b, nr, count = f.b, p.s.nr, p.planes
+    rows = p.a_rows // count
+    vt = simd.vty(16)
+    stride = const(i64, 32 * 4)   # of gbuf and block rows, in bytes
+    sums = [[f.var(vt, None, f"gsum_{r}_{v}") for v in range(2)] for r in range(rows)]
+    with f.if_else(first) as (from_zero, from_block):
+        with from_zero:
+            for row in sums:
+                for v in row:
+                    v.set(vmath.splat(vt, 0.0))
+        with from_block:
+            for r, row in enumerate(sums):
+                for v, var in enumerate(row):
+                    var.set(simd.load_vec(b, block, const(i64, r * 32 + 16 * v), 16))
+    acc = [[regs["c00"], regs["c01"]], [regs["c10"], regs["c11"]]]
+    a_stride, b_stride = const(i64, 64), const(i64, nr * 4)
+
+    def shl(x, bits: int):
+        return b.shl(x, ir.Constant(I32x16, [bits] * 16))
+
+    def products(g) -> None:
+        """Group ``g``'s four tile steps, the int32 tiles stored to ``gbuf``."""
+        a_at = simd.gep(b, a_tile, b.mul(g, const(i64, A_GROUP_WORDS)), i32)
+        b_at = simd.gep(b, b_panel, b.mul(g, const(i64, GROUP_ROWS * nr)), i32)
+        for row in acc:
+            for t in row:
+                tiles.zero(t)
+        tiles.load(regs["a0"], a_at, a_stride)
+        tiles.load(regs["b0"], b_at, b_stride)
+        tiles.dot_u8s8(acc[0][0], regs["a0"], regs["b0"])
+        tiles.load(regs["b1"], simd.gep(b, b_at, const(i64, 16), i32), b_stride)
+        tiles.dot_u8s8(acc[0][1], regs["a0"], regs["b1"])
+        tiles.load(regs["a1"], simd.gep(b, a_at, const(i64, 256), i32), a_stride)
+        tiles.dot_u8s8(acc[1][0], regs["a1"], regs["b0"])
+        tiles.dot_u8s8(acc[1][1], regs["a1"], regs["b1"])
+        for i, row in enumerate(acc):
+            for j, t in enumerate(row):
+                tiles.store(t, simd.gep(b, gbuf, const(i64, i * 16 * 32 + j * 16), i32), stride)
+
+    def combine(g) -> None:
+        """Group ``g``'s int32 tiles from ``gbuf`` into the float sums."""
+        b_at = simd.gep(b, b_panel, b.mul(g, const(i64, GROUP_ROWS * nr)), i32)
+        for v in range(2):
+            offset = shl(simd.load_vec(b, b_at, const(i64, GROUP_QUADS * nr + 16 * v), 16,
+                                       elem=i32), 8 * count - 1)
+            scale = simd.load_vec(b, b_at, const(i64, (GROUP_QUADS + 1) * nr + 16 * v), 16)
+            for r in range(rows):
+                planes = [simd.load_vec(b, gbuf, const(i64, (r * count + i) * 32 + 16 * v), 16,
+                                        elem=i32) for i in range(count)]
+                t = planes[0]
+                for i in range(1, count):
+                    t = b.add(t, shl(planes[i], 8 * i))
+                t = b.sitofp(b.sub(t, offset), vt)
+                sums[r][v].set(vmath.fma(b, t, scale, sums[r][v].get()))
+
+    with f.for_range(0, groups, name="grp") as g:
+        products(g)
+        combine(g)
+
+    heads = quant[0]
+    with f.if_else(last) as (done, partial):
+        with done:
+            for r, row in enumerate(sums):
+                with f.if_(b.icmp_signed(">", x_rows, const(i64, r))):
+                    head = simd.gep(b, heads, b.mul(b.add(x_row0, const(i64, r)),
+                                                    const(i64, HEAD)), i8)
+                    factor = load_factor(b, head, 16)
+                    for v, var in enumerate(row):
+                        simd.store_vec(b, b.fmul(var.get(), factor), block,
+                                       const(i64, r * 32 + 16 * v))
+        with partial:
+            for r, row in enumerate(sums):
+                for v, var in enumerate(row):
+                    simd.store_vec(b, var.get(), block, const(i64, r * 32 + 16 * v))
