@@ -52,7 +52,16 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import bf16, gemm_lowbit, gemm_lowbit_unpack, gemm_lowbit_vnni, gemm_tile, omp, simd
+from . import (
+    bf16,
+    gemm_lowbit,
+    gemm_lowbit_unpack,
+    gemm_lowbit_vnni,
+    gemm_tile,
+    gemm_tile_grouped,
+    omp,
+    simd,
+)
 from .gemm_edges import dispatch, emit_small_rows
 from .gemm_micro import FIRST, LAST, Micro, emit_micro
 from .gemm_pack import emit_pack_cols, emit_pack_rows
@@ -134,6 +143,10 @@ class _Plan:
         if self.grouped and spec.b_group != 4 * gemm_lowbit_vnni.GROUP_QUADS:
             raise ValueError(f"kwker gemm: grouped panels take {4 * gemm_lowbit_vnni.GROUP_QUADS}"
                              f" k a group, not {spec.b_group}")
+        if spec.plane_bits != 8 and not (spec.plane_bits == 12 and self.grouped and self.tiles
+                                         and spec.planes == 2):
+            raise ValueError(f"kwker gemm: {spec.plane_bits}-bit planes are two, against "
+                             "grouped panels on the tiles")
         if spec.out not in ("", spec.dtype) and not (
                 spec.out == "f32" and self.bf16 and spec.b_layout in ("packed", "nk")):
             raise ValueError(f"kwker gemm: a {spec.out} output is for bf16 packed or "
@@ -249,7 +262,8 @@ class _Plan:
         ``k``, or with grouped panels the group rows too."""
         if not self.grouped:
             return k
-        rows, quads = gemm_lowbit_vnni.GROUP_ROWS, gemm_lowbit_vnni.GROUP_QUADS
+        rows = gemm_tile_grouped.group_rows(self.s.plane_bits)
+        quads = rows - 2       # words of A (quads, or 12-bit planes' k pairs) a group
         if b is None:
             return k // quads * rows
         return b.mul(b.udiv(k, const(i64, quads)), const(i64, rows))

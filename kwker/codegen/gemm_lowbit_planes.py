@@ -22,7 +22,9 @@ The kernels of this module, per call:
 - ``lowbit_planes``: x rows -> their planes (rows of ``plane_stride(K)`` bytes) and heads;
 - ``lowbit_panels``: a block of W rows (int8, row-major, read in place) -> AMX's B layout, the
   u8s8 GEMM's pre-packed panels (32 columns, a 32-bit word of 4 k per column, K zero-padded to
-  whole tile steps), so no packed copy of the weights outlives the call.
+  whole tile steps), so no packed copy of the weights outlives the call; int4 W rows (the
+  decode's packed nibbles) -> grouped panels (``_emit_panels4``: per 32 k the weights, their
+  columns' sums and scales; for 12-bit planes, words of two k as ``(q, 16 q)`` bytes).
 
 The u8s8 GEMM's epilogue combines each x row's planes (``GemmSpec.planes``): on ``vpdpbusd``
 in the micro-kernel's registers, its 12-row tiles holding whole x rows; on the tiles from each
@@ -37,13 +39,13 @@ from llvmlite import ir
 from . import bf16, gemm_lowbit, omp, simd
 from .gemm_lowbit_vnni import (
     GROUP_QUADS,
-    GROUP_ROWS,
     HEAD,
     emit_planes,
     row_bytes,
 )
 from .gemm_tile import STEP as TILE_STEP
 from .gemm_tile import TILE_BLOCK
+from .gemm_tile_grouped import group_rows
 from .irutil import const, i8, i32, i64, intrinsic, new_module, ptr
 
 NR = TILE_BLOCK[1]
@@ -62,10 +64,10 @@ def emit(spec, target) -> ir.Module:
     return emit_family[spec.family](spec, target)
 
 
-def grouped_words(k: int) -> int:
+def grouped_words(k: int, plane_bits: int = 8) -> int:
     """Words of one grouped panel (int4, ``_emit_panels4``): per group of ``GROUP_QUADS`` k
-    quads, ``GROUP_ROWS`` rows of ``NR`` words."""
-    return panel_words(k) // GROUP_QUADS * GROUP_ROWS * NR
+    quads, ``group_rows(plane_bits)`` rows of ``NR`` words."""
+    return panel_words(k) // GROUP_QUADS * group_rows(plane_bits) * NR
 
 
 def _parallel(spec, slots: int, total_of):
@@ -86,9 +88,11 @@ def _emit_planes(spec, target) -> ir.Module:
     b = body.b
     elem_bytes = bf16.itemsize(spec.dtype)
     xs = simd.gep(b, x, b.mul(begin, const(i64, spec.k * elem_bytes)), i8)
-    ps = simd.gep(b, planes, b.mul(begin, const(i64, row_bytes(spec.k, spec.planes))), i8)
+    ps = simd.gep(b, planes, b.mul(begin, const(i64, row_bytes(spec.k, spec.planes,
+                                                                spec.plane_bits))), i8)
     hs = simd.gep(b, heads, b.mul(begin, const(i64, HEAD)), i8)
-    emit_planes(body, spec.k, spec.dtype, xs, ps, hs, b.sub(end, begin), spec.planes)
+    emit_planes(body, spec.k, spec.dtype, xs, ps, hs, b.sub(end, begin), spec.planes,
+                spec.plane_bits)
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 3 + [i64], body.fn)
     return module
@@ -145,7 +149,10 @@ def _emit_panels4(spec, target) -> ir.Module:
     32)`` grouped panels (``grouped_words``): per 32 k, 8 rows of 32 quad words of ``q - zp``
     (s8, zero past N and K), then the columns' sums of those (int32, one ``vpdpbusd`` by ones a
     row) and their scales (float32). Threads split the panels; per 16 rows and 64 k, a load of
-    16 nibble words a row (4 of their nibbles are the 64 k), a 16 x 16 transpose of words."""
+    16 nibble words a row (4 of their nibbles are the 64 k), a 16 x 16 transpose of words.
+    ``plane_bits`` 12 (symmetric weights): per 32 k, 16 rows of words of two k, ``(q, 16 q)``
+    bytes each (``16 q`` fits s8 for q in [-8, 7]), times the 12-bit planes' ``(d & 15, d >>
+    4)`` bytes: two 16 x 16 transposes per 64 k."""
     n, k, L = spec.n, spec.k, spec.lanes
     module, body, (w, scale, zp, panels), (begin, end) = _parallel(
         spec, 4, lambda ctx: const(i64, -(-n // NR)))
@@ -157,8 +164,11 @@ def _emit_panels4(spec, target) -> ir.Module:
     dot = intrinsic(module, "llvm.x86.avx512.vpdpbusd.512", vt, [vt, vt, vt])
     lane = ir.Constant(ir.VectorType(i64, 64), list(range(64)))
     low_half = ir.Constant(ir.VectorType(ir.IntType(1), 64), [i < 32 for i in range(64)])
+    twelve = spec.plane_bits == 12
+    rows_g = group_rows(spec.plane_bits)
+    pairs = ir.Constant(vt, [0x00010001] * 16)   # the q bytes of (q, 16 q) words
     with body.for_range(begin, end, name="p") as p:
-        dst = simd.gep(b, panels, b.mul(p, const(i64, grouped_words(k))), i32)
+        dst = simd.gep(b, panels, b.mul(p, const(i64, grouped_words(k, spec.plane_bits))), i32)
         for half in range(NR // 16):
             rows = [b.add(b.mul(p, const(i64, NR)), const(i64, half * 16 + j)) for j in range(16)]
             live = [b.icmp_signed("<", r, const(i64, n)) for r in rows]
@@ -192,24 +202,33 @@ def _emit_panels4(spec, target) -> ir.Module:
                         off = ir.Constant(bt, [8] * 64)
                     q = b.select(b.and_(in_k, simd.broadcast(b, ok, 64)),
                                  b.sub(u, off), ir.Constant(bt, [0] * 64))
-                    vs.append(b.bitcast(q, vt))
-                quads = _transpose16(b, vs)
+                    vs.append(q)
+                if twelve:   # per group, 16 words of two k: (q, 16 q) bytes
+                    q16 = [b.shl(q, ir.Constant(bt, [4] * 64)) for q in vs]
+                    words = [_transpose16(b, [b.bitcast(b.shuffle_vector(q, q4, ir.Constant(
+                        ir.VectorType(i32, 64), [32 * s + j // 2 + 64 * (j % 2)
+                                                 for j in range(64)])), vt)
+                        for q, q4 in zip(vs, q16)]) for s in range(2)]
+                    ones_of = pairs
+                else:
+                    quads = _transpose16(b, [b.bitcast(q, vt) for q in vs])
+                    words = [quads[:GROUP_QUADS], quads[GROUP_QUADS:]]
+                    ones_of = ones
                 for s in range(2):
                     grp = b.add(b.mul(h, const(i64, 2)), const(i64, s))
-                    base = b.add(b.mul(grp, const(i64, GROUP_ROWS * NR)), const(i64, half * 16))
+                    base = b.add(b.mul(grp, const(i64, rows_g * NR)), const(i64, half * 16))
                     sums = ir.Constant(vt, [0] * 16)
-                    for t in range(GROUP_QUADS):
-                        quad = quads[s * GROUP_QUADS + t]
-                        sums = b.call(dot, [sums, ones, quad])
-                        simd.store_vec(b, quad, dst, b.add(base, const(i64, t * NR)), elem=i32)
-                    simd.store_vec(b, sums, dst, b.add(base, const(i64, GROUP_QUADS * NR)),
+                    for t, word in enumerate(words[s]):
+                        sums = b.call(dot, [sums, ones_of, word])
+                        simd.store_vec(b, word, dst, b.add(base, const(i64, t * NR)), elem=i32)
+                    simd.store_vec(b, sums, dst, b.add(base, const(i64, (rows_g - 2) * NR)),
                                    elem=i32)
                     scales = ir.Constant(simd.vty(16), [0.0] * 16)
                     for j, row in enumerate(rows):
                         x = simd.load_scalar(b, scale, b.add(b.mul(row, const(i64, groups)),
                                                              g[s]))
                         scales = b.insert_element(scales, x, const(i32, j))
-                    simd.store_vec(b, scales, dst, b.add(base, const(i64, (GROUP_QUADS + 1) * NR)))
+                    simd.store_vec(b, scales, dst, b.add(base, const(i64, (rows_g - 1) * NR)))
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 4, body.fn)
     return module

@@ -47,36 +47,41 @@ def usable(spec, lanes: int) -> bool:
             and spec.k <= MAX_K)
 
 
-def plane_stride(k: int) -> int:
-    """Bytes of one plane: K rounded up to whole steps."""
-    return -(-k // STEP) * STEP
+def plane_stride(k: int, plane_bits: int = 8) -> int:
+    """Bytes of one plane: K rounded up to whole steps (12-bit planes: two bytes a k, as many
+    groups of 32 k as the weights' panels hold)."""
+    return -(-k // STEP) * STEP * (2 if plane_bits == 12 else 1)
 
 
-def row_bytes(k: int, count: int = PLANES) -> int:
+def row_bytes(k: int, count: int = PLANES, plane_bits: int = 8) -> int:
     """Bytes of one x row's planes (a (``count`` rows, ``plane_stride``) uint8 matrix)."""
-    return count * plane_stride(k)
+    return count * plane_stride(k, plane_bits)
 
 
-def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = PLANES) -> None:
+def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = PLANES,
+                plane_bits: int = 8) -> None:
     """x rows (float32 or bf16, K a row) -> per row its head (the factor ``2**(E - bits + 2)``
     as float64, then two i32 flags: 1 planes valid, 0 take the float path; and 1 the planes are
     as fine as TF32's rounding of x, 0 not: a row whose largest |x| is over ~8x its rms) and
     its ``count`` planes ``u0, u1, ...`` (``row_bytes`` apart; bytes, zero past K). ``bits = 8 *
     count``: three planes carry x to 2**-23 of the row's largest |x| (the module doc), two to
-    2**-15 (the prefill under ``torch.set_float32_matmul_precision("high")``)."""
-    bits = 8 * count
+    2**-15 (the prefill under ``torch.set_float32_matmul_precision("high")``). ``plane_bits``
+    12 (two planes, exact as three of 8): a plane's 12-bit digit ``d`` of each k as two bytes,
+    ``d & 15`` then ``d >> 4``, which times ``(q, 16 q)`` give ``d q`` (gemm_tile_grouped.py)."""
+    bits = plane_bits * count
+    per_k = 2 if plane_bits == 12 else 1   # bytes a k of a plane
     b = f.b
     vt, it = simd.vty(16), simd.vty(16, i32)
-    stride = plane_stride(k)
+    stride = plane_stride(k, plane_bits)
     with f.for_range(0, rows, name="pr") as r:
         src = simd.gep(b, x, b.mul(r, const(i64, k)), i16 if dtype == "bf16" else f32)
-        row = simd.gep(b, planes, b.mul(r, const(i64, row_bytes(k, count))), i8)
+        row = simd.gep(b, planes, b.mul(r, const(i64, row_bytes(k, count, plane_bits))), i8)
         head = simd.gep(b, heads, b.mul(r, const(i64, HEAD)), i8)
         ok, exp = scan_row(f, k, dtype, src, head)
         with f.if_(ok):
             mv = store_factor(b, head, exp, bits)
             for p in range(count):   # zeros past K (the weights there are masked to 0 anyway)
-                with f.for_range(k // 16 * 16, stride, step=16, name="pz") as z:
+                with f.for_range(k // 16 * 16 * per_k, stride, step=16, name="pz") as z:
                     b.store(ir.Constant(ir.VectorType(i8, 16), [0] * 16),
                             simd.gep(b, row, b.add(z, const(i64, p * stride)), i8),
                             align=1)
@@ -85,16 +90,29 @@ def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = 
 
             def split(v, at, n):
                 scaled = b.fmul(v, mv)
-                if count < PLANES:
+                if bits < 24:
                     squares.set(vmath.fma(b, scaled, scaled, squares.get()))
                 xi = b.fptosi(f.call_intrinsic("llvm.rint.v16f32", vt, [scaled]), it)
                 u = b.add(xi, ir.Constant(it, [1 << (bits - 1)] * 16))
+                if plane_bits == 12:
+                    for p in range(count):
+                        d = b.lshr(u, ir.Constant(it, [12 * p] * 16)) if p else u
+                        lo, hi = (b.trunc(x, ir.VectorType(i8, 16)) for x in (
+                            b.and_(d, ir.Constant(it, [15] * 16)),
+                            b.and_(b.lshr(d, ir.Constant(it, [4] * 16)),
+                                   ir.Constant(it, [255] * 16))))
+                        pair = b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 32), [
+                            (j // 2) + 16 * (j % 2) for j in range(32)]))
+                        simd.store_any(b, pair, row, b.add(b.mul(at, const(i64, 2)),
+                                                           const(i64, p * stride)), 2 * n,
+                                       elem=i8)
+                    return
                 for p in range(count):
                     byte = b.trunc(b.lshr(u, ir.Constant(it, [8 * p] * 16)) if p else u,
                                    ir.VectorType(i8, 16))
                     simd.store_any(b, byte, row, b.add(at, const(i64, p * stride)), n, elem=i8)
             each_vector(f, k, dtype, src, split)
-            if count < PLANES:
+            if bits < 24:
                 # x's rounding (a step of 2**(E - bits + 2)) no coarser than TF32's, in the mean
                 # square: 2**E <= 16 rms(x), i.e. sum (x * mult)**2 >= K * 2**(2 bits - 12)
                 floor = ir.Constant(f32, k * 2.0 ** (2 * bits - 12))

@@ -90,7 +90,7 @@ def allocate(f: Fn, p) -> tuple[list, tuple]:
     s = p.s
     kcp = padded_k(p.kc)
     raws = []
-    spread = 2 if p.grouped else 1   # grouped A: 8 words and 8 zero a step
+    spread = 2 if p.grouped and s.plane_bits == 8 else 1  # grouped A: 8 words, 8 zero a step
     raw, ap = aligned_malloc(f, p.tiles_per_chunk * 32 * kcp * 4 * spread)
     raws.append(raw)
     bp = None
@@ -120,7 +120,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
     kw, nr = p.kw, s.nr
     tiles = Tiles(f, p.tile_mode, native_bf16=p.dot == "dpbf16")
     regs = block_registers(tiles)
-    spread = 2 if p.grouped else 1   # words of packed A per word of A
+    spread = 2 if p.grouped and s.plane_bits == 8 else 1  # packed A's words a word of A
     pack_a = emit_pack_a_tiles(module, kw, p.a_rows, STEP // spread)
     a_rows = const(i64, p.a_rows)
     pack_b = None  # a runtime B's packer (a low-bit B has its own)
@@ -226,9 +226,10 @@ def _grouped(f: Fn, p, tiles, regs, a_tile, b_mat, q, k, kk, words, first, last,
     b, nr = f.b, p.s.nr
     b_panel = simd.gep(b, b_mat, b.add(b.mul(q, const(i64, p.panel_rows(p.kw_panel) * nr)),
                                        b.mul(p.panel_rows(k, b), const(i64, nr))), i32)
-    a_sub = simd.gep(b, a_tile, b.mul(kk, const(i64, 64)), i32)   # 2 packed words a word
+    group = GROUP_QUADS if p.s.plane_bits == 8 else STEP   # words of A a group
+    a_sub = simd.gep(b, a_tile, b.mul(kk, const(i64, 32 * STEP // group)), i32)
     x_rows = b.udiv(smin(b, rows_left, const(i64, p.a_rows)), const(i64, p.planes))
-    groups = b.udiv(words, const(i64, GROUP_QUADS))
+    groups = b.udiv(words, const(i64, group))
     grouped_product(f, p, tiles, regs, a_sub, b_panel, groups, first, last, block, gbuf,
                     quant, out_row, x_rows)
     with f.if_(last):

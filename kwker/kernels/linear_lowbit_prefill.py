@@ -108,12 +108,12 @@ def _planes(spec: LowbitGemmSpec) -> bool:
     - int4 weights in groups of whole 32 k, against the float32 GEMM of dequantised panels: on
       vpdpbusd (AVX-512 VNNI; Zen 5, 128 rows, 2 threads, groups of 32, best of 3 alternating
       processes: 2304 x 768 0.95 -> 0.78 ms, 768 x 3072 1.32 -> 1.06, GPT-2's head 23.8 ->
-      18.4), and on int8 tiles a group a tile step (gemm_tile_grouped.py; Emerald Rapids, 128
-      rows, 2 threads, best of 5 calls, interleaved in one process: 2304 x 768 2.25 -> 1.98
-      ms, 768 x 768 0.85 -> 0.77, 3072 x 768 3.04 -> 2.63, 768 x 3072 2.87 -> 2.87, GPT-2's
-      head 52.2 -> 42.2; GPT-2's prefill 201 -> 183 ms). There vpdpbusd, at half Zen 5's rate,
-      measured only 2-7% faster than the FMAs (2304 x 768 1.41 -> 1.36 ms on an Intel Xeon
-      with AMX).
+      18.4), and on int8 tiles a group a tile step (gemm_tile_grouped.py; symmetric weights on
+      two planes of 12-bit digits; Emerald Rapids, 128 rows, 2 threads, best of 4 x 5 calls
+      interleaved in one process: GPT-2's linears 60.9 -> 43.2 ms, 2304 x 768 2.28 -> 1.76,
+      the head 51.5 -> 35.9; GPT-2's prefill 192 -> 143 ms, eager bf16 104). There vpdpbusd,
+      at half Zen 5's rate, measured only 2-7% faster than the FMAs (2304 x 768 1.41 -> 1.36
+      ms on an Intel Xeon with AMX).
 
     bf16 x keeps the bf16 GEMM of dequantised weights, faster on the tiles (0.55 against 0.80
     ms) and rounded as eager bf16 rounds."""
@@ -135,18 +135,22 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     1.13 -> 1.05, GPT-2's head 17.7 -> 16.9); on the tiles from each 32-row block's sums, whose
     rows hold 10 x rows' three planes (or 16 rows' two), where a combine kernel read the sums
     back from memory before. int4 weights are unpacked per call into grouped panels, with their sums
-    and scales per 32 k, whose int32 sums restart every 32 k (on the tiles: gemm_tile_grouped.py).
+    and scales per 32 k, whose int32 sums restart every 32 k (on the tiles: gemm_tile_grouped.py,
+    symmetric weights against two planes of 12-bit digits, as exact as three of 8).
     Rows the planes do not take (non-finite, tiny) go
     through the decode kernel afterwards. Three planes, or two where the user allows float32
     products below full precision (``float32_precision``, read per call; the other count's
     kernels are built on its first call)."""
     n, k, grouped = spec.n, spec.k, spec.bits == 4
-    stride = gemm_lowbit_vnni.plane_stride(k)
+    # symmetric int4 on the tiles: two planes of 12-bit digits (gemm_tile_grouped.py)
+    twelve = grouped and not spec.zero_point and blocking.int8_blocking(n, k).path == "tile"
+    bits = 12 if twelve else 8
+    stride = gemm_lowbit_vnni.plane_stride(k, bits)
     nr = gemm_lowbit_planes.NR
-    panel = gemm_lowbit_planes.grouped_words(k) * 4 if grouped else nr * stride  # bytes
+    panel = gemm_lowbit_planes.grouped_words(k, bits) * 4 if grouped else nr * stride  # bytes
     per_col = panel // nr
-    # the tiles' last group of a grouped panel reads rows past it (gemm_tile_grouped.py)
-    tail = gemm_tile_grouped.B_TAIL_ROWS * nr * 4 if grouped else 0
+    # the tiles' last group of an 8-bit grouped panel reads rows past it (gemm_tile_grouped.py)
+    tail = gemm_tile_grouped.B_TAIL_ROWS * nr * 4 if grouped and not twelve else 0
     nb = n if n * per_col <= PREFILL_WHOLE else max(nr, PREFILL_BLOCK // per_col // nr * nr)
     blocks = [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
     w_p, s_p, z_p, b_p = buf.ptrs()     # z_p: int8, the row sums of q (int32); int4, zero points
@@ -159,7 +163,8 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
         """(``run(a, panels, heads, n0, res, out, rows)`` for a block of ``width`` W rows from
         row ``n0``, its specs)."""
         if grouped:
-            ps = LowbitPanelsSpec(width, k, 4, spec.group, spec.zero_point, spec.rr, spec.lanes)
+            ps = LowbitPanelsSpec(width, k, 4, spec.group, spec.zero_point, spec.rr, spec.lanes,
+                                  bits)
             blk = blocking.int8_blocking(width, stride // 4)
             if blk.path != "tile":   # vpdpbusd: tiles of whole x rows beside their float sums
                 blk = blocking.vnni_blocking(width, stride // 4, mr=3 * count)
@@ -177,7 +182,7 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
                 repack(w_p + n0 * k, panels, threads())
         gs = GemmSpec(0, width, stride, 1, "packed", spec.bias, spec.epilogue, spec.residual,
                       **blk.as_kwargs(), dtype="u8s8", planes=count, ldo=n,
-                      b_group=32 if grouped else 0)
+                      b_group=32 if grouped else 0, plane_bits=bits)
         gemm = entry(gs, 8, 2)
 
         def run(a, panels, heads, n0, res, out, rows):
@@ -189,14 +194,17 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
 
     def kernels(count: int) -> tuple:
         """(planes kernel, {width: block run}, their specs)."""
-        planes_spec = LowbitPlanesSpec(k, spec.dtype, count)
+        planes_spec = LowbitPlanesSpec(k, spec.dtype, count, bits)
         specs, per_width = [planes_spec], {}
         for width in dict.fromkeys(w for _, w in blocks):
             per_width[width], block_specs = block_run(width, count)
             specs += block_specs
         return entry(planes_spec, 3, 2), per_width, specs
 
-    first = _plane_count()
+    def plane_count() -> int:
+        return 2 if twelve else _plane_count()
+
+    first = plane_count()
     built = {first: kernels(first)}
     rest = replace(spec, m=0)           # the rows the planes hand back
     gemv = gemv_run(rest, buf, dtype)
@@ -208,7 +216,7 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
         out = empty(rows, n, dtype=dtype)
         if rows == 0:
             return out
-        count = _plane_count()
+        count = plane_count()
         heads = empty(rows, gemm_lowbit_vnni.HEAD // 4, dtype=torch.int32)
         while True:
             if count not in built:
@@ -216,7 +224,7 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
             planes, per_width, _ = built[count]
             a = empty(rows * count, stride, dtype=torch.uint8)
             planes(x.data_ptr(), a.data_ptr(), heads.data_ptr(), rows, threads())
-            if count == gemm_lowbit_vnni.PLANES or bool(heads[:, 3].all()):
+            if twelve or count == gemm_lowbit_vnni.PLANES or bool(heads[:, 3].all()):
                 break
             count = gemm_lowbit_vnni.PLANES  # a row's outliers: two planes coarser than TF32
         panels = empty(-(-blocks[0][1] // nr) * panel + tail, dtype=torch.uint8)

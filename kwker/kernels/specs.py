@@ -85,6 +85,9 @@ class GemmSpec(Spec):
     # pointers after the five: the x rows' heads, the columns' scales and their sums of q
     planes: int = 0
     ldo: int = 0
+    # x's bits a plane: 8, or 12 (int4 groups on the tiles: two planes of 12-bit digits against
+    # (q, 16 q) weight bytes, gemm_tile_grouped.py)
+    plane_bits: int = 8
     family = "gemm"
 
     @property
@@ -99,7 +102,8 @@ class GemmSpec(Spec):
                 + (f"_o{self.out}" if self.out else "")
                 + (f"_q{self.b_bits}g{self.b_group}{'z' if self.b_zp else ''}r{self.b_rr}"
                    f"l{self.b_lanes}" if self.b_bits else "")
-                + (f"_pl{self.planes}o{self.ldo}" if self.planes else ""))
+                + (f"_pl{self.planes}o{self.ldo}" if self.planes else "")
+                + (f"d{self.plane_bits}" if self.plane_bits != 8 else ""))
 
 
 @register_spec
@@ -278,6 +282,7 @@ class LowbitPlanesSpec(Spec):
     k: int
     dtype: str = "f32"
     planes: int = 3
+    plane_bits: int = 8    # 12: two planes of 12-bit digits, two bytes a k (int4 on tiles)
     family = "lowbit_planes"
 
 
@@ -294,6 +299,7 @@ class LowbitPanelsSpec(Spec):
     zero_point: bool = False
     rr: int = 1
     lanes: int = 16
+    plane_bits: int = 8    # 12: int4 words of two k as (q, 16 q) bytes, for 12-bit planes
     family = "lowbit_panels"
 
 

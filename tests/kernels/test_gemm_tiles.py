@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -343,18 +344,21 @@ def test_int8_build_uses_tdpbusd():
                       dtype="u8s8"), SAPPHIRE)
 
 
-@pytest.mark.parametrize("planes", [3, 2])
-def test_grouped_planes_build_restarts_tiles_per_group(planes):
+@pytest.mark.parametrize("planes, bits", [(3, 8), (2, 8), (2, 12)])
+def test_grouped_planes_build_restarts_tiles_per_group(planes, bits):
     """int4's grouped byte planes on the tiles (gemm_tile_grouped.py): per group, the four
     accumulators zeroed, four tdpbusd and the four stored for the combine; the float sums of
     the x rows stay in registers (nothing spilled to the stack)."""
     spec = GemmSpec(0, 96, 768, 1, "packed", True, "gelu", True,
                     **blocking.tile_blocking(96, 192).as_kwargs(), dtype="u8s8", planes=planes,
-                    ldo=96, b_group=32)
+                    ldo=96, b_group=32, plane_bits=bits)
     _, asm = compile_assembly(ir_text(spec, SAPPHIRE), SAPPHIRE)
     for op in ("tilezero", "tdpbusd", "tilestored"):
         assert len(re.findall(rf"\b{op}\b", asm)) == 4, op
     assert "Spill" not in asm and "Reload" not in asm
+    if bits == 12:   # two planes of 12-bit digits against grouped panels, on the tiles only
+        with pytest.raises(ValueError, match="12-bit planes"):
+            emit(replace(spec, planes=3), SAPPHIRE)
 
 
 def _tile_spec(m=200, n=300, k=402, layout="packed", epilogue="gelu", residual=True):
