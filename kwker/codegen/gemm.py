@@ -263,7 +263,7 @@ class _Plan:
         if not self.grouped:
             return k
         rows = gemm_tile_grouped.group_rows(self.s.plane_bits)
-        quads = rows - 2       # words of A (quads, or 12-bit planes' k pairs) a group
+        quads = gemm_tile_grouped.group_words(self.s.plane_bits)
         if b is None:
             return k // quads * rows
         return b.mul(b.udiv(k, const(i64, quads)), const(i64, rows))

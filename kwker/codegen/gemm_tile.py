@@ -47,10 +47,10 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd
-from .gemm_lowbit_vnni import GROUP_QUADS, HEAD, combine_planes, load_factor
+from .gemm_lowbit_vnni import HEAD, combine_planes, load_factor
 from .gemm_micro import epilogue_rows
 from .gemm_pack import emit_pack_cols, emit_pack_rows
-from .gemm_tile_grouped import grouped_product
+from .gemm_tile_grouped import a_spread, group_words, grouped_product
 from .irutil import (
     Fn,
     aligned_malloc,
@@ -90,7 +90,7 @@ def allocate(f: Fn, p) -> tuple[list, tuple]:
     s = p.s
     kcp = padded_k(p.kc)
     raws = []
-    spread = 2 if p.grouped and s.plane_bits == 8 else 1  # grouped A: 8 words, 8 zero a step
+    spread = a_spread(s.plane_bits) if p.grouped else 1   # packed A's words a word of A
     raw, ap = aligned_malloc(f, p.tiles_per_chunk * 32 * kcp * 4 * spread)
     raws.append(raw)
     bp = None
@@ -120,7 +120,7 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
     kw, nr = p.kw, s.nr
     tiles = Tiles(f, p.tile_mode, native_bf16=p.dot == "dpbf16")
     regs = block_registers(tiles)
-    spread = 2 if p.grouped and s.plane_bits == 8 else 1  # packed A's words a word of A
+    spread = a_spread(s.plane_bits) if p.grouped else 1   # packed A's words a word of A
     pack_a = emit_pack_a_tiles(module, kw, p.a_rows, STEP // spread)
     a_rows = const(i64, p.a_rows)
     pack_b = None  # a runtime B's packer (a low-bit B has its own)
@@ -195,7 +195,8 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
                                                  steps, from_zero, pending)
                                         pending.set(ends, block, q, rows_left, out, res,
                                                     out_row)
-    pending.finish()
+    if not p.grouped:   # (grouped blocks run their epilogues themselves)
+        pending.finish()
 
 
 # k pairs (int8: quads) of one block product: the 32-row A slice of a sub-block (16 KB) stays in
@@ -221,13 +222,13 @@ def sub_pairs(p) -> int:
 def _grouped(f: Fn, p, tiles, regs, a_tile, b_mat, q, k, kk, words, first, last, block, gbuf,
              quant, out_row, rows_left, bias, out, res) -> None:
     """Block (row tile, panel ``q``) of the grouped int4 product (gemm_tile_grouped.py) over
-    ``words`` k quads from quad ``k`` (``kk`` into the packed row tile ``a_tile``), B from the
+    ``words`` words of A from word ``k`` (``kk`` into the packed row tile ``a_tile``), B from the
     pre-packed grouped panels; after the last, the epilogue of its valid x rows."""
     b, nr = f.b, p.s.nr
     b_panel = simd.gep(b, b_mat, b.add(b.mul(q, const(i64, p.panel_rows(p.kw_panel) * nr)),
                                        b.mul(p.panel_rows(k, b), const(i64, nr))), i32)
-    group = GROUP_QUADS if p.s.plane_bits == 8 else STEP   # words of A a group
-    a_sub = simd.gep(b, a_tile, b.mul(kk, const(i64, 32 * STEP // group)), i32)
+    group = group_words(p.s.plane_bits)
+    a_sub = simd.gep(b, a_tile, b.mul(kk, const(i64, 32 * a_spread(p.s.plane_bits))), i32)
     x_rows = b.udiv(smin(b, rows_left, const(i64, p.a_rows)), const(i64, p.planes))
     groups = b.udiv(words, const(i64, group))
     grouped_product(f, p, tiles, regs, a_sub, b_panel, groups, first, last, block, gbuf,

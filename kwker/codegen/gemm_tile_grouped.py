@@ -36,7 +36,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd, vmath
-from .gemm_lowbit_vnni import GROUP_ROWS, HEAD, load_factor
+from .gemm_lowbit_vnni import GROUP_QUADS, GROUP_ROWS, HEAD, load_factor
 from .irutil import Fn, const, i8, i32, i64
 
 
@@ -45,6 +45,17 @@ def group_rows(plane_bits: int = 8) -> int:
     its weights (8 rows of k quads; for 12-bit planes 16 rows of k pairs as ``(q, 16 q)``
     bytes), then the columns' sums of ``q - zp`` and their scales."""
     return GROUP_ROWS if plane_bits == 8 else GROUP_ROWS + 8
+
+
+def group_words(plane_bits: int = 8) -> int:
+    """Words of A a group of 32 k takes: 8 k quads (8-bit planes), or 16 words of two k."""
+    return GROUP_QUADS if plane_bits == 8 else 2 * GROUP_QUADS
+
+
+def a_spread(plane_bits: int = 8) -> int:
+    """Words of packed A a word of A takes: 2 for 8-bit planes (a group's 8 words, then 8 zero
+    filling its tile step), else 1."""
+    return 2 if plane_bits == 8 else 1
 
 
 I32x16 = ir.VectorType(i32, 16)
