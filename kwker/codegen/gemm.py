@@ -138,11 +138,13 @@ class _Plan:
             else spec.mr
         self.out_rows = self.a_rows // (self.planes or 1)   # rows of C a row tile writes
         self.ldo = spec.ldo or spec.n             # planes: the output's row stride
-        # planes against grouped panels (int4): b_group is their 32 k a group
+        # planes against grouped panels (int4): b_group is the k of a scale, a multiple of
+        # their 32 k a group (more than one group only on the tiles, gemm_tile_grouped.py)
         self.grouped = bool(self.planes and spec.b_group)
-        if self.grouped and spec.b_group != 4 * gemm_lowbit_vnni.GROUP_QUADS:
-            raise ValueError(f"kwker gemm: grouped panels take {4 * gemm_lowbit_vnni.GROUP_QUADS}"
-                             f" k a group, not {spec.b_group}")
+        group = 4 * gemm_lowbit_vnni.GROUP_QUADS
+        if self.grouped and (spec.b_group % group or spec.b_group != group and not self.tiles):
+            raise ValueError(f"kwker gemm: grouped panels take {group} k a scale (on the tiles "
+                             f"a multiple of {group}), not {spec.b_group}")
         if spec.plane_bits != 8 and not (spec.plane_bits == 12 and self.grouped and self.tiles
                                          and spec.planes == 2):
             raise ValueError(f"kwker gemm: {spec.plane_bits}-bit planes are two, against "

@@ -26,10 +26,24 @@ rows' factors into the scratch, where gemm_tile.py's epilogue takes them. Two fo
   Emerald Rapids, 128 rows, 2 threads, in one process: GPT-2's linears 49.4 -> 43.2 ms (2304 x
   768 1.99 -> 1.76), GPT-2's prefill 183 -> 143 ms.
 
+Scales per 64 or 128 k (or more; torchao's int4 default is 128): with 12-bit planes a run of the
+scale's groups (``run_steps``: 2 or 4) sums in the tiles before one store and combine, which
+adds the run's column sums for the offset. The combined sum of 128 k can pass int32, so a run
+combines in float32 instead, the high plane less its offset and ``2**12 S1 + S0`` in one FMA
+(each plane's sum below 2**23, so exact before that one rounding, as ``float(t)`` rounds the
+int32 ``t`` of one group). Emerald Rapids, 128 rows, 2 threads, in one process, scales per 128
+k against the same weights combined per 32 k: 2304 x 768 0.84 -> 0.60 ms, 768 x 3072 1.23 ->
+0.98, 3072 x 768 1.12 -> 0.79, 768 x 768 0.31 -> 0.22 (eager bf16: 0.28, 0.40, 0.37, 0.10).
+8-bit planes keep a combine per group (their wrapping int32 form).
+
 Against the float32 FMAs of dequantised weights (the path before, exact to the same error) the
 12-bit form measured 1.41x on GPT-2's linears (60.9 -> 43.2 ms) and 1.35x on its prefill (192
--> 143; eager bf16 104 in that run). What is left (1 thread, 2304 x 768): the tile steps ~35%
-of the time, the group's stores ~20%, the combine ~40%.
+-> 143; eager bf16 104 in that run). Where a call's time goes (2304 x 768, 128 rows, 2 threads,
+parts switched off in turn): outside the groups' loop 37% (the per-call unpacking of the panels
+~20%), tile products 21% (the bf16 GEMM's ~18.6 cycles a step), the groups' tile stores 18%,
+the combine 23%, adding up: the tile unit and the vector code do not overlap. A sub-block's
+products before its combines, stores issued a column half later, and running sums without
+``tilezero`` all measured level.
 """
 from __future__ import annotations
 
@@ -56,6 +70,16 @@ def a_spread(plane_bits: int = 8) -> int:
     """Words of packed A a word of A takes: 2 for 8-bit planes (a group's 8 words, then 8 zero
     filling its tile step), else 1."""
     return 2 if plane_bits == 8 else 1
+
+
+def run_steps(b_group: int, plane_bits: int) -> int:
+    """Tile steps (groups of 32 k) whose int32 sums run on before one store and combine, for
+    scales per ``b_group`` k: with 12-bit planes the most of 4, 2 or 1 that divides ``b_group
+    // 32`` (each plane's sums over 128 k stay below 2**23, exact in float32), else 1 (8-bit
+    planes combine in wrapping int32, whose exact sum of 32 k is the most it holds)."""
+    if plane_bits != 12:
+        return 1
+    return next(t for t in (4, 2, 1) if b_group // 32 % t == 0)
 
 
 I32x16 = ir.VectorType(i32, 16)
@@ -93,44 +117,69 @@ def grouped_product(f: Fn, p, tiles, regs, a_tile, b_panel, groups, first, last,
     def shl(x, bits: int):
         return b.shl(x, ir.Constant(I32x16, [bits] * 16))
 
-    def products(g) -> None:
-        """Group ``g``'s four tile steps, the int32 tiles stored to ``gbuf``."""
-        a_at = simd.gep(b, a_tile, b.mul(g, const(i64, A_GROUP_WORDS)), i32)
-        b_at = simd.gep(b, b_panel, b.mul(g, const(i64, b_rows * nr)), i32)
+    def products(g, steps: int) -> None:
+        """The tile steps of groups ``g .. g + steps`` (of 32 k, one scale) summed in the four
+        int32 tiles, which are then stored to ``gbuf``."""
         for row in acc:
             for t in row:
                 tiles.zero(t)
-        tiles.load(regs["a0"], a_at, a_stride)
-        tiles.load(regs["b0"], b_at, b_stride)
-        tiles.dot_u8s8(acc[0][0], regs["a0"], regs["b0"])
-        tiles.load(regs["b1"], simd.gep(b, b_at, const(i64, 16), i32), b_stride)
-        tiles.dot_u8s8(acc[0][1], regs["a0"], regs["b1"])
-        tiles.load(regs["a1"], simd.gep(b, a_at, const(i64, 256), i32), a_stride)
-        tiles.dot_u8s8(acc[1][0], regs["a1"], regs["b0"])
-        tiles.dot_u8s8(acc[1][1], regs["a1"], regs["b1"])
+        for j in range(steps):
+            gj = b.add(g, const(i64, j))
+            a_at = simd.gep(b, a_tile, b.mul(gj, const(i64, A_GROUP_WORDS)), i32)
+            b_at = simd.gep(b, b_panel, b.mul(gj, const(i64, b_rows * nr)), i32)
+            tiles.load(regs["a0"], a_at, a_stride)
+            tiles.load(regs["b0"], b_at, b_stride)
+            tiles.dot_u8s8(acc[0][0], regs["a0"], regs["b0"])
+            tiles.load(regs["b1"], simd.gep(b, b_at, const(i64, 16), i32), b_stride)
+            tiles.dot_u8s8(acc[0][1], regs["a0"], regs["b1"])
+            tiles.load(regs["a1"], simd.gep(b, a_at, const(i64, 256), i32), a_stride)
+            tiles.dot_u8s8(acc[1][0], regs["a1"], regs["b0"])
+            tiles.dot_u8s8(acc[1][1], regs["a1"], regs["b1"])
         for i, row in enumerate(acc):
             for j, t in enumerate(row):
                 tiles.store(t, simd.gep(b, gbuf, const(i64, i * 16 * 32 + j * 16), i32), stride)
 
-    def combine(g) -> None:
-        """Group ``g``'s int32 tiles from ``gbuf`` into the float sums."""
+    def combine(g, steps: int) -> None:
+        """The int32 tiles of groups ``g .. g + steps`` from ``gbuf`` into the float sums: one
+        group's planes combined in wrapping int32 (exact, the sum of 32 k fits); a run's (12-bit
+        planes, whose sum may not) as float32, the high plane less its offset, ``2**12 S1 + S0``
+        in one FMA, exact before its one rounding as the int32 form is."""
         b_at = simd.gep(b, b_panel, b.mul(g, const(i64, b_rows * nr)), i32)
         for v in range(2):
-            offset = shl(simd.load_vec(b, b_at, const(i64, (b_rows - 2) * nr + 16 * v), 16,
-                                       elem=i32), digits * count - 1)
+            column_sums = [simd.load_vec(b, b_at, const(i64, (j * b_rows + b_rows - 2) * nr
+                                                       + 16 * v), 16, elem=i32)
+                           for j in range(steps)]
+            total = column_sums[0]
+            for more in column_sums[1:]:
+                total = b.add(total, more)
+            offset = shl(total, digits * count - 1 if steps == 1 else digits - 1)
             scale = simd.load_vec(b, b_at, const(i64, (b_rows - 1) * nr + 16 * v), 16)
             for r in range(rows):
                 planes = [simd.load_vec(b, gbuf, const(i64, (r * count + i) * 32 + 16 * v), 16,
                                         elem=i32) for i in range(count)]
-                t = planes[0]
-                for i in range(1, count):
-                    t = b.add(t, shl(planes[i], digits * i))
-                t = b.sitofp(b.sub(t, offset), vt)
+                if steps == 1:
+                    t = planes[0]
+                    for i in range(1, count):
+                        t = b.add(t, shl(planes[i], digits * i))
+                    t = b.sitofp(b.sub(t, offset), vt)
+                else:
+                    high = b.sitofp(b.sub(planes[1], offset), vt)
+                    t = vmath.fma(b, high, vmath.splat(vt, float(1 << digits)),
+                                  b.sitofp(planes[0], vt))
                 sums[r][v].set(vmath.fma(b, t, scale, sums[r][v].get()))
 
-    with f.for_range(0, groups, name="grp") as g:
-        products(g)
-        combine(g)
+    # runs of ``steps`` groups of one scale (b_group // 32, K blocks aligned to them), then
+    # any groups left one at a time
+    steps = run_steps(p.s.b_group, digits)
+    runs = b.udiv(groups, const(i64, steps)) if steps > 1 else groups
+    with f.for_range(0, runs, name="run") as run:
+        g = b.mul(run, const(i64, steps))
+        products(g, steps)
+        combine(g, steps)
+    if steps > 1:
+        with f.for_range(b.mul(runs, const(i64, steps)), groups, name="grp") as g:
+            products(g, 1)
+            combine(g, 1)
 
     heads = quant[0]
     with f.if_else(last) as (done, partial):

@@ -136,7 +136,8 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
     rows hold 10 x rows' three planes (or 16 rows' two), where a combine kernel read the sums
     back from memory before. int4 weights are unpacked per call into grouped panels, with their sums
     and scales per 32 k, whose int32 sums restart every 32 k (on the tiles: gemm_tile_grouped.py,
-    symmetric weights against two planes of 12-bit digits, as exact as three of 8).
+    symmetric weights against two planes of 12-bit digits, as exact as three of 8, their sums
+    running on over the groups of one scale, up to 128 k, in K blocks of whole runs).
     Rows the planes do not take (non-finite, tiny) go
     through the decode kernel afterwards. Three planes, or two where the user allows float32
     products below full precision (``float32_precision``, read per call; the other count's
@@ -166,8 +167,14 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
             ps = LowbitPanelsSpec(width, k, 4, spec.group, spec.zero_point, spec.rr, spec.lanes,
                                   bits)
             blk = blocking.int8_blocking(width, stride // 4)
+            scale_k = 32   # the k of one combine of the int32 sums (module doc)
             if blk.path != "tile":   # vpdpbusd: tiles of whole x rows beside their float sums
                 blk = blocking.vnni_blocking(width, stride // 4, mr=3 * count)
+            elif twelve:   # runs of tile steps a scale, K blocks of whole runs
+                scale_k = spec.group
+                run = gemm_tile_grouped.run_steps(scale_k, bits) * \
+                    gemm_tile_grouped.group_words(bits)
+                blk = replace(blk, kc=-(-blk.kc // run) * run)
             unpack = entry(ps, 4)
 
             def pack(n0, panels):
@@ -182,7 +189,7 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
                 repack(w_p + n0 * k, panels, threads())
         gs = GemmSpec(0, width, stride, 1, "packed", spec.bias, spec.epilogue, spec.residual,
                       **blk.as_kwargs(), dtype="u8s8", planes=count, ldo=n,
-                      b_group=32 if grouped else 0, plane_bits=bits)
+                      b_group=scale_k if grouped else 0, plane_bits=bits)
         gemm = entry(gs, 8, 2)
 
         def run(a, panels, heads, n0, res, out, rows):

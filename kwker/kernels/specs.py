@@ -103,6 +103,7 @@ class GemmSpec(Spec):
                 + (f"_q{self.b_bits}g{self.b_group}{'z' if self.b_zp else ''}r{self.b_rr}"
                    f"l{self.b_lanes}" if self.b_bits else "")
                 + (f"_pl{self.planes}o{self.ldo}" if self.planes else "")
+                + (f"g{self.b_group}" if self.planes and self.b_group > 32 else "")
                 + (f"d{self.plane_bits}" if self.plane_bits != 8 else ""))
 
 

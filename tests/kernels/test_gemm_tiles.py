@@ -344,21 +344,30 @@ def test_int8_build_uses_tdpbusd():
                       dtype="u8s8"), SAPPHIRE)
 
 
-@pytest.mark.parametrize("planes, bits", [(3, 8), (2, 8), (2, 12)])
-def test_grouped_planes_build_restarts_tiles_per_group(planes, bits):
-    """int4's grouped byte planes on the tiles (gemm_tile_grouped.py): per group, the four
-    accumulators zeroed, four tdpbusd and the four stored for the combine; the float sums of
-    the x rows stay in registers (nothing spilled to the stack)."""
-    spec = GemmSpec(0, 96, 768, 1, "packed", True, "gelu", True,
-                    **blocking.tile_blocking(96, 192).as_kwargs(), dtype="u8s8", planes=planes,
-                    ldo=96, b_group=32, plane_bits=bits)
+@pytest.mark.parametrize("planes, bits, group", [(3, 8, 32), (2, 8, 32), (2, 12, 32),
+                                                  (2, 12, 128), (2, 12, 64)])
+def test_grouped_planes_build_restarts_tiles_per_group(planes, bits, group):
+    """int4's grouped byte planes on the tiles (gemm_tile_grouped.py): per group of 32 k, the
+    four accumulators zeroed, four tdpbusd and the four stored for the combine; with 12-bit
+    planes and a scale per 64 or 128 k, a run of two or four groups' tdpbusd before one store
+    (then single groups for a K block's rest); the float sums of the x rows stay in registers
+    (nothing spilled to the stack). 8-bit planes keep a store a group whatever the scale's k."""
+    # K of 200 words: sub-blocks of 64, 64, 64 and 8 words (12-bit: 4, 4, 4 and a last group)
+    spec = GemmSpec(0, 96, 800, 1, "packed", True, "gelu", True,
+                    **blocking.tile_blocking(96, 200).as_kwargs(), dtype="u8s8", planes=planes,
+                    ldo=96, b_group=group, plane_bits=bits)
     _, asm = compile_assembly(ir_text(spec, SAPPHIRE), SAPPHIRE)
-    for op in ("tilezero", "tdpbusd", "tilestored"):
-        assert len(re.findall(rf"\b{op}\b", asm)) == 4, op
+    run = group // 32 if bits == 12 else 1
+    counts = {op: len(re.findall(rf"\b{op}\b", asm)) for op in ("tilezero", "tdpbusd",
+                                                                  "tilestored")}
+    assert counts == ({"tilezero": 4, "tdpbusd": 4, "tilestored": 4} if run == 1 else
+                      {"tilezero": 8, "tdpbusd": 4 * run + 4, "tilestored": 8}), counts
     assert "Spill" not in asm and "Reload" not in asm
     if bits == 12:   # two planes of 12-bit digits against grouped panels, on the tiles only
         with pytest.raises(ValueError, match="12-bit planes"):
             emit(replace(spec, planes=3), SAPPHIRE)
+    with pytest.raises(ValueError, match="a multiple of 32"):
+        emit(replace(spec, b_group=48), SAPPHIRE)
 
 
 def _tile_spec(m=200, n=300, k=402, layout="packed", epilogue="gelu", residual=True):

@@ -424,6 +424,8 @@ def check_rows(fn, w, bias, m):
     x[5, k - 1] = float("nan")
     x[6, 0] = float("inf")
     x[7] *= 1e30
+    x[8] = 2.0          # constant rows: every product of a weight row of one sign adds up
+    x[9] = -x[8]
     ref = F.gelu(F.linear(x.double(), dequantized(w).double(), bias.double()),
                  approximate="tanh") + res.double()
     y = fn(x, res)
@@ -543,19 +545,23 @@ def test_int8_prefill_on_byte_planes(tiles, path, tmp_path):
 PLANES4_CHECK = CHECK_ROWS + """
 torch.manual_seed(3)
 for n, k, group, asym in ((70, 96, 32, True), (100, 256, 64, False), (33, 1000, 1000, True),
-                          (40, 3072, 32, False), (45, 4992, 32, True)):
+                          (40, 3072, 32, False), (45, 4992, 32, True), (40, 3072, 128, False),
+                          (30, 200, 200, False)):
     g = -(-k // group)
     zp = torch.randint(-8, 8, (n, g), dtype=torch.int8) if asym else None
-    w = LowbitTensor(torch.randint(-8, 8, (n, k), dtype=torch.int8),
-                     torch.rand(n, g) * 0.01 + 1e-3, zp, group, 4, torch.float32)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    q[0], q[1] = -8, 7      # with x's constant rows, each group's sums as large as they get
+    w = LowbitTensor(q, torch.rand(n, g) * 0.01 + 1e-3, zp, group, 4, torch.float32)
     bias = torch.randn(n)
     for m in (20, None):
         fn = make_linear_lowbit(w, bias, m, "gelu_tanh", True)
         grouped = [s for s in fn.specs if s.family == "gemm" and s.planes]
-        assert [s.b_group for s in grouped] == [32], fn.specs
-        # symmetric weights on the tiles: two planes of 12-bit digits
-        assert [s.plane_bits for s in grouped] == [
-            12 if s.path == "tile" and not asym else 8 for s in grouped], fn.specs
+        scale_k = [s.group for s in fn.specs if s.family == "gemm_lowbit"][0]
+        # symmetric weights on the tiles: two planes of 12-bit digits, their int32 sums run
+        # on over a scale's groups of 32 k (up to four)
+        assert [(s.plane_bits, s.b_group) for s in grouped] == [
+            (12, scale_k) if s.path == "tile" and not asym else (8, 32) for s in grouped], \
+            fn.specs
         check_rows(fn, w, bias, m)
 torch.set_float32_matmul_precision("high")   # two planes
 w = LowbitTensor(torch.randint(-8, 8, (33, 2976), dtype=torch.int8),
@@ -578,10 +584,12 @@ print("int4 planes ok on", sorted({s.path for s in fn.specs if s.family == "gemm
 
 @pytest.mark.parametrize("tiles, path", [("emulate", "tile"), ("off", "vector")])
 def test_int4_prefill_on_byte_planes(tiles, path, tmp_path):
-    """float32 prefill with int4 weights in groups (of 32, 64, one per row), symmetric or with
-    zero points, on x's byte planes: on the emulated int8 tiles (a group a tile step,
+    """float32 prefill with int4 weights in groups (of 32, 64, 128, one per row), symmetric or
+    with zero points, on x's byte planes: on the emulated int8 tiles (a group a tile step,
     gemm_tile_grouped.py) and on vpdpbusd (AVX512_VNNI without tiles; tiles off here), both on
-    any AVX-512 CPU with VNNI. int32 sums per 32 k, scaled per group. Every row agrees with the
+    any AVX-512 CPU with VNNI. int32 sums per 32 k, scaled per group; on the tiles, 12-bit
+    planes sum a scale's groups before they are combined, exact where the combined sum of 128 k
+    passes int32 (constant x rows against weight rows all -8 or all 7). Every row agrees with the
     float64 reference to float32 error, the rows the planes hand back included, with GELU and a
     residual; K odd, over a K block (two on the tiles: 4992 k). Two planes under
     ``torch.set_float32_matmul_precision("high")``, within x's rounding to 2**-15 of its row's
