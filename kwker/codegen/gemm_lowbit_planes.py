@@ -46,7 +46,7 @@ from .gemm_lowbit_vnni import (
 from .gemm_tile import STEP as TILE_STEP
 from .gemm_tile import TILE_BLOCK
 from .gemm_tile_grouped import group_rows
-from .irutil import const, i8, i32, i64, intrinsic, new_module, ptr
+from .irutil import const, f32, i8, i32, i64, intrinsic, new_module, ptr
 
 NR = TILE_BLOCK[1]
 
@@ -153,9 +153,10 @@ def _emit_panels4(spec, target) -> ir.Module:
     nibbles and put in k order by one two-source byte shuffle, a 16 x 16 transpose of words.
     ``plane_bits`` 12 (symmetric weights): per 32 k, 16 rows of words of two k, ``(q, 16 q)``
     bytes each (``16 q`` fits s8 for q in [-8, 7]), times the 12-bit planes' ``(d & 15, d >>
-    4)`` bytes: each quad word of the transpose two words by a byte shuffle. Against four
-    nibble extractions a row and (12-bit) two transposes a step, Emerald Rapids, 2 threads:
-    2304 x 768 0.10-0.11 -> 0.06 ms (8-bit panels), 0.19 -> 0.14-0.16 (12-bit)."""
+    4)`` bytes: each quad word of the transpose two words by a byte shuffle. A group's 16
+    scales come by one gather. Against four nibble extractions a row, (12-bit) two transposes
+    a step and 16 scalar loads and inserts a group's scales, Emerald Rapids, 2 threads: 2304 x
+    768 0.10-0.11 -> 0.05 ms (8-bit panels), 0.19 -> 0.11-0.14 (12-bit)."""
     n, k, L = spec.n, spec.k, spec.lanes
     module, body, (w, scale, zp, panels), (begin, end) = _parallel(
         spec, 4, lambda ctx: const(i64, -(-n // NR)))
@@ -171,6 +172,10 @@ def _emit_panels4(spec, target) -> ir.Module:
     rows_g = group_rows(spec.plane_bits)
     pairs = ir.Constant(vt, [0x00010001] * 16)   # the q bytes of (q, 16 q) words
     nibble, four = ir.Constant(bt, [15] * 64), ir.Constant(bt, [4] * 64)
+    ft = simd.vty(16)
+    gather = intrinsic(module, "llvm.masked.gather.v16f32.v16p0", ft,
+                       [ir.VectorType(ptr, 16), i32, ir.VectorType(ir.IntType(1), 16), ft])
+    every = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
     # byte 16 j + i of a step's 64 k: nibble j of word i, i.e. of its byte j // 2 (j odd: high)
     idx = ir.VectorType(i32, 64)
     in_k_order = ir.Constant(idx, [64 * (t // 16 % 2) + 4 * (t % 16) + t // 32
@@ -189,6 +194,10 @@ def _emit_panels4(spec, target) -> ir.Module:
                                               const(i64, chunks * spec.rr * L)),
                                         b.mul(b.urem(r, const(i64, spec.rr)), const(i64, L))),
                             i32) for r in rows]
+            scale_at = ir.Constant(vt, None)   # the rows' first scales, for one gather a group
+            for j, r in enumerate(rows):
+                scale_at = b.insert_element(scale_at, b.trunc(b.mul(r, const(i64, groups)), i32),
+                                            const(i32, j))
             with body.for_range(0, panel_words(k) // 16, name="h") as h:   # 64 k a step
                 k0 = b.mul(h, const(i64, 64))
                 g = [b.udiv(b.add(k0, const(i64, 32 * s)), const(i64, spec.group))
@@ -237,11 +246,10 @@ def _emit_panels4(spec, target) -> ir.Module:
                         simd.store_vec(b, word, dst, b.add(base, const(i64, t * NR)), elem=i32)
                     simd.store_vec(b, sums, dst, b.add(base, const(i64, (rows_g - 2) * NR)),
                                    elem=i32)
-                    scales = ir.Constant(simd.vty(16), [0.0] * 16)
-                    for j, row in enumerate(rows):
-                        x = simd.load_scalar(b, scale, b.add(b.mul(row, const(i64, groups)),
-                                                             g[s]))
-                        scales = b.insert_element(scales, x, const(i32, j))
+                    at_g = b.add(scale_at, simd.broadcast(b, b.trunc(g[s], i32), 16))
+                    ptrs = b.gep(scale, [at_g], inbounds=True, source_etype=f32)
+                    ptrs.type = ir.VectorType(ptr, 16)   # (llvmlite types it a scalar pointer)
+                    scales = b.call(gather, [ptrs, const(i32, 4), every, ir.Constant(ft, None)])
                     simd.store_vec(b, scales, dst, b.add(base, const(i64, (rows_g - 1) * NR)))
     body.finish()
     omp.emit_parallel(module, spec.symbol, [ptr] * 4, body.fn)
