@@ -172,9 +172,9 @@ def _prefill_planes(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None):
                 blk = blocking.vnni_blocking(width, stride // 4, mr=3 * count)
             elif twelve:   # runs of tile steps a scale, K blocks of whole runs
                 scale_k = spec.group
-                run = gemm_tile_grouped.run_steps(scale_k, bits) * \
+                run_words = gemm_tile_grouped.run_steps(scale_k, bits) * \
                     gemm_tile_grouped.group_words(bits)
-                blk = replace(blk, kc=-(-blk.kc // run) * run)
+                blk = replace(blk, kc=-(-blk.kc // run_words) * run_words)
             unpack = entry(ps, 4)
 
             def pack(n0, panels):
