@@ -36,6 +36,8 @@ CONFIGS = {
     "int8": lambda: Int8WeightOnlyConfig(),
     "int8-group": lambda: Int8WeightOnlyConfig(granularity=PerGroup(64)),
     "int4-group": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+    "int4-group128": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4,
+                                                  granularity=PerGroup(128)),
     "int4-axis": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerAxis(0)),
 }
 
@@ -115,10 +117,12 @@ def test_bf16_models(form, rows):
     assert_bf16_contract(got, eager, ref)
 
 
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
-def test_dynamic_rows(inner):
-    """One kernel generic over the rows serves decode and prefill sizes alike."""
-    model, reference = quantized_mlp("int4-group")
+@pytest.mark.parametrize("config, inner", [("int4-group", "eager"), ("int4-group", "inductor"),
+                                           ("int4-group128", "eager")])
+def test_dynamic_rows(config, inner):
+    """One kernel generic over the rows serves decode and prefill sizes alike (scales per 128 k:
+    on AMX tiles the prefill's sums run over a scale's four groups before they are combined)."""
+    model, reference = quantized_mlp(config)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="kwker", options={"inner": inner}, dynamic=True)
     with torch.no_grad():
