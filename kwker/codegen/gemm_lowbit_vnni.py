@@ -67,7 +67,9 @@ def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = 
     count``: three planes carry x to 2**-23 of the row's largest |x| (the module doc), two to
     2**-15 (the prefill under ``torch.set_float32_matmul_precision("high")``). ``plane_bits``
     12 (two planes, exact as three of 8): a plane's 12-bit digit ``d`` of each k as two bytes,
-    ``d & 15`` then ``d >> 4``, which times ``(q, 16 q)`` give ``d q`` (gemm_tile_grouped.py)."""
+    ``d & 15`` then ``d >> 4``, which times ``(q, 16 q)`` give ``d q`` (gemm_tile_grouped.py);
+    the digits of x itself, not offset: the low one unsigned, the high one signed (its ``d >>
+    4`` an s8 byte, for ``tdpbssd``)."""
     bits = plane_bits * count
     per_k = 2 if plane_bits == 12 else 1   # bytes a k of a plane
     b = f.b
@@ -93,10 +95,9 @@ def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = 
                 if bits < 24:
                     squares.set(vmath.fma(b, scaled, scaled, squares.get()))
                 xi = b.fptosi(f.call_intrinsic("llvm.rint.v16f32", vt, [scaled]), it)
-                u = b.add(xi, ir.Constant(it, [1 << (bits - 1)] * 16))
-                if plane_bits == 12:
+                if plane_bits == 12:   # x itself: digit 0 unsigned, digit 1 signed
                     for p in range(count):
-                        d = b.lshr(u, ir.Constant(it, [12 * p] * 16)) if p else u
+                        d = b.lshr(xi, ir.Constant(it, [12 * p] * 16)) if p else xi
                         lo, hi = (b.trunc(x, ir.VectorType(i8, 16)) for x in (
                             b.and_(d, ir.Constant(it, [15] * 16)),
                             b.and_(b.lshr(d, ir.Constant(it, [4] * 16)),
@@ -107,6 +108,7 @@ def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = 
                                                            const(i64, p * stride)), 2 * n,
                                        elem=i8)
                     return
+                u = b.add(xi, ir.Constant(it, [1 << (bits - 1)] * 16))
                 for p in range(count):
                     byte = b.trunc(b.lshr(u, ir.Constant(it, [8 * p] * 16)) if p else u,
                                    ir.VectorType(i8, 16))

@@ -121,7 +121,9 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
     tiles = Tiles(f, p.tile_mode, native_bf16=p.dot == "dpbf16")
     regs = block_registers(tiles)
     spread = a_spread(s.plane_bits) if p.grouped else 1   # packed A's words a word of A
-    pack_a = emit_pack_a_tiles(module, kw, p.a_rows, STEP // spread)
+    # 12-bit planes: a tile of 16 x rows' low digits (u8), one of their high digits (s8)
+    pack_a = emit_pack_a_tiles(module, kw, p.a_rows, STEP // spread,
+                               planes_apart=p.grouped and s.plane_bits == 12)
     a_rows = const(i64, p.a_rows)
     pack_b = None  # a runtime B's packer (a low-bit B has its own)
     if pack_lowbit is None and s.b_layout == "nk":
@@ -531,7 +533,7 @@ def emit_pad_rows(module: ir.Module, kw: int, kwp: int) -> ir.Function:
 
 
 def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32,
-                      src_step: int = STEP) -> ir.Function:
+                      src_step: int = STEP, planes_apart: bool = False) -> ir.Function:
     """``void pack_a_tiles(ptr src, i64 rows, i64 kcl, ptr dst)``: rows ``[0, rows)`` x ``kcl``
     k pairs of A (row stride ``kw`` words), ``block_rows`` (at most 32) at a time, into blocks
     of 32 rows: per step of 16 pairs, rows 0-15 then 16-31, 16 words each (two A tiles, 1 KB
@@ -539,9 +541,12 @@ def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32,
     blocks and steps. Step by step, each step's 2 KB written in
     order (row by row, with steps inside, the stores went 2 KB apart: 128 x 384 x 1536 on 2
     threads 1274 -> 1672 GFLOP/s on Emerald Rapids). ``src_step`` 8: each step holds 8 words
-    of A and 8 zero (a group of the grouped int4 product, gemm_tile_grouped.py)."""
+    of A and 8 zero (a group of the grouped int4 product, gemm_tile_grouped.py).
+    ``planes_apart``: A's rows are pairs (an x row's two planes), a block's even rows go to its
+    first tile and odd ones to its second (row ``r`` to ``16 (r % 2) + r // 2``), so that each
+    tile holds one plane of 16 x rows."""
     name = f"pack_a_tiles.{kw}" + (f".{block_rows}" if block_rows != 32 else "") + \
-        (f".s{src_step}" if src_step != STEP else "")
+        (f".s{src_step}" if src_step != STEP else "") + (".apart" if planes_apart else "")
     existing = defined(module, name)
     if existing is not None:
         return existing
@@ -564,11 +569,16 @@ def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32,
             step0 = b.add(base, b.mul(k, const(i64, 32)))
             ks = b.udiv(k, const(i64, spread))   # A's word at the step
             mask = simd.lane_mask(b, 16, smin(b, b.sub(kcl, ks), const(i64, src_step)))
+            def place(r):   # the tile row of block row r
+                if not planes_apart:
+                    return r
+                return b.add(b.mul(b.and_(r, const(i64, 1)), const(i64, 16)),
+                             b.lshr(r, const(i64, 1)))
             with f.for_range(0, real, name="r") as r:
                 word = simd.gep(b, src, b.add(b.mul(b.add(row0, r), const(i64, kw)), ks), i32)
-                out = simd.gep(b, dst, b.add(step0, b.mul(r, const(i64, 16))), i32)
+                out = simd.gep(b, dst, b.add(step0, b.mul(place(r), const(i64, 16))), i32)
                 b.store(b.call(load, [word, const(i32, 4), mask, zero]), out, align=64)
             with f.for_range(real, 32, name="z") as r:
-                b.store(zero, simd.gep(b, dst, b.add(step0, b.mul(r, const(i64, 16))), i32),
-                        align=64)
+                b.store(zero, simd.gep(b, dst, b.add(step0, b.mul(place(r), const(i64, 16))),
+                                       i32), align=64)
     return f.finish()

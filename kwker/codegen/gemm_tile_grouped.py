@@ -4,8 +4,8 @@ The float32 prefill of int4 weights scales each group of 32 k by its own scale, 
 sums cannot run over K as int8's per-channel sums do (gemm_tile.py's ``planes``): they restart
 every group, one ``tdpbusd`` step per accumulator tile. After the step the four accumulators
 are stored (4 KB, L1) and each x row's planes combined as the vector micro-kernel's ``_grouped``
-combines them (gemm_micro.py), for planes of ``d`` bits (x's ``bits``, 24 or 16, offset by
-half their range):
+combines them (gemm_micro.py), for planes of ``d`` bits (x's ``bits``, 24 or 16; 8-bit planes
+offset by half their range, 12-bit ones not: below):
 
     t = S0 + 2**d S1 (+ 2**2d S2) - 2**(bits - 1) sum_k (q - zp)     (wrapping int32: exact)
     sums[x row] += float(t) * scale[group]                    (float32 FMA)
@@ -22,18 +22,22 @@ rows' factors into the scratch, where gemm_tile.py's epilogue takes them. Two fo
   k is two bytes, ``d & 15`` and ``d >> 4``, and the weights' bytes ``(q, 16 q)`` (``16 q`` fits
   s8 for q in [-8, 7]), so a word of two k sums ``d q`` over both and a group is a full tile
   step of 16 words. A block takes 16 x rows with no zero products: 1.6x the rows of the 8-bit
-  form per tile step and store, and 5 vector instructions a row's 16 columns instead of 7.
-  Emerald Rapids, 128 rows, 2 threads, in one process: GPT-2's linears 49.4 -> 43.2 ms (2304 x
-  768 1.99 -> 1.76), GPT-2's prefill 183 -> 143 ms.
+  form per tile step and store. Emerald Rapids, 128 rows, 2 threads, in one process: GPT-2's
+  linears 49.4 -> 43.2 ms (2304 x 768 1.99 -> 1.76), GPT-2's prefill 183 -> 143 ms. The digits
+  are x's own, not offset: the low one unsigned (``tdpbusd``), the high one signed, its ``d >>
+  4`` an s8 byte (``tdpbssd``); packed A puts each plane in a tile of its own (``planes_apart``)
+  and the combine is ``S0 + 2**12 S1``: 4 vector instructions a row's 16 columns (8-bit: 7),
+  and no column sums in the panels (2304 x 768, 128 rows: 0.96-1.01 -> 0.76-0.87 ms against
+  the offset form, alternating processes).
 
 Scales per 64 or 128 k (or more; torchao's int4 default is 128): with 12-bit planes a run of the
-scale's groups (``run_steps``: 2 or 4) sums in the tiles before one store and combine, which
-adds the run's column sums for the offset. The combined sum of 128 k can pass int32, so a run
-combines in float32 instead, the high plane less its offset and ``2**12 S1 + S0`` in one FMA
-(each plane's sum below 2**23, so exact before that one rounding, as ``float(t)`` rounds the
-int32 ``t`` of one group). Emerald Rapids, 128 rows, 2 threads, in one process, scales per 128
-k against the same weights combined per 32 k: 2304 x 768 0.84 -> 0.60 ms, 768 x 3072 1.23 ->
-0.98, 3072 x 768 1.12 -> 0.79, 768 x 768 0.31 -> 0.22 (eager bf16: 0.28, 0.40, 0.37, 0.10).
+scale's groups (``run_steps``: 2 or 4) sums in the tiles before one store and combine. The
+combined sum of 128 k can pass int32, so a run combines in float32 instead, ``2**12 S1 + S0``
+in one FMA (each plane's sum below 2**23, so exact before that one rounding, as ``float(t)``
+rounds the int32 ``t`` of one group). Emerald Rapids, 128 rows, 2 threads, in one process,
+scales per 128 k against the same weights combined per 32 k: 2304 x 768 0.84 -> 0.60 ms, 768 x
+3072 1.23 -> 0.98, 3072 x 768 1.12 -> 0.79, 768 x 768 0.31 -> 0.22 (eager bf16: 0.28, 0.40,
+0.37, 0.10).
 8-bit planes keep a combine per group (their wrapping int32 form).
 
 Against the float32 FMAs of dequantised weights (the path before, exact to the same error) the
@@ -57,8 +61,9 @@ from .irutil import Fn, const, i8, i32, i64
 def group_rows(plane_bits: int = 8) -> int:
     """Rows of ``nr`` words a group of 32 k takes in a grouped panel (gemm_lowbit_planes.py):
     its weights (8 rows of k quads; for 12-bit planes 16 rows of k pairs as ``(q, 16 q)``
-    bytes), then the columns' sums of ``q - zp`` and their scales."""
-    return GROUP_ROWS if plane_bits == 8 else GROUP_ROWS + 8
+    bytes), then the columns' sums of ``q - zp`` (8-bit planes only: 12-bit ones carry x's
+    digits without an offset) and their scales."""
+    return GROUP_ROWS if plane_bits == 8 else GROUP_ROWS + 7
 
 
 def group_words(plane_bits: int = 8) -> int:
@@ -117,6 +122,11 @@ def grouped_product(f: Fn, p, tiles, regs, a_tile, b_panel, groups, first, last,
     def shl(x, bits: int):
         return b.shl(x, ir.Constant(I32x16, [bits] * 16))
 
+    twelve = digits == 12
+    # 12-bit planes: the second tile holds the x rows' signed high digits (x's digits, no
+    # offset; packed A tiles hold one plane each)
+    high = tiles.dot_s8s8 if twelve else tiles.dot_u8s8
+
     def products(g, steps: int) -> None:
         """The tile steps of groups ``g .. g + steps`` (of 32 k, one scale) summed in the four
         int32 tiles, which are then stored to ``gbuf``."""
@@ -133,39 +143,37 @@ def grouped_product(f: Fn, p, tiles, regs, a_tile, b_panel, groups, first, last,
             tiles.load(regs["b1"], simd.gep(b, b_at, const(i64, 16), i32), b_stride)
             tiles.dot_u8s8(acc[0][1], regs["a0"], regs["b1"])
             tiles.load(regs["a1"], simd.gep(b, a_at, const(i64, 256), i32), a_stride)
-            tiles.dot_u8s8(acc[1][0], regs["a1"], regs["b0"])
-            tiles.dot_u8s8(acc[1][1], regs["a1"], regs["b1"])
+            high(acc[1][0], regs["a1"], regs["b0"])
+            high(acc[1][1], regs["a1"], regs["b1"])
         for i, row in enumerate(acc):
             for j, t in enumerate(row):
                 tiles.store(t, simd.gep(b, gbuf, const(i64, i * 16 * 32 + j * 16), i32), stride)
 
     def combine(g, steps: int) -> None:
-        """The int32 tiles of groups ``g .. g + steps`` from ``gbuf`` into the float sums: one
-        group's planes combined in wrapping int32 (exact, the sum of 32 k fits); a run's (12-bit
-        planes, whose sum may not) as float32, the high plane less its offset, ``2**12 S1 + S0``
-        in one FMA, exact before its one rounding as the int32 form is."""
+        """The int32 tiles of groups ``g .. g + steps`` from ``gbuf`` into the float sums. 8-bit
+        planes (rows ``count`` a x row, offset by half of x's range): ``S0 + 2**8 S1 (+ 2**16
+        S2)`` less the offset, in wrapping int32 (exact: the sum of 32 k fits). 12-bit planes
+        (x row ``r``'s low digits in row ``r``, its high ones in row ``16 + r``, no offset):
+        ``S0 + 2**12 S1``, in int32 for one group, for a run (whose sum may pass int32) in one
+        float32 FMA, each plane's sum below 2**23: exact before its one rounding either way."""
         b_at = simd.gep(b, b_panel, b.mul(g, const(i64, b_rows * nr)), i32)
         for v in range(2):
-            column_sums = [simd.load_vec(b, b_at, const(i64, (j * b_rows + b_rows - 2) * nr
-                                                       + 16 * v), 16, elem=i32)
-                           for j in range(steps)]
-            total = column_sums[0]
-            for more in column_sums[1:]:
-                total = b.add(total, more)
-            offset = shl(total, digits * count - 1 if steps == 1 else digits - 1)
             scale = simd.load_vec(b, b_at, const(i64, (b_rows - 1) * nr + 16 * v), 16)
+            if not twelve:
+                offset = shl(simd.load_vec(b, b_at, const(i64, (b_rows - 2) * nr + 16 * v), 16,
+                                           elem=i32), digits * count - 1)
             for r in range(rows):
-                planes = [simd.load_vec(b, gbuf, const(i64, (r * count + i) * 32 + 16 * v), 16,
-                                        elem=i32) for i in range(count)]
-                if steps == 1:
+                at = [r + 16 * i if twelve else r * count + i for i in range(count)]
+                planes = [simd.load_vec(b, gbuf, const(i64, row * 32 + 16 * v), 16, elem=i32)
+                          for row in at]
+                if steps > 1:
+                    t = vmath.fma(b, b.sitofp(planes[1], vt), vmath.splat(vt, float(1 << digits)),
+                                  b.sitofp(planes[0], vt))
+                else:
                     t = planes[0]
                     for i in range(1, count):
                         t = b.add(t, shl(planes[i], digits * i))
-                    t = b.sitofp(b.sub(t, offset), vt)
-                else:
-                    high = b.sitofp(b.sub(planes[1], offset), vt)
-                    t = vmath.fma(b, high, vmath.splat(vt, float(1 << digits)),
-                                  b.sitofp(planes[0], vt))
+                    t = b.sitofp(t if twelve else b.sub(t, offset), vt)
                 sums[r][v].set(vmath.fma(b, t, scale, sums[r][v].get()))
 
     # runs of ``steps`` groups of one scale (b_group // 32, K blocks aligned to them), then

@@ -19,8 +19,8 @@ Two forms of the same operations, chosen by ``Target.tiles``:
 - ``emulated``: each tile is a 1 KB buffer on the stack and each instruction a loop of AVX-512
   code with its semantics: ``tdpbf16ps`` is, row by row, what ``vdpbf16ps`` computes (or two
   FMAs of the widened halves where the CPU has no AVX512_BF16); ``tdpbusd`` is u8 x s8 products
-  summed in groups of four into int32 (``tdpbsud`` s8 x u8). Tiling, packing, edges and
-  epilogues then run and are tested on any AVX-512 CPU.
+  summed in groups of four into int32 (``tdpbsud`` s8 x u8, ``tdpbssd`` s8 x s8). Tiling,
+  packing, edges and epilogues then run and are tested on any AVX-512 CPU.
 """
 from __future__ import annotations
 
@@ -112,6 +112,11 @@ class Tiles:
         four bytes (``tdpbsud``)."""
         self._dot("tdpbsud", c, a, bt, self._row_s8u8)
 
+    def dot_s8s8(self, c, a, bt) -> None:
+        """``c += a @ b``: int32 accumulators, s8 rows of A times s8 columns of B in groups of
+        four bytes (``tdpbssd``)."""
+        self._dot("tdpbssd", c, a, bt, self._row_s8s8)
+
     def _dot(self, op: str, c, a, bt, row_step) -> None:
         b = self.b
         if self.mode == "amx":
@@ -149,13 +154,13 @@ class Tiles:
                 out = b.call(fma, [b.bitcast(part(aw), vt), b.bitcast(part(bw), vt), out])
         return b.bitcast(out, WORDS)
 
-    def _row_u8s8(self, acc, aw, bw, signed_a: bool = False):
+    def _row_u8s8(self, acc, aw, bw, signed_a: bool = False, signed_b: bool = True):
         """One k group of one C row: four u8 x s8 products per int32 lane, summed exactly
-        (``signed_a``: s8 x u8)."""
+        (``signed_a``, ``signed_b``: which operand's bytes are signed)."""
         b = self.b
         bytes_t, wide = ir.VectorType(i8, 64), ir.VectorType(i32, 64)
         ua = (b.sext if signed_a else b.zext)(b.bitcast(aw, bytes_t), wide)
-        sb = (b.zext if signed_a else b.sext)(b.bitcast(bw, bytes_t), wide)
+        sb = (b.sext if signed_b else b.zext)(b.bitcast(bw, bytes_t), wide)
         prod = b.mul(ua, sb)
         for j in range(4):
             part = b.shuffle_vector(prod, prod, ir.Constant(
@@ -164,6 +169,9 @@ class Tiles:
         return acc
 
     def _row_s8u8(self, acc, aw, bw):
+        return self._row_u8s8(acc, aw, bw, signed_a=True, signed_b=False)
+
+    def _row_s8s8(self, acc, aw, bw):
         return self._row_u8s8(acc, aw, bw, signed_a=True)
 
 

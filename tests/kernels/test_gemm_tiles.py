@@ -348,8 +348,9 @@ def test_int8_build_uses_tdpbusd():
                                                   (2, 12, 128), (2, 12, 64)])
 def test_grouped_planes_build_restarts_tiles_per_group(planes, bits, group):
     """int4's grouped byte planes on the tiles (gemm_tile_grouped.py): per group of 32 k, the
-    four accumulators zeroed, four tdpbusd and the four stored for the combine; with 12-bit
-    planes and a scale per 64 or 128 k, a run of two or four groups' tdpbusd before one store
+    four accumulators zeroed, four products and the four stored for the combine; 12-bit planes
+    take x's unsigned low digits on tdpbusd and its signed high digits on tdpbssd (no offset),
+    and with a scale per 64 or 128 k a run of two or four groups' products before one store
     (then single groups for a K block's rest); the float sums of the x rows stay in registers
     (nothing spilled to the stack). 8-bit planes keep a store a group whatever the scale's k."""
     # K of 200 words: sub-blocks of 64, 64, 64 and 8 words (12-bit: 4, 4, 4 and a last group)
@@ -359,9 +360,11 @@ def test_grouped_planes_build_restarts_tiles_per_group(planes, bits, group):
     _, asm = compile_assembly(ir_text(spec, SAPPHIRE), SAPPHIRE)
     run = group // 32 if bits == 12 else 1
     counts = {op: len(re.findall(rf"\b{op}\b", asm)) for op in ("tilezero", "tdpbusd",
-                                                                  "tilestored")}
-    assert counts == ({"tilezero": 4, "tdpbusd": 4, "tilestored": 4} if run == 1 else
-                      {"tilezero": 8, "tdpbusd": 4 * run + 4, "tilestored": 8}), counts
+                                                                  "tdpbssd", "tilestored")}
+    products = 4 if run == 1 else 4 * run + 4      # (a run's body and the single groups')
+    high = products // 2 if bits == 12 else 0
+    assert counts == {"tilezero": 4 if run == 1 else 8, "tdpbusd": products - high,
+                      "tdpbssd": high, "tilestored": 4 if run == 1 else 8}, counts
     assert "Spill" not in asm and "Reload" not in asm
     if bits == 12:   # two planes of 12-bit digits against grouped panels, on the tiles only
         with pytest.raises(ValueError, match="12-bit planes"):
