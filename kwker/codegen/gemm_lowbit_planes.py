@@ -24,7 +24,8 @@ The kernels of this module, per call:
   u8s8 GEMM's pre-packed panels (32 columns, a 32-bit word of 4 k per column, K zero-padded to
   whole tile steps), so no packed copy of the weights outlives the call; int4 W rows (the
   decode's packed nibbles) -> grouped panels (``_emit_panels4``: per 32 k the weights, their
-  columns' sums and scales; for 12-bit planes, words of two k as ``(q, 16 q)`` bytes).
+  columns' sums and scales; for 12-bit planes, words of two k as ``(q, 16 q)`` bytes and no
+  sums).
 
 The u8s8 GEMM's epilogue combines each x row's planes (``GemmSpec.planes``): on ``vpdpbusd``
 in the micro-kernel's registers, its 12-row tiles holding whole x rows; on the tiles from each
@@ -154,10 +155,10 @@ def _emit_panels4(spec, target) -> ir.Module:
     ``plane_bits`` 12 (symmetric weights): per 32 k, 16 rows of words of two k, ``(q, 16 q)``
     bytes each (``16 q`` fits s8 for q in [-8, 7]), times the 12-bit planes' ``(d & 15, d >>
     4)`` bytes, then the scales (no sums: those planes have no offset to take them from): each
-    quad word of the transpose two words by a byte shuffle. A group's 16
-    scales come by one gather. Against four nibble extractions a row, (12-bit) two transposes
-    a step and 16 scalar loads and inserts a group's scales, Emerald Rapids, 2 threads: 2304 x
-    768 0.10-0.11 -> 0.05 ms (8-bit panels), 0.19 -> 0.11-0.14 (12-bit)."""
+    quad word of the transpose two words by a byte shuffle. A group's 16 scales come by one
+    gather. Against four nibble extractions a row, (12-bit) two transposes a step and 16 scalar
+    loads and inserts a group's scales, Emerald Rapids, 2 threads: 2304 x 768 0.10-0.11 ->
+    0.05 ms (8-bit panels), 0.19 -> 0.11-0.14 (12-bit)."""
     n, k, L = spec.n, spec.k, spec.lanes
     module, body, (w, scale, zp, panels), (begin, end) = _parallel(
         spec, 4, lambda ctx: const(i64, -(-n // NR)))
@@ -238,12 +239,12 @@ def _emit_panels4(spec, target) -> ir.Module:
                 for s in range(2):
                     grp = b.add(b.mul(h, const(i64, 2)), const(i64, s))
                     base = b.add(b.mul(grp, const(i64, rows_g * NR)), const(i64, half * 16))
-                    sums = ir.Constant(vt, [0] * 16)
                     for t, word in enumerate(words[s]):
-                        if not twelve:
-                            sums = b.call(dot, [sums, ones, word])
                         simd.store_vec(b, word, dst, b.add(base, const(i64, t * NR)), elem=i32)
-                    if not twelve:   # (12-bit planes have no offset to take them from)
+                    if not twelve:   # (12-bit planes have no offset to take the sums from)
+                        sums = ir.Constant(vt, [0] * 16)
+                        for word in words[s]:
+                            sums = b.call(dot, [sums, ones, word])
                         simd.store_vec(b, sums, dst, b.add(base, const(i64, (rows_g - 2) * NR)),
                                        elem=i32)
                     at_g = b.add(scale_at, simd.broadcast(b, b.trunc(g[s], i32), 16))

@@ -560,6 +560,13 @@ def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32,
     load = intrinsic(module, "llvm.masked.load.v16i32.p0", I32x16,
                      [ptr, i32, ir.VectorType(i1, 16), I32x16])
     zero = ir.Constant(I32x16, [ir.Constant(i32, 0)] * 16)
+
+    def place(r):
+        """The tile row of a block's row ``r``."""
+        if not planes_apart:
+            return r
+        return b.add(b.mul(b.and_(r, const(i64, 1)), const(i64, 16)), b.lshr(r, const(i64, 1)))
+
     with f.for_range(0, b.sdiv(b.add(rows, const(i64, block_rows - 1)),
                                const(i64, block_rows)), name="blk") as blk:
         row0 = b.mul(blk, const(i64, block_rows))
@@ -569,11 +576,6 @@ def emit_pack_a_tiles(module: ir.Module, kw: int, block_rows: int = 32,
             step0 = b.add(base, b.mul(k, const(i64, 32)))
             ks = b.udiv(k, const(i64, spread))   # A's word at the step
             mask = simd.lane_mask(b, 16, smin(b, b.sub(kcl, ks), const(i64, src_step)))
-            def place(r):   # the tile row of block row r
-                if not planes_apart:
-                    return r
-                return b.add(b.mul(b.and_(r, const(i64, 1)), const(i64, 16)),
-                             b.lshr(r, const(i64, 1)))
             with f.for_range(0, real, name="r") as r:
                 word = simd.gep(b, src, b.add(b.mul(b.add(row0, r), const(i64, kw)), ks), i32)
                 out = simd.gep(b, dst, b.add(step0, b.mul(place(r), const(i64, 16))), i32)
