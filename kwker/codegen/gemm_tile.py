@@ -10,12 +10,15 @@ Operands in tile layout:
   and column) are AMX's B layout already: a B tile is 16 panel rows, 128 bytes apart. Each
   pre-packed panel's K is zero-padded to whole steps (``padded_k``), so the last step of K reads
   zeros, not the next panel; a runtime B is packed per K block the same way (a low-bit B
-  dequantised on the way, gemm.py's ``b_bits``). Pre-packed
-  panels are streamed as the vector micro-kernel streams them (``simd.STREAM_AHEAD``): each
-  step's 2 KB of B prefetched that many bytes ahead (Intel Xeon with AMX, 2 threads, bf16,
-  alternating processes: weights evicted between calls 8 x 4096 x 1024 0.35-0.40 -> 0.27 ms,
-  32 x 4096 x 1024 0.34-0.36 -> 0.25; in the caches 1024^3 2413-2592 -> 2694-2782 GFLOP/s,
-  1024 x 3072 x 768 2352-2504 -> 2626-2740, 128 x 768 x 768 within noise).
+  dequantised on the way, gemm.py's ``b_bits``). B tiles are loaded around L1
+  (``tileloaddt1``): each is read once per pass of a row tile, and A's sub-block is what L1
+  must keep (``SUB_PAIRS``). Pre-packed panels are prefetched ``simd.STREAM_AHEAD`` bytes
+  ahead into L2 in the pass of a chunk's first row tile, which brings the B block from memory
+  (Emerald Rapids, 2 threads, bf16, weights evicted between calls, in one process, against
+  prefetching into L1 in every pass: 8 x 4096 x 1024 186-202 -> 193-215 GFLOP/s, 32 x 4096 x
+  1024 745-820 -> 793-841, 128 x 4096 x 1024 1445-1583 -> 1525-1715; no prefetch at all:
+  166-182 / 667-736 / 1421-1606). The later passes read the block from L2 without prefetches,
+  which in the caches cost 1024 x 3072 x 768 7-9%.
 - A: packed per chunk of row tiles and K block into tile-contiguous blocks (``pack_a_tiles``:
   for each step, 32 rows x 16 words, the 16-row halves 1 KB apart). Reading A in place would
   put the rows of a tile a power of two apart for the usual K (768 -> 1.5 KB, 1024 -> 2 KB,
@@ -194,31 +197,38 @@ def emit_nest(f: Fn, p, ptrs, m_rows, n_batch, mt, split, bufs, quant=None,
                                         b_panel = _b_panel(f, p, bp, b_mat, q, qb0, kcp,
                                                            b.add(k0, kk), kk)
                                         _product(f, p, tiles, regs, a_sub, b_panel, block,
-                                                 steps, from_zero, pending)
+                                                 steps, from_zero, pending,
+                                                 b.icmp_signed("==", t, tc0))
                                         pending.set(ends, block, q, rows_left, out, res,
                                                     out_row)
     if not p.grouped:   # (grouped blocks run their epilogues themselves)
         pending.finish()
 
 
-# k pairs (int8: quads) of one block product: the 32-row A slice of a sub-block (16 KB) stays in
-# L1 while the products of every panel of the B block read it, where a whole K block of A (48 KB
-# at K = 768) streamed from L2 beside each B panel (Emerald Rapids-class core, 1 thread, 10 row
-# tiles x 21 panels, K = 768: 1463-1762 -> 2205-2346 GFLOP/s; 64 pairs: 1672)
-SUB_PAIRS = 128
+# k pairs (int8: quads) of one block product at most: the 32-row A slice of a sub-block (up to
+# 32 KB) stays in L1 while the products of every panel of the B block read it, where a whole K
+# block of A (48 KB at K = 768) streamed from L2 beside each B panel. This holds with B kept out
+# of L1 (``block_product``'s ``b_once``); B read through L1 and prefetched into it allowed no
+# more than 16 KB (128 pairs), and the same 16 KB sub-blocks measured no faster with B around
+# L1: the larger A slice is what gains, by fewer float32 round trips of C (Emerald Rapids,
+# 2 threads, bf16 + bias, in one process, 128 pairs through L1 -> 192-256 pairs around it:
+# 1024 x 3072 x 768 2050-2147 -> 2325-2693 GFLOP/s, 1024^3 2093-2347 -> 2476-2843,
+# 128 x 768 x 768 2085-2267 -> 2431-2906, 256 x 4096 x 1024 2038-2152 -> 2222-2562)
+SUB_PAIRS = 256
 GROUPED_SUB = 64
 
 
 def sub_pairs(p) -> int:
-    """k pairs per block product: ``SUB_PAIRS`` where K is one block; with several K blocks
-    the sums of every (row tile, panel) block of a chunk pass through the scratch (1 MB at
-    256 x 4096 x 4096), and a round trip per sub-block measured 5-10% slower than whole K
-    blocks there. A deferred epilogue (``DEFERRED``) keeps whole-K products too: only the last
-    sub-block's products would carry it, and they measured 7-14% slower (1024 x 3072 x 768,
-    128 x 1536 x 384, 256 x 768 x 768 with GELU, in one process)."""
+    """k pairs per block product: where K is one block, equal sub-blocks of at most
+    ``SUB_PAIRS``; with several K blocks the sums of every (row tile, panel) block of a chunk
+    pass through the scratch (1 MB at 256 x 4096 x 4096), and a round trip per sub-block
+    measured 5-10% slower than whole K blocks there."""
     if p.grouped:   # 8 groups (16 KB of A with its zero words)
         return GROUPED_SUB
-    return SUB_PAIRS if p.one_block and p.s.epilogue not in DEFERRED else padded_k(p.kc)
+    kcp = padded_k(p.kc)
+    if not p.one_block:
+        return kcp
+    return padded_k(-(-kcp // -(-kcp // SUB_PAIRS)))
 
 
 def _grouped(f: Fn, p, tiles, regs, a_tile, b_mat, q, k, kk, words, first, last, block, gbuf,
@@ -250,25 +260,34 @@ def _b_panel(f: Fn, p, bp, b_mat, q, qb0, kcp, k, kk) -> ir.Value:
                                     b.mul(k, const(i64, nr))), i32)
 
 
-def _product(f: Fn, p, tiles, regs, a_sub, b_panel, block, steps, from_zero, pending) -> None:
+def _product(f: Fn, p, tiles, regs, a_sub, b_panel, block, steps, from_zero, pending,
+             first_tile) -> None:
     """One block product over ``steps`` pairs: A from its packed row tile, B from its panel
-    (rows ``nr`` words apart), the sums through ``block``; the pending epilogue between."""
+    (rows ``nr`` words apart), the sums through ``block``; the pending epilogue between.
+    Pre-packed B is prefetched (into L2) in the pass of a chunk's first row tile
+    (``first_tile``, an i1), which brings the B block from memory; the others find it in L2."""
     b, nr = f.b, p.s.nr
-    block_product(
-        f, tiles, regs,
-        lambda k, i: simd.gep(b, a_sub, b.add(b.mul(k, const(i64, 32)), const(i64, i * 256)),
-                              i32),
-        const(i64, 64),
-        lambda k, j: simd.gep(b, b_panel, b.add(b.mul(k, const(i64, nr)), const(i64, j * 16)),
-                              i32),
-        const(i64, nr * 4), block, 32, steps, from_zero, p.int8,
-        side=pending.side, side_rest=pending.side_rest,
-        b_ahead=0 if p.pack_b else p.prefetch)
 
+    def product(b_ahead: int) -> None:
+        block_product(
+            f, tiles, regs,
+            lambda k, i: simd.gep(b, a_sub, b.add(b.mul(k, const(i64, 32)),
+                                                  const(i64, i * 256)), i32),
+            const(i64, 64),
+            lambda k, j: simd.gep(b, b_panel, b.add(b.mul(k, const(i64, nr)),
+                                                    const(i64, j * 16)), i32),
+            const(i64, nr * 4), block, 32, steps, from_zero, p.int8,
+            side=pending.side, side_rest=pending.side_rest, b_ahead=b_ahead, b_once=True)
 
-# activations costly enough (an exp, erf or tanh per element) that their epilogue overlaps the
-# next block's tile products
-DEFERRED = ("gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
+    if p.pack_b or not p.prefetch:
+        product(0)
+        return
+    with f.if_else(first_tile) as (streamed, cached):
+        with streamed:
+            product(p.prefetch)
+        with cached:
+            product(0)
+
 
 
 class StepSlices:
@@ -291,19 +310,19 @@ class StepSlices:
 
 
 class _PendingEpilogue(StepSlices):
-    """The epilogue of the last finished block, deferred for the costly activations
-    (``DEFERRED``): run in slices of a few rows between the tile products of the next
-    block, its vector math then overlaps the tile unit's work instead of stalling it between
-    blocks (Emerald Rapids, 2 threads, linear + GELU-tanh in bf16: 128 x 1536 x 384 1068 ->
-    1350 GFLOP/s, 1024^3 1380 -> 1581; + SiLU, in one process: 1024 x 3072 x 768 1200-1227 ->
-    1571-1601, 256 x 768 x 768 999-1036 -> 1261-1288, 128 x 1536 x 384 +-5%). A plain epilogue
-    (bias, ReLU, residual, the rounding) runs at once: deferring it measured no faster, at 128
-    rows up to 12% slower."""
+    """The epilogue of the last finished block, deferred: run in slices of a few rows between
+    the tile products of the next block, its vector math then overlaps the tile unit's work
+    instead of stalling it between blocks (Emerald Rapids, 2 threads, linear + GELU-tanh in
+    bf16: 128 x 1536 x 384 1068 -> 1350 GFLOP/s, 1024^3 1380 -> 1581; + SiLU, in one process:
+    1024 x 3072 x 768 1200-1227 -> 1571-1601, 256 x 768 x 768 999-1036 -> 1261-1288). A plain
+    epilogue (bias, the rounding) gains too since A's sub-blocks stay in L1 (``SUB_PAIRS``):
+    1024 x 3072 x 768 2235-2274 -> 2325-2396, 1024^3 2332-2432 -> 2476-2528, 128 x 768 x 768
+    2242-2333 -> 2431-2535 (in one process); with B through L1 it measured no faster, at 128
+    rows up to 12% slower. Byte planes are combined first, all rows at once: not deferred."""
 
     def __init__(self, f: Fn, p, bias, out_t, quant=None):
         self.f, self.p, self.bias, self.out_t, self.quant = f, p, bias, out_t, quant
-        # byte planes are combined before the epilogue, all rows at once
-        self.deferred = p.s.epilogue in DEFERRED and not p.planes
+        self.deferred = not p.planes
         # rows per tile step: the 32 rows spread over a (full) product's steps
         self.per_step = -(-32 // (sub_pairs(p) // STEP))
         self.block_rows = 32
@@ -362,7 +381,7 @@ def block_registers(tiles: Tiles) -> dict:
 
 def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_stride, c, ldc: int,
                   kcp, first, int8: bool | str = False, row_tiles: int = 2, side=None,
-                  side_rest=None, b_ahead: int = 0) -> None:
+                  side_rest=None, b_ahead: int = 0, b_once: bool = False) -> None:
     """A 32 x 32 float32 block ``C (+)= A B`` over ``kcp`` k pairs (a multiple of ``STEP``):
     2 x 2 accumulators from zero (``first``, an i1) or loaded from ``c`` (row stride ``ldc``
     floats), stored back whole. ``int8``: u8 A x s8 B words (4 k each) into int32 sums
@@ -371,7 +390,9 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
     vector work emitted in each step (its index, i64) after the first product, and
     ``side_rest(steps)`` after the last (the pending epilogue). ``a_at(k, i)`` /
     ``b_at(k, j)``: the address of A tile ``i`` (rows 16 i ..) / B tile ``j`` (columns 16 j ..)
-    at pair ``k``; ``a_stride`` / ``b_stride`` their row strides in bytes (i64 values)."""
+    at pair ``k``; ``a_stride`` / ``b_stride`` their row strides in bytes (i64 values).
+    ``b_ahead``: B prefetched that many bytes on; ``b_once``: B read once here, its tiles
+    loaded around L1 and prefetched into L2 only, so that A stays in L1 (module doc)."""
     b = f.b
     acc = [[regs["c00"], regs["c01"]], [regs["c10"], regs["c11"]]][:row_tiles]
     ldc_bytes = const(i64, ldc * 4)
@@ -393,14 +414,15 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
         # each load just before the first product that needs it: tile registers are not
         # renamed, so a load waits for the products still reading its register
         tiles.load(regs["a0"], a_at(k, 0), a_stride)
-        tiles.load(regs["b0"], b_at(k, 0), b_stride)
+        tiles.load(regs["b0"], b_at(k, 0), b_stride, once=b_once)
         dot(acc[0][0], regs["a0"], regs["b0"])
         if side is not None:
             side(b.lshr(k, const(i64, 4)))
-        tiles.load(regs["b1"], b_at(k, 1), b_stride)
+        tiles.load(regs["b1"], b_at(k, 1), b_stride, once=b_once)
         if b_ahead:  # the step's 16 rows of B (both tiles), ``b_ahead`` bytes on
+            fetch = simd.prefetch_l2 if b_once else simd.prefetch
             for line in range(0, 16 * B_ROW_BYTES, 64):
-                simd.prefetch(b, simd.gep(b, b_at(k, 0), const(i64, b_ahead + line), i8))
+                fetch(b, simd.gep(b, b_at(k, 0), const(i64, b_ahead + line), i8))
         dot(acc[0][1], regs["a0"], regs["b1"])
         if row_tiles == 2:
             tiles.load(regs["a1"], a_at(k, 1), a_stride)

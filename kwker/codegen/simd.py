@@ -67,6 +67,13 @@ def prefetch(b: ir.IRBuilder, addr: ir.Value, keep: bool = True) -> None:
                 ir.Constant(i32, 1)])
 
 
+def prefetch_l2(b: ir.IRBuilder, addr: ir.Value) -> None:
+    """Ask for the cache line at ``addr`` into L2 but not L1 (``prefetcht1``): for data read
+    from L2 by loads that bypass L1 (the tile path's B panels, gemm_tile.py)."""
+    fn = intrinsic(b.module, "llvm.prefetch.p0", ir.VoidType(), [ptr, i32, i32, i32])
+    b.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+
+
 def load_scalar(b: ir.IRBuilder, base: ir.Value, index, ty: ir.Type = f32) -> ir.Value:
     return b.load(gep(b, base, index, ty), typ=ty)
 

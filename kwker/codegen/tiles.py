@@ -75,11 +75,14 @@ class Tiles:
         for r in range(ROWS):
             self.b.store(zero, simd.gep(self.b, t, r * 16, i32), align=64)
 
-    def load(self, t, base: ir.Value, stride: ir.Value) -> None:
-        """16 rows of 64 bytes from ``base``, rows ``stride`` bytes apart (i64)."""
+    def load(self, t, base: ir.Value, stride: ir.Value, once: bool = False) -> None:
+        """16 rows of 64 bytes from ``base``, rows ``stride`` bytes apart (i64). ``once``: rows
+        read once here (``tileloaddt1``, a hint that they need not stay in L1; no effect
+        emulated)."""
         b = self.b
         if self.mode == "amx":
-            fn = intrinsic(self.f.module, "llvm.x86.tileloadd64.internal", AMX,
+            name = "tileloaddt164" if once else "tileloadd64"
+            fn = intrinsic(self.f.module, f"llvm.x86.{name}.internal", AMX,
                            [i16, i16, ptr, i64])
             self._set(t, b.call(fn, [self.rows, self.cols, base, stride]))
             return

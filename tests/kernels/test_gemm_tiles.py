@@ -383,8 +383,9 @@ def _tile_spec(m=200, n=300, k=402, layout="packed", epilogue="gelu", residual=T
 @pytest.mark.parametrize("layout", ["packed", "kn", "nk"])
 def test_native_build_keeps_tiles_in_registers(layout):
     """ldtilecfg once, tdpbf16ps in the K loop, tilerelease; no tile spilled to the stack.
-    Pre-packed weights are prefetched ahead of their tile loads; a runtime B, packed by the
-    kernel into its caches, is not."""
+    B tiles are loaded around L1 (tileloaddt1), A tiles through it. Pre-packed weights are
+    prefetched into L2 ahead of their tile loads (prefetcht1, never into L1); a runtime B,
+    packed by the kernel into its caches, is not."""
     spec = _tile_spec(layout=layout)
     _, asm = compile_assembly(ir_text(spec, SAPPHIRE), SAPPHIRE)
     for op in ("ldtilecfg", "tdpbf16ps", "tilerelease", "tileloadd", "tilestored"):
@@ -392,7 +393,9 @@ def test_native_build_keeps_tiles_in_registers(layout):
     assert len(re.findall(r"\btdpbf16ps\b", asm)) % 4 == 0   # whole 2 x 2 steps
     spills = re.findall(r"tile(?:stored|loadd)\s+[^\n]*(?:\(%rsp|-\d+\(%rbp)", asm)
     assert not spills, spills
-    assert ("prefetcht0" in asm) == (layout == "packed")
+    assert re.search(r"\btileloaddt1\b", asm) and re.search(r"\btileloadd\b", asm)
+    assert ("prefetcht1" in asm) == (layout == "packed")
+    assert "prefetcht0" not in asm
 
 
 @pytest.mark.parametrize("approx,op", [("bf16", "tdpbf16ps"), ("int8", "tdpbsud")])
