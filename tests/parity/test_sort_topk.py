@@ -66,13 +66,17 @@ def test_large_rows(n, dtype, kernels_everywhere):
 def test_stable_sort_keys_differing_in_some_digits(dtype, kernels_everywhere):
     """The radix sort counts only the digits in which a row's keys differ (the rest get their
     one count without a pass): keys apart in their low bits only, in one middle digit, in the
-    sign alone, in the top bits, or not at all, in rows of a network's size and beyond."""
+    sign alone, in the top bits, or not at all, in rows of a network's size and beyond; and
+    in each 11-bit digit but not in each byte (long rows of 32-bit keys then take byte
+    digits, one of them skipped)."""
     g = torch.Generator().manual_seed(7)
     for n in (40, 700, 20000):
         pick = torch.randint(0, 3, (2, n), generator=g)
         for name, values in (("low bits", [1 << 30, (1 << 30) + 1, (1 << 30) + 3]),
                              ("middle digit", [1 << 30, (1 << 30) + (1 << 15), 1 << 30]),
                              ("sign", [-5, 5, 5]), ("top bits", [0, 1 << 28, 3 << 28]),
+                             ("11-bit digits", [1 << 30, (1 << 30) + 1 + (1 << 25),
+                                                (1 << 30) + (1 << 12)]),
                              ("equal", [7, 7, 7])):
             x = torch.tensor(values, dtype=torch.int64)[pick]
             x = x.view(torch.int32).view(torch.float32)[:, ::2] if dtype == torch.float32 \
