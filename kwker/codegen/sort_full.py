@@ -3,7 +3,9 @@
 Stable sorts run the LSD radix sort (a short row of 32-bit keys: one sorting network); the others
 std::sort exactly: 32-bit keys on packed (key << 32 | index) words, introsort only where keys
 tie and a radix-sorted copy elsewhere (sort_presorted.py); several threads share one long row
-when the caller asks for them.
+when the caller asks for them. Operands p0, p1: threads and partition levels of a shared row;
+p2: the presort switch; p3: the row length from which the radix sort of 32-bit keys takes byte
+digits (0: never; sort_radix.py). The caller measures p2 and p3 per CPU (ops/thresholds.py).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def _emit_radix(rk: RowKernel):
         H, W = rk.scratch_arrays(["H", "W"])
         varying = rk.fill_packed(P)
         radix = emit_radix_sort_packed(rk.m, f"{rk.spec.symbol}.radix")
-        rk.write_packed(b.call(radix, [P, P, W, H, rk.n, varying]), rk.n)
+        rk.write_packed(b.call(radix, [P, P, W, H, rk.n, varying, rk.a["p3"]]), rk.n)
         return
     K, I, K2, I2, H = rk.scratch_arrays(["K", "I", "K2", "I2", "H"])
     varying = rk.fill_keys(K, I, varying=True)
@@ -89,7 +91,7 @@ def _emit_presorted(rk: RowKernel):
         distinct.set(b.not_(_sample_has_tie(rk)))
     with f.if_(distinct.get()):
         radix = emit_radix_sort_packed(rk.m, f"{rk.spec.symbol}.radix")
-        R = b.call(radix, [W, P, S, H, rk.n, varying])
+        R = b.call(radix, [W, P, S, H, rk.n, varying, rk.a["p3"]])
         last = b.sub(rk.n, one)
         high = const(i64, -(1 << 32))
 

@@ -19,13 +19,13 @@ def radix_digits(key_type: ir.IntType, step: int | None = None) -> list[tuple[in
     return [(s, min(step, width - s)) for s in range(0, width, step)]
 
 
-# Rows of packed words from this long whose 11-bit digits all vary take four passes of bytes
-# instead: a pass scatters into 256 buckets, whose write positions stay in L1, where 2048 miss
-# it (Emerald Rapids, 2 threads, sort of (32, 20000) randn float32, in one process: stable 2.49-
-# 2.58 -> 2.15-2.21 ms, unstable 3.19-3.50 -> 2.88-3.05). Shorter rows measured no faster with
-# bytes ((8, 4096): stable 0.80x, unstable 0.91x), and keys varying in fewer bits (tie-heavy
-# rows) need fewer 11-bit passes than byte passes.
-BYTE_DIGITS_MIN = 8192
+# Rows of packed words whose keys vary in every 11-bit digit take four byte passes instead of
+# three 11-bit ones from a row length the caller gives (measured per CPU by ops.thresholds;
+# built in: ops.sorting.RADIX_BYTES_ROW): a pass then scatters into 256 buckets, whose write
+# positions stay in L1, where 2048 miss it (Emerald Rapids, 2 threads, sort of (32, 20000) randn
+# float32, in one process: stable 2.49-2.58 -> 2.15-2.21 ms, unstable 3.19-3.50 -> 2.88-3.05).
+# Short rows measured no faster with bytes ((8, 4096): stable 0.80x, unstable 0.91x), and keys
+# varying in fewer bits (tie-heavy rows) need fewer 11-bit passes than byte passes.
 
 
 def radix_hist_bytes(key_type: ir.IntType) -> int:
@@ -147,31 +147,32 @@ def emit_radix_sort(module: ir.Module, key_type: ir.IntType, name: str) -> ir.Fu
 def emit_radix_sort_packed(module: ir.Module, name: str) -> ir.Function:
     """Stable ascending sort of packed (i32 key << 32 | index) words by their key (LSD radix):
     one 8-byte store per element and pass, where the key/index pair costs two stores to two
-    arrays' cache lines. The digits of ``radix_digits(i32)``, or bytes for long rows whose keys
-    vary in every 11-bit digit (``BYTE_DIGITS_MIN``).
+    arrays' cache lines. The digits of ``radix_digits(i32)``, or bytes for rows of at least
+    ``bytes_from`` words whose keys vary in every 11-bit digit (0: never; see above).
 
-    ``radix(src, A, B, hist, n, varying) -> ptr``: the array holding the result, A or B (``src``
-    itself only when every pass is skipped); ``src`` is never written. ``hist`` holds
-    ``radix_hist_bytes(i32)`` of i64 counters; ``varying`` (i64): the bits in which the words'
-    keys differ (all ones if not known). Passes whose digit is the same for every key are
+    ``radix(src, A, B, hist, n, varying, bytes_from) -> ptr``: the array holding the result, A
+    or B (``src`` itself only when every pass is skipped); ``src`` is never written. ``hist``
+    holds ``radix_hist_bytes(i32)`` of i64 counters; ``varying`` (i64): the bits in which the
+    words' keys differ (all ones if not known). Passes whose digit is the same for every key are
     skipped.
     """
     wide = _emit_radix_packed(module, f"{name}.d11", radix_digits(ir.IntType(32)))
     byte = _emit_radix_packed(module, f"{name}.d8", radix_digits(ir.IntType(32), 8))
-    f = Fn(module, name, ptr, [ptr, ptr, ptr, ptr, i64, i64],
-           ["src", "A", "B", "H", "n", "varying"])
+    f = Fn(module, name, ptr, [ptr, ptr, ptr, ptr, i64, i64, i64],
+           ["src", "A", "B", "H", "n", "varying", "bytes_from"])
     b = f.b
-    n, varying = f.args[4], f.args[5]
-    spread = b.icmp_signed(">=", n, const(i64, BYTE_DIGITS_MIN))
+    n, varying, bytes_from = f.args[4:]
+    spread = b.and_(b.icmp_signed(">", bytes_from, const(i64, 0)),
+                    b.icmp_signed(">=", n, bytes_from))
     for shift, bits in radix_digits(ir.IntType(32)):
         mask = const(i64, ((1 << bits) - 1) << (32 + shift))
         spread = b.and_(spread, b.icmp_unsigned("!=", b.and_(varying, mask), const(i64, 0)))
     out = f.var(ptr, ir.Constant(ptr, None), "out")
     with f.if_else(spread) as (in_bytes, in_wide):
         with in_bytes:
-            out.set(b.call(byte, f.args))
+            out.set(b.call(byte, f.args[:6]))
         with in_wide:
-            out.set(b.call(wide, f.args))
+            out.set(b.call(wide, f.args[:6]))
     f.ret(out.get())
     return f.finish()
 

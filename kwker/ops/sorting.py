@@ -30,6 +30,9 @@ SPLIT_ROW = 100_000  # a single row at least this long sorts on several threads
 # presort: unstable sorts of 32-bit keys radix-sort the row first and run introsort only where
 # keys tie (codegen/sort_presorted.py); off: introsort throughout (same answers either way)
 SWITCHES = {"presort": True}
+# rows from this long whose 32-bit keys vary in every 11-bit digit radix-sort in four byte passes
+# instead of three 11-bit ones (codegen/sort_radix.py; 0: never), measured by the same calibration
+RADIX_BYTES_ROW = {"row": 8192}
 
 
 def _dtype_name(x: torch.Tensor) -> str | None:
@@ -89,7 +92,7 @@ def fast_sort(x, stable=False, dim=-1, descending=False):
     inner = torch.get_num_threads() if rows == 1 and n >= SPLIT_ROW and not spec.stable else 1
     levels = min(3, (inner - 1).bit_length())  # enough partition levels for one range a thread
     run(spec, x2, rs, rows, n, OutRows(values, d, rows, n), OutRows(indices, d, rows, n),
-        (inner, levels, int(SWITCHES["presort"]), 0))
+        (inner, levels, int(SWITCHES["presort"]), RADIX_BYTES_ROW["row"]))
     return values, indices
 
 

@@ -8,7 +8,9 @@ thresholds under which the chosen side is fastest over the grid, and records the
 (``runtime/tuning.py``: per CPU identity, thread count and Kwker version). ``apply`` puts the
 record of this machine, if any, into the thresholds; ``kwker-cache prewarm`` calibrates.
 The same record holds the kernels' algorithm switches (``sorting.SWITCHES``), each measured
-both ways. Either side gives ATen's exact answer, so thresholds only ever change speed.
+both ways, and the row length from which the radix sort takes byte digits
+(``sorting.RADIX_BYTES_ROW``). Either side gives ATen's exact answer, so thresholds only ever
+change speed.
 """
 from __future__ import annotations
 
@@ -113,6 +115,41 @@ def measure_presort() -> tuple[float, float]:
     return on, off
 
 
+RADIX_LENGTHS = (4096, 8192, 16384, 32768)
+
+
+def measure_radix_bytes() -> list[tuple[int, float, float]]:
+    """(row length, seconds with byte digits, with 11-bit digits) of the stable sort of 8
+    random float32 rows (every 11-bit digit of their keys varies), at each ``RADIX_LENGTHS``:
+    how long a row must be before 256 buckets beat 2048 depends on the CPU's caches."""
+    saved, points = S.RADIX_BYTES_ROW["row"], []
+
+    def with_row(row, x):
+        def call():
+            S.RADIX_BYTES_ROW["row"] = row
+            return S.fast_sort(x, True)
+        return call
+    try:
+        for n in RADIX_LENGTHS:
+            x = torch.randn(8, n)
+            on, off = tuning.best_times([with_row(n, x), with_row(0, x)], [], budget=BUDGET_S)
+            points.append((n, on, off))
+    finally:
+        S.RADIX_BYTES_ROW["row"] = saved
+    return points
+
+
+def pick_radix_bytes_row(points) -> int:
+    """The shortest measured length from which byte digits were as fast at every longer one
+    (0: at none, keep 11-bit digits)."""
+    row = 0
+    for n, on, off in sorted(points, reverse=True):
+        if on > off:
+            break
+        row = n
+    return row
+
+
 def calibrate() -> dict:
     """Measure every family on this machine, record the thresholds and switches and apply
     them."""
@@ -123,12 +160,17 @@ def calibrate() -> dict:
             result[family] = list(fit(points, (_DEFAULTS[family])))
     on, off = measure_presort()
     switches = {"presort": on <= off}
+    radix = measure_radix_bytes()
     body = tuning.store(PROBLEM, host_target(), torch.get_num_threads(),
                         {"choice": "measured", "op": "drop-in thresholds",
                          "thresholds": result, "switches": switches,
+                         "radix_bytes_row": pick_radix_bytes_row(radix),
                          "times_us": {"presort": round(on * 1e6, 1),
-                                      "introsort": round(off * 1e6, 1)}})
-    _set(body["thresholds"], body["switches"])
+                                      "introsort": round(off * 1e6, 1),
+                                      "radix bytes / 11-bit": {
+                                          str(n): [round(a * 1e6, 1), round(b * 1e6, 1)]
+                                          for n, a, b in radix}}})
+    _set(body["thresholds"], body["switches"], body["radix_bytes_row"])
     return result
 
 
@@ -137,13 +179,15 @@ _applied = threading.Lock()
 _state = {"done": False}
 
 
-def _set(thresholds: dict, switches: dict | None = None) -> None:
+def _set(thresholds: dict, switches: dict | None = None, radix_row=None) -> None:
     for family, (numel_min, row_min) in thresholds.items():
         if family in S.MIN_NUMEL:
             S.MIN_NUMEL[family], S.MIN_ROW[family] = int(numel_min), int(row_min)
     for name, on in (switches or {}).items():
         if name in S.SWITCHES and isinstance(on, bool):
             S.SWITCHES[name] = on
+    if isinstance(radix_row, int) and not isinstance(radix_row, bool) and radix_row >= 0:
+        S.RADIX_BYTES_ROW["row"] = radix_row
 
 
 def apply() -> dict | None:
@@ -159,6 +203,7 @@ def apply() -> dict | None:
         if record is None or not isinstance(record.get("thresholds"), dict):
             return None
         switches = record.get("switches")
-        _set(record["thresholds"], switches if isinstance(switches, dict) else None)
+        _set(record["thresholds"], switches if isinstance(switches, dict) else None,
+             record.get("radix_bytes_row"))
         _state["thresholds"] = record["thresholds"]
         return record["thresholds"]

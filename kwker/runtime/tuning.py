@@ -237,6 +237,7 @@ def store(problem: str, target: Target, threads: int, result: dict) -> dict:
     a cache that cannot be written only costs the record, never the caller."""
     body = {"format": FORMAT, "problem": problem, **identity(target, threads),
             "created": time.time(), **result}
+    body = json.loads(json.dumps(body))  # as a reader decodes it (keys as strings), checksum too
     path = record_path(record_key(problem, target, threads))
     if path is None:
         return _note(body)

@@ -482,6 +482,16 @@ def test_threshold_fit_takes_the_faster_side_everywhere():
     assert T.fit(points, (numel_min, row_min)) == (numel_min, row_min)  # ties keep the default
 
 
+def test_radix_byte_digits_from_the_shortest_length_that_stays_faster():
+    """Synthetic timings (length, bytes, 11-bit): the row length from which byte digits were as
+    fast at every longer length; none: 0, 11-bit digits throughout."""
+    from kwker.ops import thresholds as T
+    assert T.pick_radix_bytes_row([(4096, 2, 1), (8192, 1, 1), (16384, 1, 2)]) == 8192
+    assert T.pick_radix_bytes_row([(4096, 1, 2), (8192, 2, 1), (16384, 1, 2)]) == 16384
+    assert T.pick_radix_bytes_row([(4096, 1, 2), (8192, 1, 2)]) == 4096
+    assert T.pick_radix_bytes_row([(4096, 1, 2), (32768, 2, 1)]) == 0
+
+
 def test_drop_in_thresholds_are_measured_recorded_and_applied(tuned, monkeypatch):
     import kwker.torch_ops as kto
     from kwker.ops import sorting as S
@@ -493,17 +503,25 @@ def test_drop_in_thresholds_are_measured_recorded_and_applied(tuned, monkeypatch
         monkeypatch.setitem(S.MIN_NUMEL, family, S.MIN_NUMEL[family])
         monkeypatch.setitem(S.MIN_ROW, family, S.MIN_ROW[family])
     monkeypatch.setitem(S.SWITCHES, "presort", S.SWITCHES["presort"])
+    monkeypatch.setitem(S.RADIX_BYTES_ROW, "row", S.RADIX_BYTES_ROW["row"])
+    monkeypatch.setattr(T, "RADIX_LENGTHS", (4096, 16384))
     measured = T.calibrate()
     assert set(measured) == {"topk", "sort"}
     (record,) = [r for r in _records() if r["op"] == "drop-in thresholds"]
     assert record["thresholds"] == {f: list(v) for f, v in measured.items()}
     times = record["times_us"]  # the presort switch: measured both ways, the faster kept
     assert record["switches"] == {"presort": times["presort"] <= times["introsort"]}
+    radix = {int(n): t for n, t in times["radix bytes / 11-bit"].items()}
+    assert sorted(radix) == [4096, 16384]
+    assert record["radix_bytes_row"] == T.pick_radix_bytes_row(
+        [(n, a, b) for n, (a, b) in radix.items()])
     S.MIN_NUMEL["topk"] = S.MIN_ROW["topk"] = -1
     S.SWITCHES["presort"] = not record["switches"]["presort"]
+    S.RADIX_BYTES_ROW["row"] = 12345
     assert T.apply() == record["thresholds"]  # a new process: the record, not the defaults
     assert [S.MIN_NUMEL["topk"], S.MIN_ROW["topk"]] == record["thresholds"]["topk"]
     assert S.SWITCHES == record["switches"]
+    assert S.RADIX_BYTES_ROW["row"] == record["radix_bytes_row"]
     torch.manual_seed(0)
     for shape in [(1, 32), (8, 512), (1, 8192), (64, 512)]:  # either side: ATen's answer
         x = torch.randint(0, 5, shape).float()
@@ -512,6 +530,15 @@ def test_drop_in_thresholds_are_measured_recorded_and_applied(tuned, monkeypatch
         want = torch.topk(x, 5), torch.sort(x)
         for g, w in zip(got, want):
             assert torch.equal(g.values, w.values) and torch.equal(g.indices, w.indices)
+    x = torch.randn(3, 9000)  # both radix digit widths: ATen's answer
+    for row in (0, 4096):
+        S.RADIX_BYTES_ROW["row"] = row
+        for stable in (False, True):
+            with kto.accelerated():
+                got = torch.sort(x, stable=stable)
+            want = torch.sort(x, stable=stable)
+            assert torch.equal(got.values, want.values)
+            assert torch.equal(got.indices, want.indices)
 
 
 def test_install_takes_whole_records_of_this_version_only(tuned):
