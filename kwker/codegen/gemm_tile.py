@@ -289,7 +289,6 @@ def _product(f: Fn, p, tiles, regs, a_sub, b_panel, block, steps, from_zero, pen
             product(0)
 
 
-
 class StepSlices:
     """Vector work over a block's rows spread across the tile steps of a block product
     (``block_product``'s ``side`` and ``side_rest``): ``per_step`` rows in each step, then the
