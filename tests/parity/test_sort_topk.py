@@ -34,6 +34,22 @@ def test_sort_all_patterns(dtype, kernels_everywhere):
             check(lambda: torch.msort(x.t()), f"msort {pattern} {n}")
 
 
+def test_nan_payloads_and_signed_zeros_keep_their_bits(kernels_everywhere):
+    """Sorted float32 values are written from their keys where the key tells the value, and
+    gathered from the row where it does not: NaNs (one key, any payload and sign) and ±0."""
+    x = torch.randn(4, 5000, generator=torch.Generator().manual_seed(0))
+    bits = x.view(torch.int32)
+    bits[:, ::7] = 0x7FC01234           # NaN with a payload
+    bits[:, 3::11] = -0x7FC00000 + 0x55  # negative NaN with a payload
+    x[:, 5::13], x[:, 6::17] = -0.0, 0.0
+    for desc in (False, True):
+        for stable in (False, True):
+            check(lambda: torch.sort(x, descending=desc, stable=stable),
+                  f"sort desc={desc} stable={stable}")
+    for k in (10, 700):
+        check(lambda: torch.topk(x, k), f"topk {k}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_topk_all_patterns(dtype, kernels_everywhere):
     for pattern in patterns(dtype):
