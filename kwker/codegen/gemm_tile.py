@@ -219,15 +219,14 @@ GROUPED_SUB = 64
 
 
 def sub_pairs(p) -> int:
-    """k pairs per block product: where K is one block, equal sub-blocks of at most
-    ``SUB_PAIRS``; with several K blocks the sums of every (row tile, panel) block of a chunk
-    pass through the scratch (1 MB at 256 x 4096 x 4096), and a round trip per sub-block
-    measured 5-10% slower than whole K blocks there."""
+    """k pairs per block product: a K block in equal sub-blocks of at most ``SUB_PAIRS``. With
+    several K blocks the sums of every (row tile, panel) block of a chunk pass through the
+    scratch (1 MB at 256 x 4096 x 4096); whole K blocks there measured 5-10% faster while B went
+    through L1, and 1-4% slower since (1024 x 1024 x 4096, 64 / 256 x 1024 x 4096, 512 x 768 x
+    3072, 1024 x 4096 x 4096, two runs in one process, Emerald Rapids)."""
     if p.grouped:   # 8 groups (16 KB of A with its zero words)
         return GROUPED_SUB
     kcp = padded_k(p.kc)
-    if not p.one_block:
-        return kcp
     return padded_k(-(-kcp // -(-kcp // SUB_PAIRS)))
 
 
