@@ -95,23 +95,28 @@ def fit(points, default: tuple[int, int]) -> tuple[int, int]:
     return best
 
 
+def _timed_both_ways(table: dict, key: str, values: tuple, call) -> list[float]:
+    """Seconds of ``call()`` with ``table[key]`` set to each of ``values`` in turn (the
+    kernels' switches are read per call), the entry restored after."""
+    saved = table[key]
+
+    def with_value(value):
+        def run():
+            table[key] = value
+            return call()
+        return run
+    try:
+        return tuning.best_times([with_value(v) for v in values], [], budget=BUDGET_S)
+    finally:
+        table[key] = saved
+
+
 def measure_presort() -> tuple[float, float]:
     """(seconds with the presort switch on, off) of the unstable sort of random float32 rows
     long enough to take it: which of the two is faster depends on the CPU (the radix sort's
     scattered stores against introsort's partitions)."""
     x = torch.randn(8, 8192)
-    saved = S.SWITCHES["presort"]
-
-    def with_switch(on):
-        def call():
-            S.SWITCHES["presort"] = on
-            return S.fast_sort(x)
-        return call
-    try:
-        on, off = tuning.best_times([with_switch(True), with_switch(False)], [],
-                                    budget=BUDGET_S)
-    finally:
-        S.SWITCHES["presort"] = saved
+    on, off = _timed_both_ways(S.SWITCHES, "presort", (True, False), lambda: S.fast_sort(x))
     return on, off
 
 
@@ -122,20 +127,12 @@ def measure_radix_bytes() -> list[tuple[int, float, float]]:
     """(row length, seconds with byte digits, with 11-bit digits) of the stable sort of 8
     random float32 rows (every 11-bit digit of their keys varies), at each ``RADIX_LENGTHS``:
     how long a row must be before 256 buckets beat 2048 depends on the CPU's caches."""
-    saved, points = S.RADIX_BYTES_ROW["row"], []
-
-    def with_row(row, x):
-        def call():
-            S.RADIX_BYTES_ROW["row"] = row
-            return S.fast_sort(x, True)
-        return call
-    try:
-        for n in RADIX_LENGTHS:
-            x = torch.randn(8, n)
-            on, off = tuning.best_times([with_row(n, x), with_row(0, x)], [], budget=BUDGET_S)
-            points.append((n, on, off))
-    finally:
-        S.RADIX_BYTES_ROW["row"] = saved
+    points = []
+    for n in RADIX_LENGTHS:
+        x = torch.randn(8, n)
+        on, off = _timed_both_ways(S.RADIX_BYTES_ROW, "row", (n, 0),
+                                   lambda x=x: S.fast_sort(x, True))
+        points.append((n, on, off))
     return points
 
 
