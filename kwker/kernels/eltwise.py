@@ -120,7 +120,7 @@ def make_silu_mul_rows(dtype: torch.dtype = torch.float32):
     spec = EltwiseSpec("silu_mul", 0, _DTYPES[dtype], rows=True)
     fn = entry(spec, 3, 5)
     symbol, silu = spec.symbol, torch.nn.functional.silu
-    get_threads, empty = torch.get_num_threads, torch.empty
+    get_threads, empty, empty_like = torch.get_num_threads, torch.empty, torch.empty_like
 
     def rows_of(t: torch.Tensor):
         """(rows, width, row stride) of ``t`` as rows, or None."""
@@ -131,12 +131,22 @@ def make_silu_mul_rows(dtype: torch.dtype = torch.float32):
         return None if ld is None else (t.numel() // width if width else 0, width, ld)
 
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        fx, fy = rows_of(x), rows_of(y)
-        if fx is None or fy is None or x.shape != y.shape or x.dtype != dtype or \
-                y.dtype != dtype or x.device.type != "cpu" or y.device.type != "cpu":
+        shape = x.shape
+        if not (y.shape == shape and x.dtype == dtype and y.dtype == dtype and x.is_cpu and
+                y.is_cpu):
             return silu(x) * y
-        (rows, width, ldx), (_, _, ldy) = fx, fy
-        out = empty(x.shape, dtype=dtype)
+        if shape and x.is_contiguous() and y.is_contiguous():
+            # the common case in one frame (separate gate and up projections: a Llama decode
+            # step's 12 calls at 3 us where the stride checks took 8)
+            width = ldx = ldy = shape[-1]
+            rows = x.numel() // width if width else 0
+            out = empty_like(x)   # 0.7 us; torch.empty(shape, dtype=...) takes 1.9
+        else:
+            fx, fy = rows_of(x), rows_of(y)
+            if fx is None or fy is None:
+                return silu(x) * y
+            (rows, width, ldx), (_, _, ldy) = fx, fy
+            out = empty(shape, dtype=dtype)
         if rows * width == 0:
             return out
         args = (x.data_ptr(), y.data_ptr(), out.data_ptr(), rows, width, ldx, ldy)

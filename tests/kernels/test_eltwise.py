@@ -280,9 +280,9 @@ def test_silu_mul_matches_eager(numel, dtype):
 @pytest.mark.parametrize("shape", [(1, 2), (3, 34), (2, 5, 2 * 70), (4, 1, 2 * 9), (9, 2 * 1000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_silu_mul_rows_reads_chunk_halves(shape, dtype):
-    """The row kernel on the two halves of ``t.chunk(2, -1)`` (rows a stride apart), against
-    ATen's two ops (NaN and inf included); a contiguous output; inputs that are not rows of
-    one stride (a transpose) are ATen's."""
+    """The row kernel on the two halves of ``t.chunk(2, -1)`` (rows a stride apart) and on
+    contiguous copies, against ATen's two ops (NaN and inf included); a contiguous output;
+    inputs that are not rows of one stride (a transpose) or of other shapes are ATen's."""
     from kwker.kernels.eltwise import make_silu_mul_rows
     gen = torch.Generator().manual_seed(shape[-1])
     t = (torch.randn(shape, generator=gen) * 6).to(dtype)
@@ -294,5 +294,13 @@ def test_silu_mul_rows_reads_chunk_halves(shape, dtype):
     assert y.is_contiguous() and y.shape == ref.shape
     torch.testing.assert_close(y, ref, rtol=1e-6 if dtype == torch.float32 else 2 ** -7,
                                atol=1e-6 if dtype == torch.float32 else 1e-3, equal_nan=True)
+    # contiguous inputs (separate gate and up projections) take the same kernel
+    g, u = g.contiguous(), u.contiguous()
+    y = fn(g, u)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, ref, rtol=1e-6 if dtype == torch.float32 else 2 ** -7,
+                               atol=1e-6 if dtype == torch.float32 else 1e-3, equal_nan=True)
     c = torch.randn(7, 5).to(dtype).t()
     torch.testing.assert_close(fn(c, c), torch.nn.functional.silu(c) * c)
+    with pytest.raises(RuntimeError):   # shapes that do not broadcast: ATen's error
+        fn(torch.zeros(4, dtype=dtype), torch.zeros(5, dtype=dtype))
