@@ -272,7 +272,7 @@ def _prefill_fused(spec: LowbitGemmSpec, buf: Buffers, dtype, m: int | None, out
         # fits half of L2 (Zen 5, 128 rows, float32 int8: GPT-2's head 31.4 -> 26.5 ms with
         # chunks of 128 rows instead of 80, 2304 x 768 1.25 -> 1.16). On the tiles only where
         # K is one block: with several, tile_blocking's chunks bound the partial sums of a
-        # chunk's blocks to half of L2
+        # chunk's blocks
         most = max(blk.mc, blocking.cache_sizes()[1] // 2 // (blk.kc * 4) // blk.mr * blk.mr)
         blk = replace(blk, mc=min(most, -(-m // blk.mr) * blk.mr) if m else most)
     gspec = GemmSpec(m or 0, n, k, 1, "nk", spec.bias, spec.epilogue, spec.residual,

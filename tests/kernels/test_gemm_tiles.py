@@ -54,6 +54,7 @@ LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns an
     (40, 64, 2200, "none", True, False, torch.float32),
     (50, 70, 90, "silu", True, True), (37, 64, 1300, "silu", False, True, torch.float32),
     (40, 45, 64, "sigmoid", True, True), (33, 96, 100, "tanh", False, True),
+    (1100, 1024, 1024, "gelu", True, True),  # B past L2: two chunks of up to 1024 rows
 ]
 MATMUL_CASES = [  # m, k, n, batch, b transposed
     (40, 17, 33, 1, False), (40, 17, 33, 1, True), (64, 64, 128, 4, False),
@@ -409,6 +410,26 @@ def test_native_topk_streams_its_weights(m, approx, op):
     assert re.search(rf"\b{op}\b", asm) and re.search(r"\bprefetcht0\b", asm)
     spills = re.findall(r"tile(?:stored|loadd)\s+[^\n]*(?:\(%rsp|-\d+\(%rbp)", asm)
     assert not spills, spills
+
+
+@pytest.mark.parametrize("n, k", [(1024, 512), (3072, 384), (4096, 2048), (768, 384),
+                                  (300, 850), (50257, 192)])
+def test_tile_chunks_grow_where_b_outgrows_l2(n, k):
+    """A thread streams its B panels once per chunk of rows: where B (``k`` words a column)
+    does not fit L2 a chunk takes up to BIG_CHUNK rows, its packed A and (over several K
+    blocks) its partial sums within CHUNK_BYTES; else the chunk's A fits a quarter of L2."""
+    l2 = 2 << 20
+    blk = blocking.tile_blocking(n, k, l2)
+    mr, nr = blocking.TILE_BLOCK
+    assert blk.mc % mr == 0 and blk.mc >= mr
+    if -(-n // nr) * nr * k * 4 >= l2:
+        several = blk.kc < k
+        row_bytes = blk.kc * 4 + (-(-n // nr) * nr * 4 if several else 0)
+        assert blk.mc * row_bytes <= blocking.CHUNK_BYTES or blk.mc == mr
+        grown = blk.mc + mr   # as many rows as the bounds allow
+        assert grown > blocking.BIG_CHUNK or grown * row_bytes > blocking.CHUNK_BYTES
+    else:
+        assert blk.mc * blk.kc * 4 <= l2 // 4 or blk.mc == mr
 
 
 def test_emulated_build_has_no_tile_instructions():
