@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 # the attribute on a buffer's UntypedStorage: [the shape of the latest view handed out (its rows
-# along dim are the rows committed), the buffer's strides, its rows along dim, dim]
+# along dim are the rows committed), the buffer's strides, its rows along dim, dim, the shape a
+# one-row ``new`` must have]
 STATE = "_kwker_kv"
 MIN_ROWS = 64
 
@@ -40,6 +41,7 @@ def make_kv_append(dim: int):
     """``append(past, new)`` = ``torch.cat([past, new], dim)`` (``dim`` >= 0), in place where
     ``past`` is the latest view this kind of append handed out (see the module docstring)."""
     cat, inference_mode = torch.cat, torch.is_inference_mode_enabled
+    as_strided = torch.Tensor.as_strided
 
     def fresh(past, new):
         if past.dim() == 1 and past.numel() == 0:  # an empty start, which cat skips
@@ -55,25 +57,32 @@ def make_kv_append(dim: int):
         buf = new.new_empty(shape)
         out = buf.narrow(dim, 0, rows)
         cat(parts, dim, out=out)  # ATen's shape checks and messages
-        setattr(buf.untyped_storage(), STATE, [tuple(out.shape), buf.stride(), shape[dim], dim])
+        size = tuple(out.shape)
+        setattr(buf.untyped_storage(), STATE,
+                [size, buf.stride(), shape[dim], dim, size[:dim] + (1,) + size[dim + 1:]])
         return out
 
     def append(past, new):
         state = getattr(past.untyped_storage(), STATE, None)
         if state is None or state[3] != dim:  # not a buffer, or one grown along another dim
             return fresh(past, new)
-        shape, stride, rows_max, _ = state  # the latest view's shape, the buffer's strides
-        rows = shape[dim]
-        n = new.shape[dim] if new.dim() == len(shape) else -1
-        if past.shape != shape or rows + n > rows_max or n < 0 or past.stride() != stride or \
-                past.storage_offset() != 0 or new.shape[:dim] != shape[:dim] or \
-                new.shape[dim + 1:] != shape[dim + 1:] or past.dtype != new.dtype or \
-                past.requires_grad or new.requires_grad or \
-                (past.is_inference() and not inference_mode()):
+        # the latest view's shape, the buffer's strides, its rows, _, a one-row new's shape
+        shape, stride, rows_max, _, one = state
+        rows, ns = shape[dim], new.shape
+        if ns == one:   # a decode step's row: its other sizes are the past's
+            n = 1
+        elif len(ns) == len(shape) and ns[:dim] == shape[:dim] and \
+                ns[dim + 1:] == shape[dim + 1:]:
+            n = ns[dim]
+        else:
+            return fresh(past, new)
+        if rows + n > rows_max or past.shape != shape or past.stride() != stride or \
+                past.storage_offset() or past.dtype != new.dtype or past.requires_grad or \
+                new.requires_grad or (past.is_inference() and not inference_mode()):
             return fresh(past, new)
         size = shape[:dim] + (rows + n,) + shape[dim + 1:]
-        past.as_strided(new.shape, stride, rows * stride[dim]).copy_(new)
+        as_strided(past, ns, stride, rows * stride[dim]).copy_(new)
         state[0] = size
-        return past.as_strided(size, stride)
+        return as_strided(past, size, stride)
 
     return append
