@@ -237,16 +237,14 @@ def tile_blocking(n: int, k: int, l2: int | None = None) -> Blocking:
     mr, nr = TILE_BLOCK
     blocks = _cdiv(k, TILE_KC)
     kc = _cdiv(_cdiv(k, blocks), TILE_K_STEP) * TILE_K_STEP
-    nb = max(1, (l2 // 2) // (nr * kc * 4))
+    mc, nb = _in_l2(mr, nr, kc, l2)
     panels = _cdiv(n, nr)
     if panels * nr * k * 4 >= l2:   # B streams from L3 (or memory) once per chunk
         row_bytes = kc * 4 + (panels * nr * 4 if blocks > 1 else 0)
-        tiles = max(1, min(BIG_CHUNK, CHUNK_BYTES // row_bytes) // mr)
-    else:
-        tiles = max(1, (l2 // 4) // (kc * 4 * mr))
-        if blocks > 1:
-            tiles = max(1, min(tiles, (l2 // 2) // (panels * mr * nr * 4)))
-    return Blocking(mr, nr, kc, tiles * mr, nb, True, path="tile")
+        mc = max(1, min(BIG_CHUNK, CHUNK_BYTES // row_bytes) // mr) * mr
+    elif blocks > 1:   # the chunk's partial sums in half of L2 too
+        mc = max(mr, min(mc, (l2 // 2) // (panels * nr * 4) // mr * mr))
+    return Blocking(mr, nr, kc, mc, nb, True, path="tile")
 
 
 def int8_blocking(n: int, k: int, target: Target | None = None) -> Blocking | None:
