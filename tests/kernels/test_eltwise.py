@@ -302,5 +302,13 @@ def test_silu_mul_rows_reads_chunk_halves(shape, dtype):
                                atol=1e-6 if dtype == torch.float32 else 1e-3, equal_nan=True)
     c = torch.randn(7, 5).to(dtype).t()
     torch.testing.assert_close(fn(c, c), torch.nn.functional.silu(c) * c)
+    # layouts are remembered by shape and strides: the halves again, halves of that shape a
+    # wider stride apart, and the transpose again (ATen's) all answer as ATen does
+    h = shape[-1] // 2
+    wide = torch.randn(*shape[:-1], 3 * h, generator=gen).to(dtype)
+    for a, b in (t.chunk(2, dim=-1), (wide[..., :h], wide[..., h:2 * h]), (c, c)):
+        torch.testing.assert_close(fn(a, b), torch.nn.functional.silu(a) * b, equal_nan=True,
+                                   rtol=1e-6 if dtype == torch.float32 else 2 ** -7,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-3)
     with pytest.raises(RuntimeError):   # shapes that do not broadcast: ATen's error
         fn(torch.zeros(4, dtype=dtype), torch.zeros(5, dtype=dtype))
