@@ -63,8 +63,8 @@ def _histograms(f: Fn, H, n, digits, load, digit, varying, shift: int = 0):
     ``shift`` up): a digit the same for every key gets its one count, n, without the loop. A
     counter incremented by element after element is a chain of stores and reloads of one
     address; tie-heavy rows (randint(0, 4) as float32: the low 22 bits of every key zero) spent
-    most of a stable sort there, and the last digit's copies (``TOP_COPIES``) break it for the
-    few exponents of random floats."""
+    most of a stable sort there, and the last digit's copies (``TOP_COPIES``) break the chain
+    where few values share the top digit."""
     b = f.b
     bases, copies, count_all = _bases(digits)
     top, top_size = len(digits) - 1, 1 << digits[-1][1]
