@@ -128,12 +128,31 @@ class RowKernel:
         return b.xor(both.get(), either.get())
 
     def write_packed(self, P, count):
-        """Values (gathered from the row: keys do not keep NaN payloads) and indices of the
-        packed words (their index half, without the tie flag of sort_presorted.py)."""
-        mask = INDEX_MASK
-        self._write_indexed(count, lambda j, W: self.f.b.and_(
+        """Values and indices of the packed words (their index half, without the tie flag of
+        sort_presorted.py). A float32 or int32 value is its key undone, where the key keeps it:
+        not a zero's sign nor a NaN's payload, which are gathered from the row (a vector
+        holding either is gathered whole)."""
+        b, mask = self.f.b, INDEX_MASK
+        self._write_indexed(count, lambda j, W: b.and_(
             self.f.load_vec(i64, W, P, j), ir.Constant(vec(i64, W), [mask] * W)),
-            lambda j: self.f.b.and_(self.f.load(i64, P, j), const(i64, mask)))
+            lambda j: b.and_(self.f.load(i64, P, j), const(i64, mask)),
+            lambda j, W: self._unkeyed(self.f.load_vec(i64, W, P, j), W))
+
+    def _unkeyed(self, words, W: int):
+        """(values, whether any lane must be gathered) of W packed words' keys (``key``'s
+        inverse)."""
+        b = self.f.b
+        c = lambda x: ir.Constant(vec(i32, W), [x] * W)  # noqa: E731
+        k = b.trunc(b.lshr(words, ir.Constant(vec(i64, W), [32] * W)), vec(i32, W))
+        if self.spec.descending:
+            k = b.xor(k, c(-1))
+        if not self.is_float:
+            return k, const(i1, 0)
+        maxpos = (1 << 31) - 1
+        special = b.or_(b.icmp_signed("==", k, c(0)), b.icmp_signed("==", k, c(maxpos)))
+        bits = b.xor(k, b.and_(b.ashr(k, c(31)), c(maxpos)))
+        anyone = b.icmp_unsigned("!=", b.bitcast(special, ir.IntType(W)), const(ir.IntType(W), 0))
+        return b.bitcast(bits, vec(f32, W)), anyone
 
     def write_sorted(self, I, count):
         """Values and indices of the i32 index array ``I``."""
@@ -142,9 +161,10 @@ class RowKernel:
                                                        vec(i64, W)),
                             lambda j: b.sext(self.f.load(i32, I, j), i64))
 
-    def _write_indexed(self, count, indices, index):
+    def _write_indexed(self, count, indices, index, values=None):
         """Output slots 0..count-1 from the indices ``indices(j, W)`` (W at a time: 16 when both
-        outputs are contiguous along the row) or ``index(j)`` (one)."""
+        outputs are contiguous along the row) or ``index(j)`` (one); ``values(j, W)``: the W
+        values without a gather, and whether they must be gathered after all."""
         f, b, a = self.f, self.f.b, self.a
         start = const(i64, 0)
         W = 16
@@ -159,13 +179,25 @@ class RowKernel:
             vt = vec(self.vt, W)
             gname = f"llvm.masked.gather.v{W}{'f32' if self.vt == f32 else 'i32'}.v{W}p0"
             gather = intrinsic(self.m, gname, vt, [vec(ptr, W), i32, vec(i1, W), vt])
+            keyed = values is not None and self.vt in (f32, i32) and self.kt == i32
             with f.for_range(const(i64, 0), full, step=W, name="outv") as j:
                 idx = indices(j, W)
-                ptrs = b.gep(self.src, [idx], inbounds=True, source_etype=self.vt)
-                ptrs.type = vec(ptr, W)  # llvmlite types a vector GEP as a scalar pointer
-                v = b.call(gather, [ptrs, const(i32, 4), ir.Constant(vec(i1, W), [1] * W),
-                                    ir.Constant(vt, None)])
-                b.store(v, f.gep(out_v, j, self.vt), align=4)
+
+                def gathered():
+                    ptrs = b.gep(self.src, [idx], inbounds=True, source_etype=self.vt)
+                    ptrs.type = vec(ptr, W)  # llvmlite types a vector GEP as a scalar pointer
+                    v = b.call(gather, [ptrs, const(i32, 4), ir.Constant(vec(i1, W), [1] * W),
+                                        ir.Constant(vt, None)])
+                    b.store(v, f.gep(out_v, j, self.vt), align=4)
+                if keyed:
+                    v, gather_them = values(j, W)
+                    with f.if_else(gather_them) as (special, plain):
+                        with special:
+                            gathered()
+                        with plain:
+                            b.store(v, f.gep(out_v, j, self.vt), align=4)
+                else:
+                    gathered()
                 b.store(idx, f.gep(out_i, j, i64), align=8)
             start = full
         with f.for_range(start, count, name="outp") as j:
