@@ -142,7 +142,9 @@ class RowKernel:
         """(values, whether any lane must be gathered) of W packed words' keys (``key``'s
         inverse)."""
         b = self.f.b
-        c = lambda x: ir.Constant(vec(i32, W), [x] * W)  # noqa: E731
+
+        def c(x):
+            return ir.Constant(vec(i32, W), [x] * W)
         k = b.trunc(b.lshr(words, ir.Constant(vec(i64, W), [32] * W)), vec(i32, W))
         if self.spec.descending:
             k = b.xor(k, c(-1))
