@@ -30,7 +30,7 @@ def _emit_radix(rk: RowKernel):
     varying = rk.fill_keys(K, I, varying=True)
     radix = emit_radix_sort(rk.m, rk.kt, f"{rk.spec.symbol}.radix")
     flipped = b.call(radix, [K, I, K2, I2, H, rk.n, varying])
-    rk.write_sorted(b.select(flipped, I2, I), rk.n)
+    rk.write_sorted(b.select(flipped, I2, I), rk.n, b.select(flipped, K2, K))
 
 
 def emit_sort(rk: RowKernel):
@@ -58,7 +58,7 @@ def emit_sort(rk: RowKernel):
         K, I = rk.scratch_arrays(["K", "I"])
         rk.fill_keys(K, I)
         _std_sort_maybe_parallel(rk, rk.algos(), K, I)
-        rk.write_sorted(I, rk.n)
+        rk.write_sorted(I, rk.n, K)
 
 
 # a row with more tied pairs than one per this many elements is partitioned exactly throughout

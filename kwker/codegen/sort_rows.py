@@ -21,6 +21,7 @@ from .irutil import (
     Fn,
     const,
     f32,
+    f64,
     i1,
     i16,
     i32,
@@ -129,39 +130,45 @@ class RowKernel:
 
     def write_packed(self, P, count):
         """Values and indices of the packed words (their index half, without the tie flag of
-        sort_presorted.py). A float32 or int32 value is its key undone, where the key keeps it:
-        not a zero's sign nor a NaN's payload, which are gathered from the row (a vector
-        holding either is gathered whole)."""
+        sort_presorted.py). A value is its key undone where the key keeps it: not a zero's sign
+        nor a NaN's payload, which are gathered from the row (``_unkeyed``)."""
         b, mask = self.f.b, INDEX_MASK
+
+        def keys(j, W):
+            words = self.f.load_vec(i64, W, P, j)
+            return b.trunc(b.lshr(words, ir.Constant(vec(i64, W), [32] * W)), vec(i32, W))
         self._write_indexed(count, lambda j, W: b.and_(
             self.f.load_vec(i64, W, P, j), ir.Constant(vec(i64, W), [mask] * W)),
             lambda j: b.and_(self.f.load(i64, P, j), const(i64, mask)),
-            lambda j, W: self._unkeyed(self.f.load_vec(i64, W, P, j), W))
+            lambda j, W: self._unkeyed(keys(j, W), W))
 
-    def _unkeyed(self, words, W: int):
-        """(values, whether any lane must be gathered) of W packed words' keys (``key``'s
-        inverse)."""
+    def write_sorted(self, I, count, K=None):
+        """Values and indices of the i32 index array ``I``; ``K``: their keys, in the same
+        order, from which the values are undone as ``write_packed`` does."""
         b = self.f.b
+        values = None if K is None else \
+            (lambda j, W: self._unkeyed(self.f.load_vec(self.kt, W, K, j), W))
+        self._write_indexed(count, lambda j, W: b.zext(self.f.load_vec(i32, W, I, j),
+                                                       vec(i64, W)),
+                            lambda j: b.sext(self.f.load(i32, I, j), i64), values)
+
+    def _unkeyed(self, k, W: int):
+        """(values, whether any lane must be gathered from the row after all) of W keys
+        (``key``'s inverse): a float key drops a zero's sign (both zeros key 0) and a NaN's
+        payload (every NaN keys the largest key)."""
+        b, kt = self.f.b, self.kt
 
         def c(x):
-            return ir.Constant(vec(i32, W), [x] * W)
-        k = b.trunc(b.lshr(words, ir.Constant(vec(i64, W), [32] * W)), vec(i32, W))
+            return ir.Constant(vec(kt, W), [x] * W)
         if self.spec.descending:
             k = b.xor(k, c(-1))
         if not self.is_float:
             return k, const(i1, 0)
-        maxpos = (1 << 31) - 1
+        maxpos = (1 << (kt.width - 1)) - 1
         special = b.or_(b.icmp_signed("==", k, c(0)), b.icmp_signed("==", k, c(maxpos)))
-        bits = b.xor(k, b.and_(b.ashr(k, c(31)), c(maxpos)))
+        bits = b.xor(k, b.and_(b.ashr(k, c(kt.width - 1)), c(maxpos)))
         anyone = b.icmp_unsigned("!=", b.bitcast(special, ir.IntType(W)), const(ir.IntType(W), 0))
-        return b.bitcast(bits, vec(f32, W)), anyone
-
-    def write_sorted(self, I, count):
-        """Values and indices of the i32 index array ``I``."""
-        b = self.f.b
-        self._write_indexed(count, lambda j, W: b.zext(self.f.load_vec(i32, W, I, j),
-                                                       vec(i64, W)),
-                            lambda j: b.sext(self.f.load(i32, I, j), i64))
+        return b.bitcast(bits, vec(self.vt, W)), anyone
 
     def _write_indexed(self, count, indices, index, values=None):
         """Output slots 0..count-1 from the indices ``indices(j, W)`` (W at a time: 16 when both
@@ -202,8 +209,32 @@ class RowKernel:
                     gathered()
                 b.store(idx, f.gep(out_i, j, i64), align=8)
             start = full
+        elif values is not None and self.lanes >= 8 and self.vt in (f64, i64) and \
+                self.kt == i64:
+            start = self._write_keyed64(count, indices, index, values)
         with f.for_range(start, count, name="outp") as j:
             self.write(j, index(j))
+
+    def _write_keyed64(self, count, indices, index, values):
+        """Float64 / int64 output slots 8 at a time from their keys (a vector with a zero or a
+        NaN slot by slot, from the row); returns where the remaining slots start."""
+        f, b, a, W = self.f, self.f.b, self.a, 8
+        one = const(i64, 1)
+        dense = b.and_(b.icmp_signed("==", a["out_v_es"], one),
+                       b.icmp_signed("==", a["out_i_es"], one))
+        full = b.select(dense, b.and_(count, const(i64, -W)), const(i64, 0))
+        out_v = f.gep(a["out_v"], b.mul(self.row, a["out_v_rs"]), self.vt)
+        out_i = f.gep(a["out_i"], b.mul(self.row, a["out_i_rs"]), i64)
+        with f.for_range(const(i64, 0), full, step=W, name="outk") as j:
+            v, special = values(j, W)
+            with f.if_else(special) as (slow, fast):
+                with slow:
+                    with f.for_range(j, b.add(j, const(i64, W)), name="outs") as jj:
+                        self.write(jj, index(jj))
+                with fast:
+                    b.store(v, f.gep(out_v, j, self.vt), align=8)
+                    b.store(indices(j, W), f.gep(out_i, j, i64), align=8)
+        return full
 
     def scratch_arrays(self, names):
         """Pointers to the scratch arrays: offsets computed at run time from n."""

@@ -34,13 +34,19 @@ def test_sort_all_patterns(dtype, kernels_everywhere):
             check(lambda: torch.msort(x.t()), f"msort {pattern} {n}")
 
 
-def test_nan_payloads_and_signed_zeros_keep_their_bits(kernels_everywhere):
-    """Sorted float32 values are written from their keys where the key tells the value, and
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_nan_payloads_and_signed_zeros_keep_their_bits(dtype, kernels_everywhere):
+    """Sorted float values are written from their keys where the key tells the value, and
     gathered from the row where it does not: NaNs (one key, any payload and sign) and ±0."""
-    x = torch.randn(4, 5000, generator=torch.Generator().manual_seed(0))
-    bits = x.view(torch.int32)
-    bits[:, ::7] = 0x7FC01234           # NaN with a payload
-    bits[:, 3::11] = -0x7FC00000 + 0x55  # negative NaN with a payload
+    x = torch.randn(4, 5000, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    if dtype == torch.float32:
+        bits = x.view(torch.int32)
+        bits[:, ::7] = 0x7FC01234            # NaN with a payload
+        bits[:, 3::11] = -0x7FC00000 + 0x55  # negative NaN with a payload
+    else:
+        bits = x.view(torch.int64)
+        bits[:, ::7] = 0x7FF8000000001234
+        bits[:, 3::11] = -0x7FF8000000000000 + 0x55
     x[:, 5::13], x[:, 6::17] = -0.0, 0.0
     for desc in (False, True):
         for stable in (False, True):
