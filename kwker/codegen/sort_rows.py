@@ -174,17 +174,12 @@ class RowKernel:
         """Output slots 0..count-1 from the indices ``indices(j, W)`` (W at a time: 16 when both
         outputs are contiguous along the row) or ``index(j)`` (one); ``values(j, W)``: the W
         values without a gather, and whether they must be gathered after all."""
-        f, b, a = self.f, self.f.b, self.a
+        f, b = self.f, self.f.b
         start = const(i64, 0)
         W = 16
         if self.lanes >= 8 and self.vt in (f32, i32) and not (
                 self.spec.op == "topk" and self.spec.dtype == "bfloat16"):
-            one = const(i64, 1)
-            dense = b.and_(b.icmp_signed("==", a["out_v_es"], one),
-                           b.icmp_signed("==", a["out_i_es"], one))
-            full = b.select(dense, b.and_(count, const(i64, -W)), const(i64, 0))
-            out_v = f.gep(a["out_v"], b.mul(self.row, a["out_v_rs"]), self.vt)
-            out_i = f.gep(a["out_i"], b.mul(self.row, a["out_i_rs"]), i64)
+            full, out_v, out_i = self._whole_vectors(count, W)
             vt = vec(self.vt, W)
             gname = f"llvm.masked.gather.v{W}{'f32' if self.vt == f32 else 'i32'}.v{W}p0"
             gather = intrinsic(self.m, gname, vt, [vec(ptr, W), i32, vec(i1, W), vt])
@@ -215,16 +210,22 @@ class RowKernel:
         with f.for_range(start, count, name="outp") as j:
             self.write(j, index(j))
 
-    def _write_keyed64(self, count, indices, index, values):
-        """Float64 / int64 output slots 8 at a time from their keys (a vector with a zero or a
-        NaN slot by slot, from the row); returns where the remaining slots start."""
-        f, b, a, W = self.f, self.f.b, self.a, 8
+    def _whole_vectors(self, count, W: int) -> tuple:
+        """(slots written W at a time: whole vectors of ``count`` where both outputs are
+        contiguous along the row, else none; this row's values; its indices)."""
+        f, b, a = self.f, self.f.b, self.a
         one = const(i64, 1)
         dense = b.and_(b.icmp_signed("==", a["out_v_es"], one),
                        b.icmp_signed("==", a["out_i_es"], one))
         full = b.select(dense, b.and_(count, const(i64, -W)), const(i64, 0))
-        out_v = f.gep(a["out_v"], b.mul(self.row, a["out_v_rs"]), self.vt)
-        out_i = f.gep(a["out_i"], b.mul(self.row, a["out_i_rs"]), i64)
+        return (full, f.gep(a["out_v"], b.mul(self.row, a["out_v_rs"]), self.vt),
+                f.gep(a["out_i"], b.mul(self.row, a["out_i_rs"]), i64))
+
+    def _write_keyed64(self, count, indices, index, values):
+        """Float64 / int64 output slots 8 at a time from their keys (a vector with a zero or a
+        NaN slot by slot, from the row); returns where the remaining slots start."""
+        f, b, W = self.f, self.f.b, 8
+        full, out_v, out_i = self._whole_vectors(count, W)
         with f.for_range(const(i64, 0), full, step=W, name="outk") as j:
             v, special = values(j, W)
             with f.if_else(special) as (slow, fast):
