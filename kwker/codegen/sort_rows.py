@@ -183,7 +183,7 @@ class RowKernel:
             vt = vec(self.vt, W)
             gname = f"llvm.masked.gather.v{W}{'f32' if self.vt == f32 else 'i32'}.v{W}p0"
             gather = intrinsic(self.m, gname, vt, [vec(ptr, W), i32, vec(i1, W), vt])
-            keyed = values is not None and self.vt in (f32, i32) and self.kt == i32
+            keyed = values is not None and self.kt == i32   # (vt is f32 or i32 here)
             with f.for_range(const(i64, 0), full, step=W, name="outv") as j:
                 idx = indices(j, W)
 
