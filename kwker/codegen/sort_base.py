@@ -39,8 +39,9 @@ class SortAlgosBase:
         self.presorted = presorted
         assert not presorted or packed
         self.elem_types = [i64] if packed else [key_type, i32]
-        # packed words: all-equal ranges of EQUAL_MIN or more take their whole subtree at once
-        self.equal_ranges = packed and vector_lanes >= 4
+        # packed words: all-equal ranges of EQUAL_MIN or more take their whole subtree at once,
+        # through the context's spare array (sort_presorted.py)
+        self.equal_ranges = presorted and vector_lanes >= 4
         # the widest sorting network of packed words, for short rows (sort_full.py) ...
         self.network_max = NETWORK_MAX if packed and vector_lanes >= 4 else 0
         # ... and for introsort's ranges whose keys all differ (``distinct_sort``)

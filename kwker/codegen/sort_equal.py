@@ -1,15 +1,17 @@
 """All-equal ranges of packed words: introsort's whole subtree without compares.
 
 Where the output is provably the same, a faster equivalent replaces a step: a range whose keys are
-all equal has partitions fixed by its length alone, so its whole subtree is swaps and vector
-reversals (``equal_subtree``).
+all equal has partitions fixed by its length alone, so its whole subtree is a known permutation
+(``equal_subtree``), written in one pass from a copy of the range (``equal_tree``).
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from .irutil import Fn, const, i1, i32, i64, ptr, vec, void
+from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec, void
 from .sort_base import THRESHOLD, SortAlgosBase
+
+LEAF_VECTORS = 2   # 8-word vectors of a leaf past its first word (leaves hold at most 16 words)
 
 
 class EqualRangeAlgos(SortAlgosBase):
@@ -17,21 +19,22 @@ class EqualRangeAlgos(SortAlgosBase):
     partition's all-equal shortcut."""
 
     def equal_subtree(self) -> ir.Function:
-        """equal_subtree(K, I, first, last, depth) -> done: the whole introsort subtree of a
-        range whose keys are all equal, when its depth budget never runs out.
+        """equal_subtree(K, ctx, first, last, depth) -> done: the whole introsort subtree of a
+        range whose keys are all equal, when its depth budget never runs out (``ctx``: the
+        presorted context, sort_presorted.py).
 
         On such a range every partition is fixed by the size alone: median-of-three picks mid
         (no key is less than another), so K[first] and K[mid] swap; every element stops both
         Hoare scans, so [first+1, last) reverses; cut = first + 1 + (m-1)//2; both parts recurse
         with depth - 1, down to 16 elements, whose stable sort keeps them in place. So one check
-        of the keys, then swaps and vector reversals level by level (``equal_tree``), with no
-        compares, masks or leaf sorts. Returns false (nothing touched) when the keys differ or
-        the depth would reach 0 (heapsort) above 16 elements.
+        of the keys, then the permutation all those levels make, written at once
+        (``equal_tree``), with no compares, masks or leaf sorts. Returns false (nothing
+        touched) when the keys differ or the depth would reach 0 (heapsort) above 16 elements.
         """
         V = 64
 
         def body(f: Fn):
-            K, _, first, last, depth = f.args
+            K, ctx, first, last, depth = f.args
             b = f.b
             one, zero = const(i64, 1), const(i64, 0)
             m = b.sub(last, first)
@@ -58,30 +61,89 @@ class EqualRangeAlgos(SortAlgosBase):
                 w = f.load(i64, K, j)
                 with f.if_(b.icmp_unsigned("!=", b.and_(w, const(i64, -(1 << 32))), pkey)):
                     f.ret(const(i1, 0))
-            b.call(self.equal_tree(), [K, first, last])
+            b.call(self.equal_tree(), [K, self.spare(f, ctx), first, last])
             f.ret(const(i1, 1))
         return self._fn("equal_subtree", i1, [ptr, ptr, i64, i64, i64],
-                        ["K", "I", "first", "last", "depth"], body)
+                        ["K", "ctx", "first", "last", "depth"], body)
 
     def equal_tree(self) -> ir.Function:
-        """equal_tree(K, first, last): introsort's partitions of an all-equal range (see
-        equal_subtree), each a swap and a reversal of packed words, 8 per vector step."""
+        """equal_tree(K, X, first, last): introsort's partitions of an all-equal range (see
+        ``equal_subtree``), from a copy of it in X[first:last] (the spare array).
+
+        One partition of [first, last), n long: K[first] swaps with K[mid], mid = first + n//2,
+        then [first+1, last) reverses, and cut = first + 1 + (n-1)//2 = last - n//2. So if the
+        range holds c[first] = X[x0] and c[p] = X[a + s p] for p > first (s = +-1), then
+        afterwards K[cut] = X[x0] (what K[mid] took from K[first], reversed to last - n//2 =
+        cut), K[first] = X[a + s mid], and every other p holds X[a + s (first + last) - s p].
+        Each part starts with its one exception and is affine past it, as the whole range was
+        (a = 0, s = 1, x0 = first): both recurse on (a + s (first + last), -s) with x0
+        unchanged on the right and a + s mid on the left. A leaf (16 words at most, which the
+        final insertion sort leaves in place) is written from X: its first word, then a forward
+        or reversed run. One copy and one write of each word, against a reversal of the whole
+        range per level."""
         def body(f: Fn):
-            K, first, last0 = f.args
+            K, X, first, last = f.args
             b = f.b
-            one, two = const(i64, 1), const(i64, 2)
-            last = f.var(i64, last0, "last")
+            memcpy = intrinsic(self.m, "llvm.memcpy.p0.p0.i64", void, [ptr, ptr, i64, i1])
+            b.call(memcpy, [f.gep(X, first, i64), f.gep(K, first, i64),
+                            b.mul(b.sub(last, first), const(i64, 8)), const(i1, 0)])
+            b.call(self._equal_parts(), [K, X, first, last, const(i64, 0), const(i64, 1),
+                                         first])
+        return self._fn("equal_tree", void, [ptr, ptr, i64, i64], ["K", "X", "first", "last"],
+                        body)
+
+    def _equal_parts(self) -> ir.Function:
+        """equal_parts(K, X, first, last, a, s, x0): ``equal_tree``'s recursion on [first,
+        last), whose words are X[x0] and then X[a + s p]."""
+        def body(f: Fn):
+            K, X, first, last0, a0, s0, x00 = f.args
+            b = f.b
+            two = const(i64, 2)
+            last, a, s, x0 = (f.var(i64, v, nm) for v, nm in
+                              ((last0, "last"), (a0, "a"), (s0, "s"), (x00, "x0")))
             with f.while_(lambda: b.icmp_signed(">", b.sub(last.get(), first),
                                                 const(i64, THRESHOLD))):
-                lst = last.get()
-                m = b.sub(lst, first)
-                self.swap(f, K, None, first, b.add(first, b.sdiv(m, two)))
-                n_rev = b.sdiv(b.sub(m, one), two)
-                self._reverse(f, K, b.add(first, one), lst, n_rev)
-                cut = b.add(b.add(first, one), n_rev)
-                b.call(f.fn, [K, cut, lst])
+                n = b.sub(last.get(), first)
+                half = b.sdiv(n, two)
+                cut = b.sub(last.get(), half)
+                reflected = b.add(a.get(), b.mul(s.get(), b.add(first, last.get())))
+                flipped = b.sub(const(i64, 0), s.get())
+                b.call(f.fn, [K, X, cut, last.get(), reflected, flipped, x0.get()])
+                x0.set(b.add(a.get(), b.mul(s.get(), b.add(first, half))))
+                a.set(reflected)
+                s.set(flipped)
                 last.set(cut)
-        return self._fn("equal_tree", void, [ptr, i64, i64], ["K", "first", "last"], body)
+            self._equal_leaf(f, K, X, first, last.get(), a.get(), s.get(), x0.get())
+        return self._fn("equal_parts", void, [ptr, ptr, i64, i64, i64, i64, i64],
+                        ["K", "X", "first", "last", "a", "s", "x0"], body)
+
+    def _equal_leaf(self, f: Fn, K, X, first, last, a, s, x0):
+        """K[first] = X[x0], K[p] = X[a + s p] for first < p < last (at most 15 words): 8-word
+        vectors read forward or reversed (reads past the range stay inside the spare array's
+        padding), stores masked to the leaf."""
+        b = f.b
+        V = 8
+        vt = vec(i64, V)
+        f.store(f.load(i64, X, x0), K, first)
+        rest = b.sub(b.sub(last, first), const(i64, 1))
+        forward = b.icmp_signed(">", s, const(i64, 0))
+        start = b.add(a, b.mul(s, b.add(first, const(i64, 1))))  # X index of K[first + 1]
+        rev = ir.Constant(vec(i32, V), list(range(V - 1, -1, -1)))
+        lanes = ir.Constant(vt, list(range(V)))
+        store = intrinsic(self.m, "llvm.masked.store.v8i64.p0", void,
+                          [vt, ptr, i32, vec(i1, V)])
+        for j in range(LEAF_VECTORS):
+            at = b.select(forward, b.add(start, const(i64, V * j)),
+                          b.sub(start, const(i64, V * j + V - 1)))
+            words = f.load_vec(i64, V, X, at)
+            words = b.select(forward, words, b.shuffle_vector(words, words, rev))
+            left = b.sub(rest, const(i64, V * j))
+            splat = b.shuffle_vector(b.insert_element(ir.Constant(vt, None), left,
+                                                      const(i32, 0)),
+                                     ir.Constant(vt, None), ir.Constant(vec(i32, V), [0] * V))
+            mask = b.icmp_signed("<", lanes, splat)
+            b.call(store, [words, f.gep(K, b.add(first, const(i64, 1 + V * j)), i64),
+                           const(i32, 8), mask])
 
     def _reverse(self, f: Fn, K, lo, hi, n_rev):
         """Swap (lo + i, hi - 1 - i) for i < n_rev: whole vectors of packed words from both

@@ -12,7 +12,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec, void
-from .sort_presorted import TIED
+from .sort_presorted import TIED, presorted_context
 from .sort_rows import RowKernel
 from .sortalgo import SortAlgos, emit_radix_sort, emit_radix_sort_packed
 
@@ -113,7 +113,9 @@ def _emit_presorted(rk: RowKernel):
                         idx = b.and_(f.load(i64, R, at), index)
                         f.store(b.or_(f.load(i64, W, idx), flag), W, idx)
             sorted_words.set(R)
-    _std_sort_maybe_parallel(rk, algos, W, sorted_words.get())
+    # the radix sort's other buffer (or S, unused without it) is the context's spare array
+    spare = b.select(b.icmp_unsigned("==", sorted_words.get(), S), P, S)
+    _std_sort_maybe_parallel(rk, algos, W, presorted_context(f, sorted_words.get(), spare))
     rk.write_packed(W, rk.n)
 
 

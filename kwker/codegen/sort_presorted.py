@@ -13,6 +13,11 @@ because indices are below 2**31; every comparison here reads the key half or the
 against a key bound, so a flag changes no decision). A range holding no flagged word is copied
 from ``S``; only ranges holding a tied key are partitioned. Random float rows hold a few tied
 pairs, so the exact partitions stop after a few levels.
+
+The ``I`` argument of a presorted set's functions is a context (``presorted_context``): the
+sorted copy (null: none, introsort throughout) and a spare array as long as the row, whose slots
+[first, last) the range [first, last) may use as it likes (sort_equal.py): ranges that introsort
+reaches are disjoint, and a range the copy serves is not partitioned further.
 """
 from __future__ import annotations
 
@@ -25,9 +30,23 @@ TIED = 1 << 31  # the flag in a packed word's index half
 SCAN = 16  # words per vector step of the flag scan
 
 
+def presorted_context(f: Fn, sorted_words, spare) -> ir.Value:
+    """The context (module doc) of a presorted set's functions, on ``f``'s stack."""
+    ctx = f.array(ptr, 2, "presorted")
+    f.store(sorted_words, ctx, const(i64, 0))
+    f.store(spare, ctx, const(i64, 1))
+    return ctx
+
+
 class PresortedAlgos(SortAlgosBase):
     """``presorted_copy(K, S, first, last) -> copied``: the shortcut above (never, for a null
-    ``S``)."""
+    ``S``); the context's two pointers."""
+
+    def sorted_copy(self, f: Fn, ctx) -> ir.Value:
+        return f.load(ptr, ctx, const(i64, 0))
+
+    def spare(self, f: Fn, ctx) -> ir.Value:
+        return f.load(ptr, ctx, const(i64, 1))
 
     def presorted_copy(self) -> ir.Function:
         def body(f: Fn):

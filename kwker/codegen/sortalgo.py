@@ -49,8 +49,9 @@ class SortAlgos(PartitionAlgos, HeapAlgos, SmallSortAlgos, EqualRangeAlgos, Pres
                 if self.presorted:  # short ranges: the distinct-keys network is as quick
                     big = b.icmp_signed(">", b.sub(last.get(), first),
                                         const(i64, max(self.distinct_max, THRESHOLD)))
-                    with f.if_(b.and_(big, b.icmp_unsigned("!=", I, ir.Constant(ptr, None)))):
-                        with f.if_(b.call(self.presorted_copy(), [K, I, first, last.get()])):
+                    S = self.sorted_copy(f, I)
+                    with f.if_(b.and_(big, b.icmp_unsigned("!=", S, ir.Constant(ptr, None)))):
+                        with f.if_(b.call(self.presorted_copy(), [K, S, first, last.get()])):
                             f.ret()
                 if self.equal_ranges:
                     big = b.icmp_signed(">=", b.sub(last.get(), first), const(i64, EQUAL_MIN))
