@@ -120,13 +120,30 @@ class RowKernel:
         """P[j] = (key(src[j]) << 32) | j: one word per element for 32-bit keys. Returns the
         bits in which the keys differ, shifted as in the words (for the radix sort's digits)."""
         f, b = self.f, self.f.b
-        both, either = f.var(i64, const(i64, -1), "kand"), f.var(i64, const(i64, 0), "kor")
-        with f.for_range(const(i64, 0), self.n, name="fillp") as j:
-            k = b.shl(b.sext(self.key(f.load(self.vt, self.src, j)), i64), const(i64, 32))
-            f.store(b.or_(k, j), P, j)
+        W = self.lanes   # keys a step (LLVM vectorised the scalar loop 4 floats a step)
+        vt = vec(i64, W)
+        both = f.var(vt, ir.Constant(vt, [-1] * W), "kandv")
+        either = f.var(vt, ir.Constant(vt, [0] * W), "korv")
+        full = b.and_(self.n, const(i64, -W))
+        with f.for_range(const(i64, 0), full, step=W, name="fillv") as j:
+            k = self.key(f.load_vec(self.vt, W, self.src, j))
+            k = b.shl(b.sext(k, vt), ir.Constant(vt, [32] * W))
+            at = b.insert_element(ir.Constant(vt, None), j, const(i32, 0))
+            at = b.shuffle_vector(at, ir.Constant(vt, None), ir.Constant(vec(i32, W), [0] * W))
+            b.store(b.or_(k, b.add(at, ir.Constant(vt, list(range(W))))), f.gep(P, j, i64),
+                    align=8)
             both.set(b.and_(both.get(), k))
             either.set(b.or_(either.get(), k))
-        return b.xor(both.get(), either.get())
+        reduce = {op: intrinsic(self.m, f"llvm.vector.reduce.{op}.v{W}i64", i64, [vt])
+                  for op in ("and", "or")}
+        both_s = f.var(i64, b.call(reduce["and"], [both.get()]), "kand")
+        either_s = f.var(i64, b.call(reduce["or"], [either.get()]), "kor")
+        with f.for_range(full, self.n, name="fillp") as j:
+            k = b.shl(b.sext(self.key(f.load(self.vt, self.src, j)), i64), const(i64, 32))
+            f.store(b.or_(k, j), P, j)
+            both_s.set(b.and_(both_s.get(), k))
+            either_s.set(b.or_(either_s.get(), k))
+        return b.xor(both_s.get(), either_s.get())
 
     def write_packed(self, P, count):
         """Values and indices of the packed words (their index half, without the tie flag of
