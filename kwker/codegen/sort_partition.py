@@ -222,61 +222,33 @@ class PartitionAlgos(SortAlgosBase):
 
     # ---------------------------------------------------------------- one-sided partitions
     def _one_sided(self, f: Fn, K, X, first, last, lo, hi):
-        """Hoare's scans where one of them stops everywhere (packed words, AVX-512), from the
-        state (lo, hi) = (first + 1, last), to an exact state the block pairs continue from.
+        """Hoare's scans where one of them stops at every position it reaches (packed words,
+        AVX-512), from the state (lo, hi) = (first + 1, last) to an exact state the block pairs
+        continue from: first the right scan (every word <= the pivot: a range of two keys whose
+        larger one is the median of three), then the left one (every word >= it).
 
-        With no key above the pivot (it is the range's largest: a range of two keys whose
-        larger one is the median of three) every element stops the right scan, so the k-th
-        left stopper (a key equal to the pivot) swaps with position last - k: the right side
-        is consumed one position at a time. With no key below it, the same mirrored. Then the
-        stoppers of the sparse side are found 8 words at a time, each chunk takes the dense
-        side's next words (read in order, reversed on the right) into its stopper lanes, and
-        its own stoppers are compressed into the spare array ``X``'s slots from ``first``;
-        the dense side's consumed run is written from there at the end (it is only read
-        before). A tie-heavy row spends most of its swaps in such partitions (randint(0, 4)
+        Where the right scan stops everywhere, the k-th left stopper swaps with position
+        last - k: the right side is consumed one position at a time. So the left stoppers are
+        found 8 words at a time, each chunk takes the right side's next words (reversed) into
+        its stopper lanes, and its own stoppers are compressed into the spare array ``X``'s
+        slots from ``first``; the consumed run on the right is written from there at the end
+        (it is only read before). The mirror image for the left. Each step first checks that
+        the dense side's next 8 words are all stoppers, and stops (in an exact state) where
+        one is not. A tie-heavy row spends most of its swaps in such partitions (randint(0, 4)
         rows of 20000: 74% of them), where the pairwise swaps cost a pair of bit scans each."""
         b = f.b
-        V = 16
-        vt = vec(i64, V)
         pv = b.sext(self.key_at(f, K, first), i64)
         low_word = b.shl(pv, const(i64, 32))                     # the pivot's smallest word
         high_word = b.or_(low_word, const(i64, 0xFFFFFFFF))      # and its largest
-        above, below = f.var(i1, const(i1, 0), "above"), f.var(i1, const(i1, 0), "below")
-        pos = f.var(i64, b.add(first, const(i64, 1)), "scan")
-        end = b.sub(last, const(i64, V))
+        for dense_right in (True, False):
+            self._one_sided_run(f, K, X, first, last, lo, hi, low_word, high_word, dense_right)
 
-        def splat(x):
-            v = b.insert_element(ir.Constant(vt, None), x, const(i32, 0))
-            return b.shuffle_vector(v, ir.Constant(vt, None), ir.Constant(vec(i32, V), [0] * V))
-        hw, lw = splat(high_word), splat(low_word)
-
-        def any_(c):
-            return b.icmp_unsigned("!=", b.bitcast(c, ir.IntType(V)), const(ir.IntType(V), 0))
-        # whole vectors, then the last V words (overlapping the ones seen: no harm)
-        with f.while_(lambda: b.and_(b.icmp_signed("<=", pos.get(), end),
-                                     b.not_(b.and_(above.get(), below.get())))):
-            w = f.load_vec(i64, V, K, pos.get())
-            above.set(b.or_(above.get(), any_(b.icmp_signed(">", w, hw))))
-            below.set(b.or_(below.get(), any_(b.icmp_signed("<", w, lw))))
-            pos.set(b.add(pos.get(), const(i64, V)))
-        with f.if_(b.not_(b.and_(above.get(), below.get()))):
-            w = f.load_vec(i64, V, K, end)
-            above.set(b.or_(above.get(), any_(b.icmp_signed(">", w, hw))))
-            below.set(b.or_(below.get(), any_(b.icmp_signed("<", w, lw))))
-        with f.if_else(b.not_(above.get())) as (largest, other):
-            with largest:
-                self._one_sided_run(f, K, X, first, last, lo, hi, low_word, dense_right=True)
-            with other:
-                with f.if_(b.not_(below.get())):
-                    self._one_sided_run(f, K, X, first, last, lo, hi, high_word,
-                                        dense_right=False)
-
-    def _one_sided_run(self, f: Fn, K, X, first, last, lo, hi, bound, dense_right: bool):
-        """``_one_sided``'s swaps: ``dense_right``: left stoppers are words >= ``bound`` and
-        the right scan stops everywhere; else right stoppers are words <= ``bound`` and the
-        left scan stops everywhere. Chunks go while they stay clear of the dense side's next
-        8 words; (lo, hi) end as Hoare's state after the swaps made (the sparse side at its
-        scanned frontier: its chunks' stoppers are all swapped)."""
+    def _one_sided_run(self, f: Fn, K, X, first, last, lo, hi, low_word, high_word,
+                       dense_right: bool):
+        """``_one_sided``'s swaps with the right scan stopping everywhere (``dense_right``), or
+        the left one: while the dense side's next 8 words are all stoppers and a chunk stays
+        clear of them; (lo, hi) end as Hoare's state after the swaps made (the sparse side at
+        its scanned frontier: its chunks' stoppers are all swapped)."""
         b = f.b
         V = 8
         vt, vmask = vec(i64, V), vec(i1, V)
@@ -287,21 +259,31 @@ class PartitionAlgos(SortAlgosBase):
         expand = "llvm.x86.avx512.mask.expand.v8i64"
         buf = f.gep(X, first, i64)
         count = f.var(i64, const(i64, 0), "pairs")
-        v = b.insert_element(ir.Constant(vt, None), bound, const(i32, 0))
-        splat = b.shuffle_vector(v, ir.Constant(vt, None), ir.Constant(vec(i32, V), [0] * V))
+
+        def splat(x):
+            v = b.insert_element(ir.Constant(vt, None), x, const(i32, 0))
+            return b.shuffle_vector(v, ir.Constant(vt, None), ir.Constant(vec(i32, V), [0] * V))
+        low, high = splat(low_word), splat(high_word)
         rev_ = lambda w: b.shuffle_vector(w, w, rev)   # noqa: E731
-        with f.while_(lambda: b.icmp_signed("<=", b.add(lo.get(), const(i64, 2 * V)),
-                                            hi.get())):
-            if dense_right:   # a chunk from lo; the right side's next words from hi - 1 down
-                at = lo.get()
-                words = f.load_vec(i64, V, K, at)
-                stop = b.icmp_signed(">=", words, splat)
+        all_ = lambda c: b.icmp_unsigned("==", b.bitcast(c, ir.IntType(V)),   # noqa: E731
+                                         const(ir.IntType(V), (1 << V) - 1))
+        with f.loop():
+            with f.if_(b.icmp_signed(">", b.add(lo.get(), const(i64, 2 * V)), hi.get())):
+                f.break_()
+            if dense_right:   # the right side's next words from hi - 1 down, all <= pivot
                 theirs = rev_(f.load_vec(i64, V, K, b.sub(hi.get(), const(i64, V))))
-            else:   # a chunk below hi, reversed; the left side's next words from lo up
-                at = b.sub(hi.get(), const(i64, V))
-                words = rev_(f.load_vec(i64, V, K, at))
-                stop = b.icmp_signed("<=", words, splat)
+                with f.if_(b.not_(all_(b.icmp_signed("<=", theirs, high)))):
+                    f.break_()
+                at = lo.get()      # a chunk from lo: its left stoppers, >= pivot
+                words = f.load_vec(i64, V, K, at)
+                stop = b.icmp_signed(">=", words, low)
+            else:   # the left side's next words from lo up, all >= pivot
                 theirs = f.load_vec(i64, V, K, lo.get())
+                with f.if_(b.not_(all_(b.icmp_signed(">=", theirs, low)))):
+                    f.break_()
+                at = b.sub(hi.get(), const(i64, V))   # a chunk below hi, reversed
+                words = rev_(f.load_vec(i64, V, K, at))
+                stop = b.icmp_signed("<=", words, high)
             n = f.call_intrinsic("llvm.ctpop.i64", i64, [
                 b.zext(b.bitcast(stop, ir.IntType(V)), i64)])
             b.store(f.call_intrinsic(compress, vt, [words, words, stop]),
@@ -315,19 +297,16 @@ class PartitionAlgos(SortAlgosBase):
             else:
                 lo.set(b.add(lo.get(), n))
                 hi.set(at)
-        # the dense side's consumed run takes the sparse side's stoppers: from last - 1 down
-        # (right) or first + 1 up (left), in the order they were found
+        # the dense side's consumed run takes the sparse side's stoppers, in the order found:
+        # from last - 1 down (right) or from where the run began up (left)
         pairs = count.get()
+        start = b.sub(lo.get(), pairs)   # (left: the run is [lo - pairs, lo))
         lanes = ir.Constant(vt, list(range(V)))
         with f.for_range(const(i64, 0), pairs, step=V, name="run") as j:
-            left = b.sub(pairs, j)
-            v = b.insert_element(ir.Constant(vt, None), left, const(i32, 0))
-            valid = b.icmp_signed("<", lanes, b.shuffle_vector(
-                v, ir.Constant(vt, None), ir.Constant(vec(i32, V), [0] * V)))
+            valid = b.icmp_signed("<", lanes, splat(b.sub(pairs, j)))
             words = f.load_vec(i64, V, buf, j)
-            if dense_right:   # buf[j + t] goes to last - 1 - j - t
-                at = b.sub(b.sub(last, j), const(i64, V))
+            if dense_right:   # buf[j + t] goes to hi_end + pairs - 1 - j - t
+                at = b.sub(b.sub(b.add(hi.get(), pairs), j), const(i64, V))
                 b.call(store, [rev_(words), f.gep(K, at, i64), const(i32, 8), rev_(valid)])
-            else:             # buf[j + t] goes to first + 1 + j + t
-                at = b.add(b.add(first, const(i64, 1)), j)
-                b.call(store, [words, f.gep(K, at, i64), const(i32, 8), valid])
+            else:             # buf[j + t] goes to start + j + t
+                b.call(store, [words, f.gep(K, b.add(start, j), i64), const(i32, 8), valid])
