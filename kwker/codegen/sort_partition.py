@@ -5,7 +5,9 @@ runs 64 positions at a time (vector compares -> stopper bitmasks -> pair the k-t
 with the k-th right stopper, BlockQuicksort-style). Hoare's scans are a pairing of original
 stoppers until the scans cross, so the swaps are the same; near the crossing the scalar loop takes
 over from the exact Hoare state (lo, hi). A range whose keys all equal the pivot is reversed in
-one pass (``_all_equal_shortcut``), which is what Hoare's scans do to it.
+one pass (``_all_equal_shortcut``), which is what Hoare's scans do to it; where one scan stops at
+every position it reaches, the other side's stoppers take the dense side's words 8 at a time
+(``_one_sided``).
 """
 from __future__ import annotations
 
@@ -14,8 +16,7 @@ from llvmlite import ir
 from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec
 from .sort_base import BLOCKS, EQUAL_MIN, SortAlgosBase
 
-# ranges at least this long are checked for a pivot that is their largest or smallest key
-# (``_one_sided``)
+# ranges at least this long try the one-sided scans first (``_one_sided``)
 ONE_SIDED_MIN = 256
 
 
@@ -241,9 +242,9 @@ class PartitionAlgos(SortAlgosBase):
         low_word = b.shl(pv, const(i64, 32))                     # the pivot's smallest word
         high_word = b.or_(low_word, const(i64, 0xFFFFFFFF))      # and its largest
         for dense_right in (True, False):
-            self._one_sided_run(f, K, X, first, last, lo, hi, low_word, high_word, dense_right)
+            self._one_sided_run(f, K, X, first, lo, hi, low_word, high_word, dense_right)
 
-    def _one_sided_run(self, f: Fn, K, X, first, last, lo, hi, low_word, high_word,
+    def _one_sided_run(self, f: Fn, K, X, first, lo, hi, low_word, high_word,
                        dense_right: bool):
         """``_one_sided``'s swaps with the right scan stopping everywhere (``dense_right``), or
         the left one: while the dense side's next 8 words are all stoppers and a chunk stays
@@ -298,7 +299,7 @@ class PartitionAlgos(SortAlgosBase):
                 lo.set(b.add(lo.get(), n))
                 hi.set(at)
         # the dense side's consumed run takes the sparse side's stoppers, in the order found:
-        # from last - 1 down (right) or from where the run began up (left)
+        # from where the run began down (right) or up (left)
         pairs = count.get()
         start = b.sub(lo.get(), pairs)   # (left: the run is [lo - pairs, lo))
         lanes = ir.Constant(vt, list(range(V)))
