@@ -56,6 +56,25 @@ def test_nan_payloads_and_signed_zeros_keep_their_bits(dtype, kernels_everywhere
         check(lambda: torch.topk(x, k), f"topk {k}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bfloat16, torch.int16],
+                         ids=str)
+def test_rows_of_a_few_values_in_skewed_proportions(dtype, kernels_everywhere):
+    """Introsort's partitions where one scan stops at every position it reaches (the pivot is
+    the range's largest or smallest key) and its all-equal ranges take shortcuts
+    (sort_partition.py, sort_equal.py). Rows of 2-50 values in skewed proportions reach them in
+    every mix, and stop them midway: a third key among the dense side's words."""
+    g = torch.Generator().manual_seed(7)
+    for values in (2, 3, 5, 50):
+        for skew in (1, 4, 12):
+            probs = torch.rand(values, generator=g) ** skew
+            for n in (300, 4097):
+                x = torch.multinomial(probs / probs.sum(), 3 * n, replacement=True,
+                                      generator=g).reshape(3, n).to(dtype)
+                for desc in (False, True):
+                    check(lambda: torch.sort(x, descending=desc),
+                          f"sort {values} values, skew {skew}, n={n} desc={desc}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_topk_all_patterns(dtype, kernels_everywhere):
     for pattern in patterns(dtype):
