@@ -133,9 +133,12 @@ class _Emitter(SoftmaxRows):
         # softmax (bf16 on AVX512_BF16): independent max/sum accumulators per score row, and a
         # shorter exp2 for the P that is rounded; float32 and the other ISAs keep their code
         self.chains = 4 if self.dot else 1
-        # both products on matrix tiles (attention_tile.py), set up in body()
+        # both products on matrix tiles (attention_tile.py), set up in body(); their Q pair
+        # rows are K's panel rows long (whole tile steps, zero past e)
         self.tile_mode = tiles if s.path == "tile" and not self.direct else ""
         self.tile = None
+        if self.tile_mode and self.qk_pairs:
+            self.q_ld = self.ep_pad
 
     def head_off(self, head, strides, heads: int | None = None):
         """Element offset of head ``head`` (= batch * heads + h) for these strides."""
@@ -213,7 +216,7 @@ class _Emitter(SoftmaxRows):
             sizes.append(imul(b, icdiv(b, d.lk, 2), self.ev_pad) if self.pv_pairs else
                          imul(b, d.lk, self.ev_pad))
         if self.qk_pairs:  # Q pairs of one block
-            sizes += [0, s.bq * self.ep]
+            sizes += [0, s.bq * self.q_ld]
         elif self.bf:  # float32 K of one kv head and one Q block (blocked path)
             sizes += [imul(b, d.lk, s.e, blocked), s.bq * s.e * blocked]
         if self.gen:  # copies of K (blocked path), V and a Q block whose rows are strided
@@ -302,7 +305,8 @@ class _Emitter(SoftmaxRows):
             self.copy_rows(qh, d.qs[2], s.e, self.qd, strided, rows)
             qh = b.select(strided, self.qd, qh)
         if self.qk_pairs:  # the block's query rows as pairs, ep words each
-            b.call(emit_pair_rows(self.m, self.L, s.e, self.q_row), [qh, rows, self.qf])
+            b.call(emit_pair_rows(self.m, self.L, s.e, self.q_row, self.q_ld),
+                   [qh, rows, self.qf])
             qh = self.qf
         elif self.bf and not self.direct:  # the block's query rows in float32, row stride e
             b.call(emit_widen(self.m, self.L, s.e, self.q_row, s.e), [qh, rows, self.qf])

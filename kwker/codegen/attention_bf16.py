@@ -82,10 +82,13 @@ def emit_widen(module: ir.Module, L: int, cols: int, src_ld: int, dst_ld: int) -
     return f.finish()
 
 
-def emit_pair_rows(module: ir.Module, L: int, e: int, src_ld: int) -> ir.Function:
+def emit_pair_rows(module: ir.Module, L: int, e: int, src_ld: int,
+                   words: int | None = None) -> ir.Function:
     """``void pair_rows(ptr src, i64 rows, ptr dst)``: ``rows`` x ``e`` bf16 (row stride
-    ``src_ld``) into rows of ``ceil(e/2)`` words (a copy; an odd ``e`` gets a zero last half)."""
-    name = f"pair_rows.{L}.{e}.{src_ld}"
+    ``src_ld``) into rows of ``words`` words (default ``ceil(e/2)``; a copy, zero past ``e``:
+    an odd ``e`` gets a zero last half, longer rows zero words)."""
+    words = words or _cdiv(e, 2)
+    name = f"pair_rows.{L}.{e}.{src_ld}" + (f".{words}" if words != _cdiv(e, 2) else "")
     existing = defined(module, name)
     if existing is not None:
         return existing
@@ -94,11 +97,14 @@ def emit_pair_rows(module: ir.Module, L: int, e: int, src_ld: int) -> ir.Functio
     src, rows, dst = f.args
     b = f.b
     H = 2 * L                       # bf16 per vector
-    dst_ld = 2 * _cdiv(e, 2)        # in bf16
+    dst_ld = 2 * words              # in bf16
     with f.for_range(0, rows, name="r") as r:
         s0, d0 = b.mul(r, const(i64, src_ld)), b.mul(r, const(i64, dst_ld))
-        for c in range(0, e, H):
-            x = _load_i16(b, src, b.add(s0, const(i64, c)), H, simd.const_mask(H, e - c))
+        for c in range(0, dst_ld, H):
+            if c >= e:
+                x = ir.Constant(ir.VectorType(i16, H), [0] * H)
+            else:
+                x = _load_i16(b, src, b.add(s0, const(i64, c)), H, simd.const_mask(H, e - c))
             n = min(H, dst_ld - c)
             addr = simd.gep(b, dst, b.add(d0, const(i64, c)), i16)
             if n == H:

@@ -4,17 +4,19 @@ The tile form of the bf16 k-pair layouts of attention_bf16.py, for CPUs with AMX
 emulated target): the online softmax, masks, causal skipping, GQA and threads are those of
 attention.py, only the micro-kernel calls become 32 x 32 block products (gemm_tile.py):
 
-- S: a block of 32 query rows (their pairs, ``ep`` words a row) times a 32-key K panel (``ep``
-  word rows of 32 keys): A tiles are Q rows, B tiles panel rows; ``ep`` is a multiple of 16
-  (``e`` of 32), so the contraction has no tail. The scores of all 32 rows are stored into the
-  S buffer; the softmax reads only the block's real rows and keys.
+- S: a block of 32 query rows (their pairs, ``ep_pad`` words a row) times a 32-key K panel
+  (``ep_pad`` word rows of 32 keys): A tiles are Q rows, B tiles panel rows; ``ep_pad`` is
+  ``e / 2`` rounded up to 16 words with both operands zero past it, so the contraction is
+  whole tile steps (``e`` = 80: three steps, the last half zeros). The scores of all 32 rows
+  are stored into the S buffer; the softmax reads only the block's real rows and keys.
 - O: P rounded to bf16 over the first half of its own S row (pairs of keys, ``bk`` words
-  apart) times V packed in key pairs (rows of ``ev_pad`` words), per 32 output columns,
-  accumulated into the float32 O buffer (zero on the first key block). Whole steps of 16 key
-  pairs run on tiles; the rest of a partial last block goes to the vector micro-kernel, so no
-  P or V past the block's keys is ever read (a 0 in P times an inf in V would be NaN).
+  apart) times V packed in key pairs (rows of ``ev_pad`` words), per 32 output columns and a
+  last 16 (``ev`` = 80), accumulated into the float32 O buffer (zero on the first key block).
+  Whole steps of 16 key pairs run on tiles; the rest of a partial last block goes to the
+  vector micro-kernel, so no P or V past the block's keys is ever read (a 0 in P times an inf
+  in V would be NaN).
 
-Taken for bf16 with ``e == ev``, ``e`` a multiple of 32 and more than a few queries
+Taken for bf16 with ``e == ev``, ``e`` a multiple of 16 and more than a few queries
 (``tile_path_fits``); other shapes keep the vector products.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .tiles import Tiles
 def tile_path_fits(lq: int | None, e: int, ev: int, target) -> bool:
     """Whether bf16 attention of these sizes (``lq`` None: generic) runs on tiles there."""
     return (target.tiles in ("amx", "emulated") and target.has("avx512bf16") and e == ev
-            and e % 32 == 0 and (lq is None or lq > DIRECT_MAX_LQ))
+            and e % 16 == 0 and (lq is None or lq > DIRECT_MAX_LQ))
 
 
 class TileProducts:
@@ -45,7 +47,7 @@ class TileProducts:
     def scores(self, qh, kp, sbuf, j0, kv) -> None:
         """S[0:32, 0:kv] of the key block at ``j0``; ``qh``: the block's Q pairs."""
         em = self.em
-        f, b, ep = em.f, em.f.b, em.ep
+        f, b, ep = em.f, em.f.b, em.ep_pad   # (em.q_ld too: module doc)
         first = const(i1, 1)
         with f.for_range(0, b.sdiv(b.add(kv, const(i64, 31)), const(i64, 32)), name="tp") as p:
             col = b.mul(p, const(i64, 32))
@@ -66,15 +68,15 @@ class TileProducts:
         whole = b.and_(pairs, const(i64, -STEP))
         vb = simd.gep(b, vh, b.mul(b.sdiv(j0, const(i64, 2)), const(i64, ev_pad)), i32)
         first = b.icmp_signed("==", j0, const(i64, 0))
-        for cb in range(ev_pad // 32):
+        for cb in range(0, ev_pad, 32):   # 32 output columns a block, the last 16 may be
             block_product(
                 f, self.tiles, self.regs,
                 lambda k, i: simd.gep(b, sbuf, b.add(k, const(i64, i * 16 * em.ld_s)), i32),
                 const(i64, em.ld_s * 4),
                 lambda k, j, cb=cb: simd.gep(b, vb, b.add(b.mul(k, const(i64, ev_pad)),
-                                                          const(i64, cb * 32 + j * 16)), i32),
-                const(i64, ev_pad * 4), simd.gep(b, obuf, const(i64, cb * 32)), ev_pad,
-                whole, first)
+                                                          const(i64, cb + j * 16)), i32),
+                const(i64, ev_pad * 4), simd.gep(b, obuf, const(i64, cb)), ev_pad,
+                whole, first, col_tiles=min(2, (ev_pad - cb) // 16))
         rest = b.sub(pairs, whole)
         nullp = ir.Constant(ptr, None)
 

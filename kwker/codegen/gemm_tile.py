@@ -379,12 +379,14 @@ def block_registers(tiles: Tiles) -> dict:
 
 def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_stride, c, ldc: int,
                   kcp, first, int8: bool | str = False, row_tiles: int = 2, side=None,
-                  side_rest=None, b_ahead: int = 0, b_once: bool = False) -> None:
+                  side_rest=None, b_ahead: int = 0, b_once: bool = False,
+                  col_tiles: int = 2) -> None:
     """A 32 x 32 float32 block ``C (+)= A B`` over ``kcp`` k pairs (a multiple of ``STEP``):
     2 x 2 accumulators from zero (``first``, an i1) or loaded from ``c`` (row stride ``ldc``
     floats), stored back whole. ``int8``: u8 A x s8 B words (4 k each) into int32 sums
     (``"s8u8"``: s8 A x u8 B).
-    ``row_tiles`` 1: a 16 x 32 block (two accumulators, one A tile a step). ``side(step)``:
+    ``row_tiles`` 1: a 16 x 32 block (two accumulators, one A tile a step); ``col_tiles`` 1: a
+    32 x 16 block (one B tile a step; with ``b_ahead`` 0). ``side(step)``:
     vector work emitted in each step (its index, i64) after the first product, and
     ``side_rest(steps)`` after the last (the pending epilogue). ``a_at(k, i)`` /
     ``b_at(k, j)``: the address of A tile ``i`` (rows 16 i ..) / B tile ``j`` (columns 16 j ..)
@@ -392,7 +394,9 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
     ``b_ahead``: B prefetched that many bytes on; ``b_once``: B read once here, its tiles
     loaded around L1 and prefetched into L2 only, so that A stays in L1 (module doc)."""
     b = f.b
-    acc = [[regs["c00"], regs["c01"]], [regs["c10"], regs["c11"]]][:row_tiles]
+    assert col_tiles == 2 or not b_ahead
+    acc = [[regs["c00"], regs["c01"]][:col_tiles],
+           [regs["c10"], regs["c11"]][:col_tiles]][:row_tiles]
     ldc_bytes = const(i64, ldc * 4)
 
     def c_at(i, j):
@@ -416,16 +420,19 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
         dot(acc[0][0], regs["a0"], regs["b0"])
         if side is not None:
             side(b.lshr(k, const(i64, 4)))
-        tiles.load(regs["b1"], b_at(k, 1), b_stride, once=b_once)
+        if col_tiles == 2:
+            tiles.load(regs["b1"], b_at(k, 1), b_stride, once=b_once)
         if b_ahead:  # the step's 16 rows of B (both tiles), ``b_ahead`` bytes on
             fetch = simd.prefetch_l2 if b_once else simd.prefetch
             for line in range(0, 16 * B_ROW_BYTES, 64):
                 fetch(b, simd.gep(b, b_at(k, 0), const(i64, b_ahead + line), i8))
-        dot(acc[0][1], regs["a0"], regs["b1"])
+        if col_tiles == 2:
+            dot(acc[0][1], regs["a0"], regs["b1"])
         if row_tiles == 2:
             tiles.load(regs["a1"], a_at(k, 1), a_stride)
             dot(acc[1][0], regs["a1"], regs["b0"])
-            dot(acc[1][1], regs["a1"], regs["b1"])
+            if col_tiles == 2:
+                dot(acc[1][1], regs["a1"], regs["b1"])
     if side_rest is not None:
         side_rest(b.lshr(kcp, const(i64, 4)))
     for i, row in enumerate(acc):

@@ -24,7 +24,7 @@ from .shapes import TensorMeta
 # (codegen/attention_tile.py) stay on ATen there
 ATTENTION_ON_ATEN = ("bf16 attention of this shape stays on ATen on a CPU with AMX tiles "
                      "(ATen's runs on them; Kwker's tile path needs equal head sizes, a "
-                     "multiple of 32, and more than 4 queries)")
+                     "multiple of 16, and more than 4 queries)")
 
 
 def written_attention_aten(q, k, v, mask, scale: float, fill: float = -math.inf) -> torch.Tensor:

@@ -3,8 +3,9 @@
 Emulated tiles (``KWKER_TILES=emulate``) run on any AVX512_BF16 CPU in a subprocess; where this
 CPU has AMX and the tile state, the same cases run natively here. Cases: causal and not, bool
 and float masks, grouped-query heads, generic sizes, key counts that end inside a 16-pair tile
-step (the vector tail), head sizes 32, 64 and 128. The native build's assembly holds tile
-products and spills no tile; a head size that is no multiple of 32 keeps the vector path.
+step (the vector tail), head sizes 32, 48, 64, 80, 112 and 128. The native build's assembly
+holds tile products and spills no tile; a head size that is no multiple of 16 keeps the vector
+path.
 """
 import os
 import re
@@ -37,6 +38,10 @@ CASES = [  # (b, h, lq, lk, e), causal, mask, mask shape, kv heads, generic
     # softmax rescaling O between them
     ((1, 2, 40, 2100, 32), False, None, None, None, True),
     ((1, 1, 2100, 2100, 32), True, None, None, None, True),
+    # head sizes of 16 words but not 32: a contraction step half zeros, a last 16 columns of O
+    ((2, 4, 100, 100, 80), True, None, None, None, False),
+    ((2, 3, 45, 70, 48), False, "float", (1, 3, 45, 70), None, False),
+    ((1, 4, 65, 130, 112), True, None, None, 2, True),
 ]
 
 
@@ -101,7 +106,8 @@ def test_other_head_sizes_keep_the_vector_path():
     from kwker.codegen.attention_tile import tile_path_fits
     amx = make_target("sapphirerapids")
     assert tile_path_fits(128, 64, 64, amx) and tile_path_fits(None, 32, 32, amx)
-    assert not tile_path_fits(128, 80, 80, amx)       # no multiple of 32
+    assert tile_path_fits(128, 80, 80, amx) and tile_path_fits(128, 48, 48, amx)
+    assert not tile_path_fits(128, 72, 72, amx)       # no multiple of 16
     assert not tile_path_fits(128, 64, 32, amx)       # e != ev
     assert not tile_path_fits(1, 64, 64, amx)         # decode: dot products, no K packing
     assert not tile_path_fits(128, 64, 64, make_target("znver4"))
