@@ -304,7 +304,7 @@ class _Emitter(SoftmaxRows):
             strided = b.icmp_signed("!=", d.qs[2], const(i64, s.e))
             self.copy_rows(qh, d.qs[2], s.e, self.qd, strided, rows)
             qh = b.select(strided, self.qd, qh)
-        if self.qk_pairs:  # the block's query rows as pairs, ep words each
+        if self.qk_pairs:  # the block's query rows as pairs, q_ld words each
             b.call(emit_pair_rows(self.m, self.L, s.e, self.q_row, self.q_ld),
                    [qh, rows, self.qf])
             qh = self.qf

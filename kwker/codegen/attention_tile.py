@@ -47,15 +47,15 @@ class TileProducts:
     def scores(self, qh, kp, sbuf, j0, kv) -> None:
         """S[0:32, 0:kv] of the key block at ``j0``; ``qh``: the block's Q pairs."""
         em = self.em
-        f, b, ep = em.f, em.f.b, em.ep_pad   # (em.q_ld too: module doc)
+        f, b, ep, ld = em.f, em.f.b, em.ep_pad, em.q_ld   # (module doc)
         first = const(i1, 1)
         with f.for_range(0, b.sdiv(b.add(kv, const(i64, 31)), const(i64, 32)), name="tp") as p:
             col = b.mul(p, const(i64, 32))
             panel = simd.gep(b, kp, b.mul(b.add(j0, col), const(i64, ep)), i32)
             block_product(
                 f, self.tiles, self.regs,
-                lambda k, i: simd.gep(b, qh, b.add(k, const(i64, i * 16 * ep)), i32),
-                const(i64, ep * 4),
+                lambda k, i: simd.gep(b, qh, b.add(k, const(i64, i * 16 * ld)), i32),
+                const(i64, ld * 4),
                 lambda k, j: simd.gep(b, panel, b.add(b.mul(k, const(i64, 32)),
                                                       const(i64, j * 16)), i32),
                 const(i64, 32 * 4), simd.gep(b, sbuf, col), em.ld_s, const(i64, ep), first)
@@ -68,7 +68,7 @@ class TileProducts:
         whole = b.and_(pairs, const(i64, -STEP))
         vb = simd.gep(b, vh, b.mul(b.sdiv(j0, const(i64, 2)), const(i64, ev_pad)), i32)
         first = b.icmp_signed("==", j0, const(i64, 0))
-        for cb in range(0, ev_pad, 32):   # 32 output columns a block, the last 16 may be
+        for cb in range(0, ev_pad, 32):   # 32 output columns a block; the last 16 for ev = 80
             block_product(
                 f, self.tiles, self.regs,
                 lambda k, i: simd.gep(b, sbuf, b.add(k, const(i64, i * 16 * em.ld_s)), i32),
