@@ -27,9 +27,13 @@ class SortAlgosBase:
     """Construction and element access for one key type and comparator (see ``SortAlgos``)."""
 
     def __init__(self, module: ir.Module, key_type: ir.Type, lt, prefix: str,
-                 vector_lanes: int = 0, packed: bool = False, presorted: bool = False):
+                 vector_lanes: int = 0, packed: bool = False, presorted: bool = False,
+                 vector_bits: int = 0):
         self.m, self.kt, self.lt, self.prefix = module, key_type, lt, prefix
         self.lanes = vector_lanes
+        # packed words compressed and expanded a vector at a time (sort_partition.py's
+        # one-sided scans): AVX-512 instructions, or AVX2's vpermd from tables; not on SSE
+        self.word_permutes = packed and vector_bits >= 256 and vector_lanes in (4, 8)
         # packed: one i64 word per element, (i32 key << 32) | index, in K (I unused): a swap is
         # two loads and two stores instead of four and four
         self.packed = packed

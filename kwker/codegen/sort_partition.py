@@ -128,7 +128,7 @@ class PartitionAlgos(SortAlgosBase):
                 # small ranges: the Hoare tail reverses an all-equal range just as fast
                 with f.if_(b.icmp_signed(">=", b.sub(last, first), const(i64, EQUAL_MIN))):
                     self._all_equal_shortcut(f, K, I, first, last)
-                if self.presorted and self.lanes >= 8:
+                if self.presorted and self.word_permutes:
                     with f.if_(b.icmp_signed(">=", b.sub(last, first), const(i64, ONE_SIDED_MIN))):
                         self._one_sided(f, K, self.spare(f, I), first, last, lo, hi)
                 for width in BLOCKS:
@@ -223,20 +223,22 @@ class PartitionAlgos(SortAlgosBase):
 
     # ---------------------------------------------------------------- one-sided partitions
     def _one_sided(self, f: Fn, K, X, first, last, lo, hi):
-        """Hoare's scans where one of them stops at every position it reaches (packed words,
-        AVX-512), from the state (lo, hi) = (first + 1, last) to an exact state the block pairs
-        continue from: first the right scan (every word <= the pivot: a range of two keys whose
-        larger one is the median of three), then the left one (every word >= it).
+        """Hoare's scans where one of them stops at every position it reaches (packed words, on
+        AVX-512 or AVX2: ``word_permutes``), from the state (lo, hi) = (first + 1, last) to an
+        exact state the block pairs continue from: first the right scan (every word <= the
+        pivot: a range of two keys whose larger one is the median of three), then the left one
+        (every word >= it).
 
         Where the right scan stops everywhere, the k-th left stopper swaps with position
         last - k: the right side is consumed one position at a time. So the left stoppers are
-        found 8 words at a time, each chunk takes the right side's next words (reversed) into
-        its stopper lanes, and its own stoppers are compressed into the spare array ``X``'s
-        slots from ``first``; the consumed run on the right is written from there at the end
-        (it is only read before). The mirror image for the left. Each step first checks that
-        the dense side's next 8 words are all stoppers, and stops (in an exact state) where
-        one is not. A tie-heavy row spends most of its swaps in such partitions (randint(0, 4)
-        rows of 20000: 74% of them), where the pairwise swaps cost a pair of bit scans each."""
+        found a vector at a time (8 words; AVX2 4), each chunk takes the right side's next words
+        (reversed) into its stopper lanes, and its own stoppers are compressed into the spare
+        array ``X``'s slots from ``first``; the consumed run on the right is written from there
+        at the end (it is only read before). The mirror image for the left. Each step first
+        checks that the dense side's next vector of words are all stoppers, and stops (in an
+        exact state) where one is not. A tie-heavy row spends most of its swaps in such
+        partitions (randint(0, 4) rows of 20000: 74% of them), where the pairwise swaps cost a
+        pair of bit scans each."""
         b = f.b
         pv = b.sext(self.key_at(f, K, first), i64)
         low_word = b.shl(pv, const(i64, 32))                     # the pivot's smallest word
@@ -247,17 +249,16 @@ class PartitionAlgos(SortAlgosBase):
     def _one_sided_run(self, f: Fn, K, X, first, lo, hi, low_word, high_word,
                        dense_right: bool):
         """``_one_sided``'s swaps with the right scan stopping everywhere (``dense_right``), or
-        the left one: while the dense side's next 8 words are all stoppers and a chunk stays
+        the left one: while the dense side's next words are all stoppers and a chunk stays
         clear of them; (lo, hi) end as Hoare's state after the swaps made (the sparse side at
         its scanned frontier: its chunks' stoppers are all swapped)."""
         b = f.b
-        V = 8
+        V = self.lanes
         vt, vmask = vec(i64, V), vec(i1, V)
         rev = ir.Constant(vec(i32, V), list(range(V - 1, -1, -1)))
-        store = intrinsic(self.m, "llvm.masked.store.v8i64.p0", ir.VoidType(),
+        store = intrinsic(self.m, f"llvm.masked.store.v{V}i64.p0", ir.VoidType(),
                           [vt, ptr, i32, vmask])
-        compress = "llvm.x86.avx512.mask.compress.v8i64"
-        expand = "llvm.x86.avx512.mask.expand.v8i64"
+        compress, expand = self._word_permutes(f, V)
         buf = f.gep(X, first, i64)
         count = f.var(i64, const(i64, 0), "pairs")
 
@@ -287,9 +288,8 @@ class PartitionAlgos(SortAlgosBase):
                 stop = b.icmp_signed("<=", words, high)
             n = f.call_intrinsic("llvm.ctpop.i64", i64, [
                 b.zext(b.bitcast(stop, ir.IntType(V)), i64)])
-            b.store(f.call_intrinsic(compress, vt, [words, words, stop]),
-                    f.gep(buf, count.get(), i64), align=8)
-            placed = f.call_intrinsic(expand, vt, [theirs, words, stop])
+            b.store(compress(words, stop), f.gep(buf, count.get(), i64), align=8)
+            placed = expand(theirs, words, stop)
             b.store(placed if dense_right else rev_(placed), f.gep(K, at, i64), align=8)
             count.set(b.add(count.get(), n))
             if dense_right:
@@ -311,3 +311,50 @@ class PartitionAlgos(SortAlgosBase):
                 b.call(store, [rev_(words), f.gep(K, at, i64), const(i32, 8), rev_(valid)])
             else:             # buf[j + t] goes to start + j + t
                 b.call(store, [words, f.gep(K, b.add(start, j), i64), const(i32, 8), valid])
+
+    def _word_permutes(self, f: Fn, V: int):
+        """(compress(words, mask), expand(theirs, words, mask)) of V packed words: the mask's
+        lanes moved to the front in order, and the first lanes of ``theirs`` into the mask's
+        lanes of ``words``. AVX-512 has both as instructions; on AVX2 they are ``vpermd``
+        with a 16-entry index table each (a word is two dword lanes) and a blend."""
+        b = f.b
+        vt = vec(i64, V)
+        if V == 8:
+            def call(name):
+                return lambda x, y, m: f.call_intrinsic(
+                    f"llvm.x86.avx512.mask.{name}.v8i64", vt, [x, y, m])
+            return (lambda w, m: call("compress")(w, w, m)), call("expand")
+        assert V == 4
+        dwords = vec(i32, 8)
+
+        def table(name, order):
+            full = f"{self.prefix}.{name}"
+            g = self.m.globals.get(full)
+            if g is None:
+                rows = []
+                for m in range(16):
+                    src = order(m)
+                    rows.append(ir.Constant(dwords, [2 * src[j] + h for j in range(4)
+                                                     for h in (0, 1)]))
+                g = ir.GlobalVariable(self.m, ir.ArrayType(dwords, 16), full)
+                g.initializer = ir.Constant(ir.ArrayType(dwords, 16), rows)
+                g.global_constant = True
+                g.align = 32
+            return g
+
+        def compress_order(m):
+            lanes = [j for j in range(4) if m >> j & 1]
+            return lanes + [0] * (4 - len(lanes))
+
+        def expand_order(m):   # lane j of a mask lane takes theirs[rank of j in the mask]
+            return [bin(m & ((1 << j) - 1)).count("1") if m >> j & 1 else 0 for j in range(4)]
+        tables = table("compress4", compress_order), table("expand4", expand_order)
+
+        def permute(which, w, m):
+            idx = b.zext(b.bitcast(m, ir.IntType(4)), i64)
+            at = b.gep(tables[which], [const(i64, 0), idx], inbounds=True)
+            order = b.load(at, typ=dwords, align=32)
+            fn = intrinsic(self.m, "llvm.x86.avx2.permd", dwords, [dwords, dwords])
+            return b.bitcast(b.call(fn, [b.bitcast(w, dwords), order]), vt)
+        return ((lambda w, m: permute(0, w, m)),
+                (lambda their, w, m: b.select(m, permute(1, their, m), w)))

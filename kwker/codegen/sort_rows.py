@@ -98,6 +98,7 @@ class RowKernel:
         self.src = f.gep(self.a["src"], b.mul(self.row, self.a["in_rs"]), self.vt)
         lanes = max(target.vector_bits // self.kt.width, 4)
         self.lanes = min(lanes, 16)
+        self.vector_bits = target.vector_bits
         self._algos: dict[tuple, SortAlgos] = {}
 
     def lt(self, b, x, y):
@@ -113,7 +114,8 @@ class RowKernel:
         if key not in self._algos:
             name = f"{self.spec.symbol}.algo{lanes}{'p' * packed}{'s' * presorted}"
             self._algos[key] = SortAlgos(self.m, self.kt, self.lt, name, vector_lanes=lanes,
-                                         packed=packed, presorted=presorted)
+                                         packed=packed, presorted=presorted,
+                                         vector_bits=self.vector_bits)
         return self._algos[key]
 
     def fill_packed(self, P):
