@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from . import simd
 from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec, void
 from .sort_base import THRESHOLD, SortAlgosBase
 
@@ -129,7 +130,6 @@ class EqualRangeAlgos(SortAlgosBase):
         forward = b.icmp_signed(">", s, const(i64, 0))
         start = b.add(a, b.mul(s, b.add(first, const(i64, 1))))  # X index of K[first + 1]
         rev = ir.Constant(vec(i32, V), list(range(V - 1, -1, -1)))
-        lanes = ir.Constant(vt, list(range(V)))
         store = intrinsic(self.m, "llvm.masked.store.v8i64.p0", void,
                           [vt, ptr, i32, vec(i1, V)])
         for j in range(LEAF_VECTORS):
@@ -137,11 +137,7 @@ class EqualRangeAlgos(SortAlgosBase):
                           b.sub(start, const(i64, V * j + V - 1)))
             words = f.load_vec(i64, V, X, at)
             words = b.select(forward, words, b.shuffle_vector(words, words, rev))
-            left = b.sub(rest, const(i64, V * j))
-            splat = b.shuffle_vector(b.insert_element(ir.Constant(vt, None), left,
-                                                      const(i32, 0)),
-                                     ir.Constant(vt, None), ir.Constant(vec(i32, V), [0] * V))
-            mask = b.icmp_signed("<", lanes, splat)
+            mask = simd.lane_mask(b, V, b.sub(rest, const(i64, V * j)))
             b.call(store, [words, f.gep(K, b.add(first, const(i64, 1 + V * j)), i64),
                            const(i32, 8), mask])
 

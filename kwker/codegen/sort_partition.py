@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from . import simd
 from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec
 from .sort_base import BLOCKS, EQUAL_MIN, SortAlgosBase
 
@@ -130,7 +131,7 @@ class PartitionAlgos(SortAlgosBase):
                     self._all_equal_shortcut(f, K, I, first, last)
                 if self.presorted and self.word_permutes:
                     with f.if_(b.icmp_signed(">=", b.sub(last, first), const(i64, ONE_SIDED_MIN))):
-                        self._one_sided(f, K, self.spare(f, I), first, last, lo, hi)
+                        self._one_sided(f, K, self.spare(f, I), first, lo, hi)
                 for width in BLOCKS:
                     with f.while_(lambda: b.icmp_signed(">=", b.sub(hi.get(), lo.get()),
                                                         const(i64, 2 * width))):
@@ -222,7 +223,7 @@ class PartitionAlgos(SortAlgosBase):
             hi.set(b.select(b.icmp_signed("<", rf.get(), hi.get()), rf.get(), hi.get()))
 
     # ---------------------------------------------------------------- one-sided partitions
-    def _one_sided(self, f: Fn, K, X, first, last, lo, hi):
+    def _one_sided(self, f: Fn, K, X, first, lo, hi):
         """Hoare's scans where one of them stops at every position it reaches (packed words, on
         AVX-512 or AVX2: ``word_permutes``), from the state (lo, hi) = (first + 1, last) to an
         exact state the block pairs continue from: first the right scan (every word <= the
@@ -262,10 +263,7 @@ class PartitionAlgos(SortAlgosBase):
         buf = f.gep(X, first, i64)
         count = f.var(i64, const(i64, 0), "pairs")
 
-        def splat(x):
-            v = b.insert_element(ir.Constant(vt, None), x, const(i32, 0))
-            return b.shuffle_vector(v, ir.Constant(vt, None), ir.Constant(vec(i32, V), [0] * V))
-        low, high = splat(low_word), splat(high_word)
+        low, high = simd.broadcast(b, low_word, V), simd.broadcast(b, high_word, V)
         rev_ = lambda w: b.shuffle_vector(w, w, rev)   # noqa: E731
         all_ = lambda c: b.icmp_unsigned("==", b.bitcast(c, ir.IntType(V)),   # noqa: E731
                                          const(ir.IntType(V), (1 << V) - 1))
@@ -302,9 +300,8 @@ class PartitionAlgos(SortAlgosBase):
         # from where the run began down (right) or up (left)
         pairs = count.get()
         start = b.sub(lo.get(), pairs)   # (left: the run is [lo - pairs, lo))
-        lanes = ir.Constant(vt, list(range(V)))
         with f.for_range(const(i64, 0), pairs, step=V, name="run") as j:
-            valid = b.icmp_signed("<", lanes, splat(b.sub(pairs, j)))
+            valid = simd.lane_mask(b, V, b.sub(pairs, j))
             words = f.load_vec(i64, V, buf, j)
             if dense_right:   # buf[j + t] goes to hi_end + pairs - 1 - j - t
                 at = b.sub(b.sub(b.add(hi.get(), pairs), j), const(i64, V))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from . import simd
 from .irutil import (
     DTYPES,
     HALF_FLOATS,
@@ -130,10 +131,8 @@ class RowKernel:
         with f.for_range(const(i64, 0), full, step=W, name="fillv") as j:
             k = self.key(f.load_vec(self.vt, W, self.src, j))
             k = b.shl(b.sext(k, vt), ir.Constant(vt, [32] * W))
-            at = b.insert_element(ir.Constant(vt, None), j, const(i32, 0))
-            at = b.shuffle_vector(at, ir.Constant(vt, None), ir.Constant(vec(i32, W), [0] * W))
-            b.store(b.or_(k, b.add(at, ir.Constant(vt, list(range(W))))), f.gep(P, j, i64),
-                    align=8)
+            at = b.add(simd.broadcast(b, j, W), ir.Constant(vt, list(range(W))))
+            b.store(b.or_(k, at), f.gep(P, j, i64), align=8)
             both.set(b.and_(both.get(), k))
             either.set(b.or_(either.get(), k))
         reduce = {op: intrinsic(self.m, f"llvm.vector.reduce.{op}.v{W}i64", i64, [vt])
