@@ -187,10 +187,13 @@ def variants(m: int | None, n: int, k: int, dtype: str = "f32",
     if dtype == "f32" and m is not None and first.path == "vector" and first.a_pack:
         # A read in place (broadcast from its rows) instead of packed per call: on Zen 3 1.0-2.0x
         # faster on each of 11 shapes (2048x64x64 1.71x, 129x257x511 1.57x, 512^3 1.09x,
-        # 77x768x768 1.00x; 2026-12-03), so the built-in choice on AVX2; on AVX-512 the
-        # packed blocking was tuned (Zen 4) and stays first
+        # 77x768x768 1.00x; 2026-12-03), so the built-in choice on AVX2; on Zen 4 (2026-12-06,
+        # 14 shapes in one process) 1.02-1.22x where A fits in L2 (256x768x768 1.09x, 512^3
+        # 1.06x, 2048x64x64 1.15x) and 0.69-1.00x where it does not (1024^3 0.69x, 2048 x 1024
+        # x 256 0.98x, 128 x 768 x 3072 1.00x), so the built-in choice there where A fits
         in_place = replace(first, a_pack=False)
-        out = ({"vector, A in place": in_place, "vector": first} if lanes(target) == 8 else
+        first_in_place = lanes(target) == 8 or m * k * 4 <= cache_sizes()[1]
+        out = ({"vector, A in place": in_place, "vector": first} if first_in_place else
                {"vector": first, "vector, A in place": in_place})
         whole = _k_whole(first, k)
         if whole is not None:
