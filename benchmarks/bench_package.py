@@ -146,14 +146,14 @@ def calls(reps: int, quick: bool) -> list[dict]:
 
 def read_floor(model):
     """A call reading as many bytes as the model's weights once, on the same threads (the JIT'd
-    read probe of kernels_bf16.py): the memory floor of a batch-1 call, which reads each weight
+    read probe of probes.py): the memory floor of a batch-1 call, which reads each weight
     once. The buffer is larger than the L3, as the weights are."""
-    from kernels_bf16 import _read_probe
+    import probes
 
     from kwker.codegen import simd
     from kwker.runtime.target import host_target
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    fn = _read_probe(simd.float_lanes(host_target()))
+    fn = probes.read_probe(simd.float_lanes(host_target()))
     buf = torch.ones(nbytes // 4)
     sink = torch.zeros(64)
     args = (buf.data_ptr(), buf.numel(), 1, sink.data_ptr(), torch.get_num_threads())

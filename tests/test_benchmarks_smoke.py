@@ -203,6 +203,16 @@ def test_package_overhead_is_the_call_without_its_kernels(bp, tmp_path):
         torch.testing.assert_close(pkg(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+def test_package_read_floor_reads_the_weights_bytes(bp):
+    """The memory floor of a batch-1 call: a JIT'd read of as many bytes as the weights (its
+    probe had moved to probes.py and the benchmark stopped at this row)."""
+    model = torch.nn.Linear(256, 1024)
+    floor = bp.read_floor(model)
+    floor()
+    buf = floor.__defaults__[0][0]      # the buffer the call reads
+    assert buf.numel() * 4 == sum(p.numel() * 4 for p in model.parameters())
+
+
 def _call_row(model, batch, us, over=1.0):
     return {"model": model, "batch": batch, "us": us,
             "ratios": {k: v / us["package"] for k, v in us.items()},
