@@ -224,8 +224,7 @@ def _gelu_tanh_bf16_body(b: ir.IRBuilder, x):
     t = b.fmul(x, fma(b, b.fmul(x, x), splat(ty, _K1), splat(ty, _K0)))
     t = b.select(b.fcmp_ordered(">", t, splat(ty, 126.0)), splat(ty, 126.0), t)
     t = b.select(b.fcmp_ordered("<", t, splat(ty, -126.0)), splat(ty, -126.0), t)
-    p, n = _exp2_split(b, t, EXP2_P[2:])
-    e = b.fmul(p, _pow2(b, b.fptosi(n, _int_type(ty))))
+    e = _exp2_in_range(b, t, EXP2_P[2:])
     y = b.fmul(x, _reciprocal_bf16(b, b.fadd(e, splat(ty, 1.0))))
     # ATen's 0.5 x (1 + tanh z) is -inf * 0 there
     return b.select(b.fcmp_ordered("==", x, splat(ty, -math.inf)), splat(ty, math.nan), y)
@@ -257,9 +256,7 @@ def _gelu_tanh_fused_body(b: ir.IRBuilder, x):
     t = b.fmul(x, fma(b, b.fmul(x, x), splat(ty, _K1), splat(ty, _K0)))
     t = b.select(b.fcmp_ordered(">", t, splat(ty, 126.0)), splat(ty, 126.0), t)
     t = b.select(b.fcmp_ordered("<", t, splat(ty, -126.0)), splat(ty, -126.0), t)
-    p, n = _exp2_split(b, t, EXP2_P)
-    e = b.fmul(p, _pow2(b, b.fptosi(n, _int_type(ty))))
-    y = b.fdiv(x, b.fadd(e, splat(ty, 1.0)))
+    y = b.fdiv(x, b.fadd(_exp2_in_range(b, t), splat(ty, 1.0)))
     return b.select(b.fcmp_ordered("==", x, splat(ty, -math.inf)), splat(ty, math.nan), y)
 
 
@@ -282,9 +279,7 @@ def _gelu_erf_fused_body(b: ir.IRBuilder, x):
     t = b.fdiv(splat(ty, 1.0), fma(b, a, splat(ty, ERFC_P), splat(ty, 1.0)))
     s = b.fmul(b.fmul(a, a), splat(ty, -1.4426950408889634))    # e**(-a*a) = 2**s
     s = b.select(b.fcmp_ordered("<", s, splat(ty, -126.0)), splat(ty, -126.0), s)
-    p, n = _exp2_split(b, s, EXP2_P)
-    e = b.fmul(p, _pow2(b, b.fptosi(n, _int_type(ty))))
-    h = b.fmul(b.fmul(horner(b, HALF_ERFC_T, t), t), e)
+    h = b.fmul(b.fmul(horner(b, HALF_ERFC_T, t), t), _exp2_in_range(b, s))
     phi = b.select(b.fcmp_ordered(">=", x, splat(ty, 0.0)), b.fsub(splat(ty, 1.0), h), h)
     return b.fmul(x, phi)
 
@@ -382,6 +377,13 @@ def _exp2_split(b: ir.IRBuilder, t, coeffs):
     n = unary(b, "rint", t)
     f = b.fsub(t, n)
     return fma(b, horner(b, coeffs, f), f, splat(t.type, 1.0)), n
+
+
+def _exp2_in_range(b: ir.IRBuilder, t, coeffs=EXP2_P):
+    """2**t for t in [-126, 126] (callers clamp by ordered compares, so NaN stays NaN): the
+    polynomial's 2**f times an exponent-field 2**n."""
+    p, n = _exp2_split(b, t, coeffs)
+    return b.fmul(p, _pow2(b, b.fptosi(n, _int_type(t.type))))
 
 
 def exp2_softmax(b: ir.IRBuilder, t, avx512: bool):
