@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .irutil import Fn, const, i32, i64
+from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, void
 
 THRESHOLD = 16  # libstdc++ _S_threshold
 BLOCKS = (64, 16)  # block partition widths: wide while the scans are far apart, then narrow
@@ -79,6 +79,13 @@ class SortAlgosBase:
         ea, eb = self._get(f, K, I, a), self._get(f, K, I, b)
         self._put(f, K, I, a, eb)
         self._put(f, K, I, b, ea)
+
+    def copy_words(self, f: Fn, dst, src, first, last) -> None:
+        """dst[first:last] = src[first:last], packed words (one memcpy)."""
+        b = f.b
+        memcpy = intrinsic(self.m, "llvm.memcpy.p0.p0.i64", void, [ptr, ptr, i64, i1])
+        b.call(memcpy, [f.gep(dst, first, i64), f.gep(src, first, i64),
+                        b.mul(b.sub(last, first), const(i64, 8)), const(i1, 0)])
 
     def _fn(self, name: str, ret, args, argnames, body):
         full = f"{self.prefix}.{name}"

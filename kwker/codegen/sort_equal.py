@@ -9,15 +9,15 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import simd
-from .irutil import Fn, const, i1, i32, i64, intrinsic, ptr, vec, void
+from .irutil import Fn, const, i1, i32, i64, ptr, vec, void
 from .sort_base import THRESHOLD, SortAlgosBase
 
 LEAF_VECTORS = 2   # 8-word vectors of a leaf past its first word (leaves hold at most 16 words)
 
 
 class EqualRangeAlgos(SortAlgosBase):
-    """``equal_subtree``, ``equal_tree`` and the packed-word reversal they share with the
-    partition's all-equal shortcut."""
+    """``equal_subtree``, ``equal_tree``, and the packed-word reversal of the partition's
+    all-equal shortcut."""
 
     def equal_subtree(self) -> ir.Function:
         """equal_subtree(K, ctx, first, last, depth) -> done: the whole introsort subtree of a
@@ -85,9 +85,7 @@ class EqualRangeAlgos(SortAlgosBase):
         def body(f: Fn):
             K, X, first, last = f.args
             b = f.b
-            memcpy = intrinsic(self.m, "llvm.memcpy.p0.p0.i64", void, [ptr, ptr, i64, i1])
-            b.call(memcpy, [f.gep(X, first, i64), f.gep(K, first, i64),
-                            b.mul(b.sub(last, first), const(i64, 8)), const(i1, 0)])
+            self.copy_words(f, X, K, first, last)
             b.call(self._equal_parts(), [K, X, first, last, const(i64, 0), const(i64, 1),
                                          first])
         return self._fn("equal_tree", void, [ptr, ptr, i64, i64], ["K", "X", "first", "last"],
@@ -124,22 +122,18 @@ class EqualRangeAlgos(SortAlgosBase):
         padding), stores masked to the leaf."""
         b = f.b
         V = 8
-        vt = vec(i64, V)
         f.store(f.load(i64, X, x0), K, first)
         rest = b.sub(b.sub(last, first), const(i64, 1))
         forward = b.icmp_signed(">", s, const(i64, 0))
         start = b.add(a, b.mul(s, b.add(first, const(i64, 1))))  # X index of K[first + 1]
         rev = ir.Constant(vec(i32, V), list(range(V - 1, -1, -1)))
-        store = intrinsic(self.m, "llvm.masked.store.v8i64.p0", void,
-                          [vt, ptr, i32, vec(i1, V)])
         for j in range(LEAF_VECTORS):
             at = b.select(forward, b.add(start, const(i64, V * j)),
                           b.sub(start, const(i64, V * j + V - 1)))
             words = f.load_vec(i64, V, X, at)
             words = b.select(forward, words, b.shuffle_vector(words, words, rev))
             mask = simd.lane_mask(b, V, b.sub(rest, const(i64, V * j)))
-            b.call(store, [words, f.gep(K, b.add(first, const(i64, 1 + V * j)), i64),
-                           const(i32, 8), mask])
+            simd.masked_store(b, words, K, b.add(first, const(i64, 1 + V * j)), mask, i64)
 
     def _reverse(self, f: Fn, K, lo, hi, n_rev):
         """Swap (lo + i, hi - 1 - i) for i < n_rev: whole vectors of packed words from both

@@ -255,10 +255,7 @@ class PartitionAlgos(SortAlgosBase):
         its scanned frontier: its chunks' stoppers are all swapped)."""
         b = f.b
         V = self.lanes
-        vt, vmask = vec(i64, V), vec(i1, V)
         rev = ir.Constant(vec(i32, V), list(range(V - 1, -1, -1)))
-        store = intrinsic(self.m, f"llvm.masked.store.v{V}i64.p0", ir.VoidType(),
-                          [vt, ptr, i32, vmask])
         compress, expand = self._word_permutes(f, V)
         buf = f.gep(X, first, i64)
         count = f.var(i64, const(i64, 0), "pairs")
@@ -305,9 +302,9 @@ class PartitionAlgos(SortAlgosBase):
             words = f.load_vec(i64, V, buf, j)
             if dense_right:   # buf[j + t] goes to hi_end + pairs - 1 - j - t
                 at = b.sub(b.sub(b.add(hi.get(), pairs), j), const(i64, V))
-                b.call(store, [rev_(words), f.gep(K, at, i64), const(i32, 8), rev_(valid)])
+                simd.masked_store(b, rev_(words), K, at, rev_(valid), i64)
             else:             # buf[j + t] goes to start + j + t
-                b.call(store, [words, f.gep(K, b.add(start, j), i64), const(i32, 8), valid])
+                simd.masked_store(b, words, K, b.add(start, j), valid, i64)
 
     def _word_permutes(self, f: Fn, V: int):
         """(compress(words, mask), expand(theirs, words, mask)) of V packed words: the mask's

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from .irutil import Fn, const, i1, i64, intrinsic, ptr, vec, void
+from .irutil import Fn, const, i1, i64, ptr, vec
 from .sort_base import SortAlgosBase
 
 TIED = 1 << 31  # the flag in a packed word's index half
@@ -72,9 +72,7 @@ class PresortedAlgos(SortAlgosBase):
                 with f.if_(b.icmp_unsigned("!=", b.and_(f.load(i64, K, j), const(i64, TIED)),
                                            zero)):
                     f.ret(const(i1, 0))
-            memcpy = intrinsic(self.m, "llvm.memcpy.p0.p0.i64", void, [ptr, ptr, i64, i1])
-            b.call(memcpy, [f.gep(K, first, i64), f.gep(S, first, i64),
-                            b.mul(b.sub(last, first), const(i64, 8)), const(i1, 0)])
+            self.copy_words(f, K, S, first, last)
             f.ret(const(i1, 1))
         return self._fn("presorted_copy", i1, [ptr, ptr, i64, i64], ["K", "S", "first", "last"],
                         body)
