@@ -65,24 +65,35 @@ _shared_lock = threading.Lock()
 
 def shared_panels(weight: torch.Tensor, nr: int, bf16: bool, source: torch.Tensor | None,
                   k_step: int = 1):
-    """``weight`` packed, one copy per (source tensor, layout) while any kernel holds it.
+    """``weight`` packed in ``nr``-column panels (bf16 pairs if ``bf16``), shared per source
+    (see ``shared``)."""
+    return shared(source, weight, ("panels", nr, bf16, k_step),
+                  lambda: pack_bf16_panels(weight, nr, k_step) if bf16 else
+                  pack_panels(weight, nr))
+
+
+class Packs(list):
+    """Several buffers packed together, held by ``shared`` by a weak reference (which a tuple,
+    even subclassed, does not take)."""
+
+
+def shared(source: torch.Tensor | None, weight: torch.Tensor, layout: tuple, pack):
+    """``pack()`` of ``weight`` (a tensor or ``Packs``), one copy per (source tensor, layout)
+    while any kernel holds it.
 
     ``source`` is the tensor ``weight`` was derived from (a parameter: ``weight`` may be its
     detached view or a transposed copy, new objects per build). Kernels built from the same
     source for other sizes or graphs share the copy, so memory does not grow with the sizes
-    seen. An in-place update of the source (its version) or its death retires the copy.
+    seen, and a graph dynamo adds for one more size packs nothing. An in-place update of the
+    source (its version) or its death retires the copy.
     """
-    def pack():
-        return pack_bf16_panels(weight, nr, k_step) if bf16 else pack_panels(weight, nr)
-
     if source is None:
         return pack()
     try:
         version = source._version
     except RuntimeError:  # inference tensors have no version counter
         version = None
-    key = (id(source), weight.data_ptr() == source.data_ptr(), tuple(weight.shape), nr, bf16,
-           k_step)
+    key = (id(source), weight.data_ptr() == source.data_ptr(), tuple(weight.shape), layout)
     with _shared_lock:
         entry = _shared.get(key)
         if entry is not None:

@@ -14,7 +14,7 @@ from ..codegen.gemm_tile import STEP as TILE_K_STEP
 from ..runtime.target import host_target
 from . import blocking, variants
 from ._call import _profiler_enabled, checked, entry, kernel_dtype, record_function, require_f32
-from .linear import make_linear, pack_bf16_panels, pack_panels
+from .linear import Packs, make_linear, pack_bf16_panels, pack_panels, shared
 from .specs import TopkGemmSpec
 
 MIN_BF16_K = 32  # below this the float32 rescoring of survivors costs more than screening saves
@@ -87,7 +87,8 @@ def _int8_pack(w: torch.Tensor, nr: int, step: int = 1) -> tuple[torch.Tensor, t
 
 
 def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: bool = True,
-                     screen: bool | None = None, dtype: torch.dtype | None = None):
+                     screen: bool | None = None, dtype: torch.dtype | None = None,
+                     source: torch.Tensor | None = None):
     """``callable(x (m, K)) -> (values (m, k), indices int64 (m, k))`` of ``x @ weight_rows.T``;
     ``m=None``: x of any number of rows (one kernel for all, the row count passed per call).
 
@@ -97,6 +98,8 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
     bf16 at twice the rate and rescores in float32 the few that could enter a heap (exact
     bound). ``dtype=torch.bfloat16`` (default: the weight's): bf16 x, weights rounded to bf16,
     scores rounded to bf16 exactly as ``make_linear`` rounds them, and the top-k of those.
+    ``source``: the parameter ``weight_rows`` comes from; kernels of one source share each
+    packed layout (``linear.shared``).
     """
     dtype = dtype or weight_rows.dtype
     half = kernel_dtype(dtype, "make_linear_topk") == "bf16"
@@ -111,7 +114,7 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
         raise ValueError(f"make_linear_topk: need 0 < k <= N and m >= 1 (or None), got k={k}, "
                          f"N={n}, m={m}")
     if k * 64 > n:  # ATen's introselect path: exact order needs its own emulation
-        scores = make_linear(weight_rows, None, m, dtype=dtype)
+        scores = make_linear(weight_rows, None, m, dtype=dtype, source=source)
 
         def via_topk(x):
             return torch.topk(scores(x), k, dim=-1, largest=largest)
@@ -121,8 +124,9 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
     options = _paths(m, kd, half, screen, target)
     if m is None:  # one option: the vector path's generic kernel
         approx = next(iter(options.values()))[0]
-        return _any_rows(weight_rows, k, largest, dtype, half, approx, target)
-    build = {name: (lambda o=o: _build(weight_rows, m, k, largest, dtype, half, *o))
+        return _any_rows(weight_rows, k, largest, dtype, half, approx, target, source)
+    build = {name: (lambda o=o: _build(weight_rows, m, k, largest, dtype, half, *o,
+                                       source=source))
              for name, o in options.items()}
     if len(build) == 1:
         return next(iter(build.values()))()
@@ -134,7 +138,7 @@ def make_linear_topk(weight_rows: torch.Tensor, m: int | None, k: int, largest: 
     return variants.pick("linear_topk", problem, build, inputs)[1]
 
 
-def _any_rows(weight_rows, k, largest, dtype, half, approx: str, target):
+def _any_rows(weight_rows, k, largest, dtype, half, approx: str, target, source):
     """The kernel for any row count, from generic kernels each taking the row counts it is best
     at, as fixed row counts are served: on a CPU with tiles the tile path's from
     ``TILE_MIN_ROWS`` rows (Intel Xeon with AMX, 2 threads, 20000 x 128, k = 10, float32 with
@@ -147,7 +151,8 @@ def _any_rows(weight_rows, k, largest, dtype, half, approx: str, target):
     int8 = approx == "bf16" and _int8_screens(kd, target)
     tiles = bool(target.tiles) and (half or approx == "bf16")
     covered = int8 and tiles and blocking.TILE_MIN_ROWS <= MAX_INT8_ROWS + 1
-    generic = functools.partial(_build, weight_rows, None, k, largest, dtype, half)
+    generic = functools.partial(_build, weight_rows, None, k, largest, dtype, half,
+                                source=source)
     few = generic("int8", False) if int8 else None
     rest = None if covered else generic(approx, False)   # the row counts neither takes
     many = generic("int8" if int8 else approx, True) if tiles else None
@@ -201,7 +206,7 @@ def _paths(m, kd, half, screen, target) -> dict[str, tuple[str, bool]]:
     return out
 
 
-def _build(weight_rows, m, k, largest, dtype, half, approx: str, tiles: bool):
+def _build(weight_rows, m, k, largest, dtype, half, approx: str, tiles: bool, source=None):
     """The fused kernel with screen ``approx`` on the tile (``tiles``) or the vector path."""
     n, kd = weight_rows.shape
     target = host_target()
@@ -215,8 +220,10 @@ def _build(weight_rows, m, k, largest, dtype, half, approx: str, tiles: bool):
         spec = TopkGemmSpec(m or 0, n, kk, k, largest, mr, nr, "none", "bf16",
                             path="tile" if tiles else "vector")
         step = TILE_K_STEP if tiles else 1
-        return _runner(spec, lambda: (pack_bf16_panels(weight_rows, nr, step), None, None), m,
-                       kd, k, dtype, pad=kk != kd)
+        return _runner(spec, lambda: shared(source, weight_rows, ("topk bf16", nr, step), lambda:
+                                            Packs([pack_bf16_panels(weight_rows, nr, step),
+                                                   None, None])),
+                       m, kd, k, dtype, pad=kk != kd)
     screen, int8 = approx != "none", approx == "int8"
     mr, nr = _tile(m, n, screen)
     if int8 and m is None:  # the generic int8 kernel: one row tile of the most rows it takes
@@ -226,15 +233,18 @@ def _build(weight_rows, m, k, largest, dtype, half, approx: str, tiles: bool):
     spec = TopkGemmSpec(m or 0, n, kd, k, largest, mr, nr, approx,
                         path="tile" if tiles else "vector")
 
+    step = TILE_K_STEP if tiles else 1
+
     def pack():
         w32 = weight_rows.detach().to(torch.float32).contiguous()
         if int8:
-            panels, evec = _int8_pack(w32, nr, TILE_K_STEP if tiles else 1)
-            return panels, w32, evec
+            panels, evec = _int8_pack(w32, nr, step)
+            return Packs([panels, w32, evec])
         if screen:
-            return pack_bf16_panels(w32, nr, TILE_K_STEP if tiles else 1), w32, _bounds(w32)
-        return pack_panels(w32, nr), None, None
-    return _runner(spec, pack, m, kd, k, dtype, pad=False)
+            return Packs([pack_bf16_panels(w32, nr, step), w32, _bounds(w32)])
+        return Packs([pack_panels(w32, nr), None, None])
+    return _runner(spec, lambda: shared(source, weight_rows, ("topk", approx, nr, step), pack),
+                   m, kd, k, dtype, pad=False)
 
 
 def _runner(spec, pack, m: int | None, kd: int, k: int, dtype: torch.dtype, pad: bool):

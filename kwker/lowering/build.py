@@ -173,7 +173,7 @@ def _linear(m: Match, metas, consts):
 
 def _linear_topk(m: Match, metas, consts):
     xm: TensorMeta = metas[m.inputs["x"]]
-    w = _weight(m, consts)
+    w, source = _weight(m, consts), consts[m.inputs["weight"]]
     n_out, k_in = w.shape
     k = m.params["k"]
     if xm.shape[-1] != k_in or not 0 < k <= n_out:
@@ -182,12 +182,13 @@ def _linear_topk(m: Match, metas, consts):
     wrap = torch.return_types.topk
     if not known(*lead):
         fn, why = make_kernel("make_linear_topk", w, None, k, largest=m.params["largest"],
-                              dtype=xm.dtype)
+                              dtype=xm.dtype, source=source)
         if fn is None:
             return None, why
         if _hot_single_row():
             fn = _single_row_first(fn, make_kernel("make_linear_topk", w, 1, k,
-                                                   largest=m.params["largest"], dtype=xm.dtype)[0])
+                                                   largest=m.params["largest"], dtype=xm.dtype,
+                                                   source=source)[0])
 
         if len(lead) == 1:  # no reshape or views: each costs 1-2 us, the kernel 23 at one row
             return mark_generic(lambda x: wrap(fn(x)), True), None
@@ -201,7 +202,7 @@ def _linear_topk(m: Match, metas, consts):
     if rows == 0:
         return None, "empty input"
     fn, why = make_kernel("make_linear_topk", w, rows, k, largest=m.params["largest"],
-                          dtype=xm.dtype)
+                          dtype=xm.dtype, source=source)
     if fn is None:
         return None, why
     if len(lead) == 1:

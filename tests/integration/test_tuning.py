@@ -146,6 +146,33 @@ def test_a_slower_kernel_leaves_its_nodes_on_aten(tuned, monkeypatch):
     assert {r["choice"] for r in _verdicts()} == {"aten"}
 
 
+def test_a_size_the_generic_kernels_serve_is_not_measured(tuned, monkeypatch):
+    """After a dynamic graph, the graph dynamo adds for batch 1 (its 0/1 specialisation) runs
+    on the generic kernels without a compile, and without a measurement either: timing its
+    matches against ATen took 290 of the tutorial Ranker's 390 ms first batch-1 call."""
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    with torch.no_grad():
+        for rows in (16, 24):  # the second size makes the graph dynamic
+            compiled(torch.randn(rows, 64))
+        assert kd.all_reports()[-1].kernel_sizes == ["generic", "generic"]
+
+        timed = []   # (a failed measurement keeps the kernel: raising would go unseen)
+        real = tuning.best_times
+        monkeypatch.setattr(tuning, "best_times", lambda *a, **k: timed.append(a) or real(*a, **k))
+        x = torch.randn(1, 64)
+        got = compiled(x)
+        expected = model(x)
+    assert_close(got, expected)
+    assert timed == []
+    report = kd.all_reports()[-1]
+    assert report.shapes.startswith("1x64") and report.kernel_sizes == ["generic", "generic"]
+    assert report.tuned == []
+
+
 @pytest.mark.parametrize("aten_us, speedup, kept", [
     (2000.0, 1.02, False),  # a near-tie: within the timing noise
     (2000.0, 1.08, True),   # a large op's clear win

@@ -207,3 +207,29 @@ def test_every_variant_the_tuner_measures_is_exact(m, half):
         for name, (approx, tiles) in T._paths(m, 48, half, None, T.host_target()).items():
             v, i = T._build(w, m, 10, largest, dt, half, approx, tiles)(x)
             assert torch.equal(i, ri) and torch.equal(v, rv), (name, largest)
+
+
+def _buffer_ptrs(fn) -> set:
+    """data_ptrs of the packed buffers a kernel (or a generic one's parts) holds."""
+    held = fn.buffers if isinstance(fn.buffers, tuple) else (fn.buffers,)
+    return {t.data_ptr() for bufs in held for t in bufs if t is not None}
+
+
+def test_kernels_of_one_parameter_share_its_packed_weights():
+    """A generic and a row-specialised kernel of one parameter (a dynamic graph and the graph
+    dynamo adds for one size) read one packed copy per layout, and an in-place update of the
+    parameter packs it again: results stay those of torch.topk on the new values."""
+    torch.manual_seed(5)
+    w = torch.nn.Parameter(torch.randn(5000, 64) / 8, requires_grad=False)
+    x = torch.randn(3, 64)
+    first = make_linear_topk(w.detach(), None, 10, source=w)
+    again = make_linear_topk(w.detach(), None, 10, source=w)
+    assert _buffer_ptrs(first) == _buffer_ptrs(again)
+    alone = make_linear_topk(w.detach(), None, 10)  # no source: a copy of its own
+    assert not _buffer_ptrs(alone) - {w.data_ptr()} & _buffer_ptrs(first)
+    check(w.detach(), x, 10, True, exact=False, fn=first)
+    with torch.no_grad():
+        w.mul_(-1)
+    renewed = make_linear_topk(w.detach(), None, 10, source=w)
+    assert _buffer_ptrs(renewed) - {w.data_ptr()} != _buffer_ptrs(first) - {w.data_ptr()}
+    check(w.detach(), x, 10, True, exact=False, fn=renewed)
