@@ -61,6 +61,7 @@ LABELS = {"eager": "PyTorch eager", "inductor": "Inductor", "kwker_eager": "Kwke
           "kwker": "Kwker (default)", "kwker_package": "Kwker package",
           "onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
 _PACKAGES = tempfile.TemporaryDirectory(prefix="kwker-bench-pkg-")
+BUDGET_MIN = 15   # minutes a full run may take on any CPU (issue 18)
 
 
 def compile_variant(model, variant: str, inputs=None):
@@ -427,6 +428,8 @@ def main(argv=None) -> int:
     data = {"benchmark": "models", "script": "bench_models.py", "machine": info, "reps": reps,
             "rounds": rounds, "rows": [], "overhead": None,
             **{k: v for k, v in old.items() if k != "headline"}}
+    seconds = data.setdefault("seconds", {})   # each section's last run, for the time budget
+    clock = time.perf_counter()
     if "f32" in sections:
         data.update(machine=info, reps=reps, rounds=rounds, rows=_merged(
             data["rows"], run_f32(names, reps, rounds, peer_list, args.compile_times),
@@ -434,18 +437,24 @@ def main(argv=None) -> int:
         data["overhead"] = over = (overhead(TUTORIAL, reps, rounds) if TUTORIAL in names
                                    else data.get("overhead") if args.models else None)
         print_f32(data["rows"], over)
+        seconds["f32"], clock = time.perf_counter() - clock, time.perf_counter()
     bf16 = data.setdefault("bf16", {}) if sections & {"bf16", "avx2"} else data.get("bf16")
     if "bf16" in sections:
         bf16.update(machine=info, reps=reps, rounds=rounds, rows=_merged(
             bf16.get("rows", []), models_bf16.run(bf16_names, reps, rounds, peer_list,
                                                   max_autotune=args.max_autotune),
             args.models, info))
+        seconds["bf16"], clock = time.perf_counter() - clock, time.perf_counter()
     if "avx2" in sections:
         fresh = models_bf16.run_avx2(bf16_names, args.quick, Path(__file__))
         if not fresh.get("error"):
             fresh["rows"] = _merged((bf16.get("avx2") or {}).get("rows", []), fresh["rows"],
                                     args.models, info)
         bf16["avx2"] = fresh
+        seconds["avx2"] = time.perf_counter() - clock
+    total = sum(seconds.values())
+    print(f"\nsections took {', '.join(f'{k} {v / 60:.1f}' for k, v in seconds.items())} min "
+          f"(a full run: {total / 60:.1f} min; issue 18 asks for under {BUDGET_MIN} on any CPU)")
     if bf16:
         for text in (models_bf16.speed_table, models_bf16.accuracy_table):
             print()
@@ -479,10 +488,12 @@ def run_f32(names, reps, rounds, peer_list, which: str) -> list[dict]:
     """The float32 rows; compile times for ``which`` models ("tutorial", "all", "none")."""
     rows = []
     for name in names:
+        t0 = time.perf_counter()
         row = speed(name, reps, rounds, peer_list)
         if which == "all" or (which == "tutorial" and name == TUTORIAL):
             row["compile"] = {v: compile_times(name, v) for v in ("inductor", "kwker_eager",
                                                                   "kwker")}
+        row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         print(table([row], markdown=False).splitlines()[-1], flush=True)
     return rows

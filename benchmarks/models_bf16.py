@@ -177,7 +177,9 @@ def run(names, reps: int, rounds: int, peer_list=peers.PEERS, log=print,
     variants = VARIANTS + ((MAX_AUTOTUNE,) if max_autotune else ())
     for name in names:
         for mode in MODES:
+            t0 = time.perf_counter()
             rows.append(speed(name, mode, reps, rounds, variants=variants, peer_list=peer_list))
+            rows[-1]["seconds"] = time.perf_counter() - t0
             log(speed_table(rows[-1:], markdown=False).splitlines()[-1], flush=True)
     return rows
 
