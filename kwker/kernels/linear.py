@@ -81,11 +81,12 @@ def shared(source: torch.Tensor | None, weight: torch.Tensor, layout: tuple, pac
     """``pack()`` of ``weight`` (a tensor or ``Packs``), one copy per (source tensor, layout)
     while any kernel holds it.
 
-    ``source`` is the tensor ``weight`` was derived from (a parameter: ``weight`` may be its
-    detached view or a transposed copy, new objects per build). Kernels built from the same
-    source for other sizes or graphs share the copy, so memory does not grow with the sizes
-    seen, and a graph dynamo adds for one more size packs nothing. An in-place update of the
-    source (its version) or its death retires the copy.
+    ``source`` is the tensor ``weight`` was derived from (a parameter: ``weight`` is its
+    detached view or its transposed copy, new objects per build; the key tells these two apart
+    by storage and shape, so no other derivation may pass the same source). Kernels built from
+    the same source for other sizes or graphs share the copy, so memory does not grow with the
+    sizes seen, and a graph dynamo adds for one more size packs nothing. An in-place update of
+    the source (its version) or its death retires the copy.
     """
     if source is None:
         return pack()

@@ -81,6 +81,7 @@ def _build_without_stall(m: Match, metas: dict, consts: dict):
         with kernel.compiling(False):
             fn, why = builder(wide[0], wide[1], consts)
         if fn is not None:
+            fn.kwker_stand_in = True   # for a size it was not built for (tune.verdict)
             return fn, why
     except kernel.NotCompiled:
         pass

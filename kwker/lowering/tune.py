@@ -5,11 +5,12 @@ ATen runs them, node by node) are timed on this machine, on random inputs of the
 shapes, dtypes and strides. If ATen wins, the nodes stay on the inner compiler and the report
 says by how much. The verdict is recorded (``runtime/tuning.py``) with the CPU's identity, so
 each problem is measured once per machine type, thread count and Kwker version; later processes,
-prewarmed caches and packages reuse it. Not measured here: matches with dynamic sizes, a static
-size served by the generic kernel (a size dynamo gives a graph of its own after a dynamic one,
-as it does for 1: build.py's no-stall rule, which a measurement would break: the tutorial
-Ranker's first batch-1 call after other sizes took 390 ms, 290 of them timing three matches),
-and the sorting ops (whose ``run`` already takes ATen's kernel below its measured thresholds).
+prewarmed caches and packages reuse it. Not measured here: matches with dynamic sizes, the
+sorting ops (whose ``run`` already takes ATen's kernel below its measured thresholds), and a
+static size the generic kernel stands in for (build.py's no-stall rule: a size dynamo gives a
+graph of its own after a dynamic one, as it does for 1), unless a record of it exists: measuring
+would stall the very call the stand-in serves at once (the tutorial Ranker's first batch-1 call
+after other sizes took 390 ms, 290 of them timing three matches).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..kernels._call import float32_precision
 from ..runtime import tuning
-from .make import generic
+from ..runtime.target import host_target
 from .shapes import TensorMeta
 
 log = logging.getLogger("kwker")
@@ -169,11 +170,11 @@ def _in_graph_order(nodes, covered: set) -> list:
 def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None, str]:
     """(why the nodes stay on ATen, or None to keep the kernel ``fn`` taking ``inputs``;
     the measurement in words for the report, "" when nothing was measured)."""
-    if fn is None or generic(fn) or m.kind == "sorting" or not m.covers or \
-            not tuning.measuring():
+    if fn is None or m.kind == "sorting" or not m.covers or not tuning.measuring():
         return None, ""
     key = problem(m, metas, consts, inputs)
-    if key is None:
+    if key is None or getattr(fn, "kwker_stand_in", False) and tuning.load(
+            key, host_target(), torch.get_num_threads()) is None:
         return None, ""
     ref = reference(m, metas, consts, inputs)
     if ref is None:
