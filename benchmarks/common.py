@@ -44,7 +44,8 @@ def cpu_name() -> str:
         if feats.get("amx-bf16"):
             isa += ", AMX"
         return f"{name} ({isa})"
-    except (ImportError, OSError, RuntimeError) as exc:  # a report without the CPU name is still worth writing
+    # a report without the CPU name is still worth writing
+    except (ImportError, OSError, RuntimeError) as exc:
         return f"unknown ({type(exc).__name__})"
 
 
@@ -143,7 +144,11 @@ def _sample(side: Side, number: int, settle: float = 0.0) -> float:
 # samples a side, and a call this slow is warmed up once: eager bf16 of a 12-layer encoder on a
 # CPU without AVX512_BF16 takes 9.7 s a call (Zen 3), and 3 rounds of 20 samples of it alone
 # took bench_models past 25 minutes
-ROUND_BUDGET, MIN_REPS, SLOW_CALL = 30.0, 3, 1.0
+# a round stops sampling after ROUND_BUDGET seconds (at least MIN_REPS samples a side): the
+# 12-layer bf16 encoder's rows (0.45 s a call, five sides) took 74 s each with 30, and a full
+# bench_models.py run 15.3 minutes on Zen 4 against issue 18's budget of 15
+ROUND_BUDGET, MIN_REPS, SLOW_CALL = 15.0, 3, 1.0
+ROUND_GAP = 0.5   # seconds between rounds (a disturbance of the machine passes)
 
 
 def calibrate(sides: Sequence[Side], warmup: int = 3, min_sample: float = 2e-3) -> int:
@@ -195,13 +200,13 @@ def _compare_timed(sides, reps, warmup, settle, min_sample=2e-3) -> tuple[list[f
 
 def best_of_rounds(sides: Sequence[Side], reps: int, rounds: int,
                    settle: float = 0.0) -> list[float]:
-    """Best seconds per call of each side over a few interleaved rounds (``compare``), a second
-    apart (on a shared machine one round can be disturbed); one round where it ran past
-    ``ROUND_BUDGET``."""
+    """Best seconds per call of each side over a few interleaved rounds (``compare``),
+    ``ROUND_GAP`` apart (on a shared machine one round can be disturbed); one round where it ran
+    past ``ROUND_BUDGET``."""
     best = [float("inf")] * len(sides)
     for r in range(rounds):
         if r:
-            time.sleep(1.0)
+            time.sleep(ROUND_GAP)
         times, spent = _compare_timed(sides, reps, 3, settle)
         best = [min(b, t) for b, t in zip(best, times)]
         if spent > ROUND_BUDGET:  # a slow row: more rounds would cost minutes each
