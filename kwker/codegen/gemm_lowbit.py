@@ -44,7 +44,9 @@ caches as usual, 124 MB of GPT-2 weights a token evicted everything the interpre
 ops use (a 768-wide LayerNorm after the int8 head: 6 -> 45-140 us on Zen 3). On AVX-512 they are
 prefetched into every level, as int4's always were: on Intel cores a non-temporal prefetch fills
 L1 alone and the 16 fill buffers bound a thread's stream (Emerald Rapids-class Xeon, 2 threads,
-int8 in groups of 32, weights in L3: 2304 x 768 14.3 -> 39.8 GB/s); Zen 4/5 not measured.
+int8 in groups of 32, weights in L3: 2304 x 768 14.3 -> 39.8 GB/s); on Zen 4 non-temporal
+prefetches of the decode streams did not keep the rest of a token faster either (GPT-2 decode,
+alternating processes: int8 100-105 against 111-113 tokens/s, int4 155-160 against 176-186).
 Each (x row, W row) sum is reduced across lanes into a float32 scratch row, then the epilogue
 runs as vectors over the thread's columns: ``act(sum + bias) + residual``, rounded once to bf16
 for a bf16 model.
