@@ -215,17 +215,22 @@ _K1 = _K0 * 0.044715
 
 
 def _gelu_tanh_bf16_body(b: ir.IRBuilder, x):
-    """GELU's tanh form for results rounded to bf16: 0.5 x (1 + tanh z) = x / (1 + e**(-2z)),
-    with 2**t from a degree-4 polynomial on [-1/2, 1/2] (4e-5) and an exponent-field power of
-    two, and the reciprocal of ``_reciprocal_bf16``: half the vector ops of tanh and a division.
-    t is clamped to +-126 by ordered compares, so NaN propagates; large |x| give x and -0, and
-    -inf NaN, as ATen's formula does."""
+    """GELU's tanh form for results rounded to bf16: ``_gelu_tanh_quotient`` with 2**t from a
+    degree-4 polynomial on [-1/2, 1/2] (4e-5) and the reciprocal of ``_reciprocal_bf16``: half
+    the vector ops of tanh and a division."""
+    return _gelu_tanh_quotient(b, x, EXP2_P[2:],
+                               lambda n, d: b.fmul(n, _reciprocal_bf16(b, d)))
+
+
+def _gelu_tanh_quotient(b: ir.IRBuilder, x, coeffs, divide):
+    """0.5 x (1 + tanh z) as ``divide(x, 1 + 2**t)``, t = -2z log2 e, 2**t from ``coeffs`` and
+    an exponent-field power of two. t is clamped to +-126 by ordered compares, so NaN
+    propagates; large |x| give x and -0, and -inf NaN, as ATen's formula does."""
     ty = x.type
     t = b.fmul(x, fma(b, b.fmul(x, x), splat(ty, _K1), splat(ty, _K0)))
     t = b.select(b.fcmp_ordered(">", t, splat(ty, 126.0)), splat(ty, 126.0), t)
     t = b.select(b.fcmp_ordered("<", t, splat(ty, -126.0)), splat(ty, -126.0), t)
-    e = _exp2_in_range(b, t, EXP2_P[2:])
-    y = b.fmul(x, _reciprocal_bf16(b, b.fadd(e, splat(ty, 1.0))))
+    y = divide(x, b.fadd(_exp2_in_range(b, t, coeffs), splat(ty, 1.0)))
     # ATen's 0.5 x (1 + tanh z) is -inf * 0 there
     return b.select(b.fcmp_ordered("==", x, splat(ty, -math.inf)), splat(ty, math.nan), y)
 
@@ -246,18 +251,11 @@ def _gelu_tanh_body(b: ir.IRBuilder, x):
 
 
 def _gelu_tanh_fused_body(b: ir.IRBuilder, x):
-    """GELU's tanh form in a float32 epilogue: 0.5 x (1 + tanh z) as x / (1 + 2**t), t = -2z
-    log2 e, from one power of two (EXP2_P and an exponent-field scale) and a division, where
-    tanh takes a full exp, a division and a polynomial; within 2e-6 relative of the exact
-    value from x = -5 up (no cancellation in 1 + tanh z, where ATen's formula loses digits).
-    t is clamped to +-126 by ordered compares, so NaN propagates; large |x| give x and -0 (to
-    1e-37); x = -inf gives NaN, as ATen's formula does."""
-    ty = x.type
-    t = b.fmul(x, fma(b, b.fmul(x, x), splat(ty, _K1), splat(ty, _K0)))
-    t = b.select(b.fcmp_ordered(">", t, splat(ty, 126.0)), splat(ty, 126.0), t)
-    t = b.select(b.fcmp_ordered("<", t, splat(ty, -126.0)), splat(ty, -126.0), t)
-    y = b.fdiv(x, b.fadd(_exp2_in_range(b, t), splat(ty, 1.0)))
-    return b.select(b.fcmp_ordered("==", x, splat(ty, -math.inf)), splat(ty, math.nan), y)
+    """GELU's tanh form in a float32 epilogue: ``_gelu_tanh_quotient`` with EXP2_P and a
+    division, where tanh takes a full exp, a division and a polynomial; within 2e-6 relative of
+    the exact value from x = -5 up (no cancellation in 1 + tanh z, where ATen's formula loses
+    digits); large |x| give x and -0 to 1e-37."""
+    return _gelu_tanh_quotient(b, x, EXP2_P, b.fdiv)
 
 
 # A&S 7.1.26: erfc(a) = t P(t) e**(-a*a), t = 1 / (1 + p a), a >= 0, |error| <= 1.5e-7; P's
