@@ -103,22 +103,25 @@ def choose(times_us: dict, handicap: dict | None = None) -> str:
 
 
 def decide(problem: str, op: str, candidates: dict, inputs,
-           handicap: dict | None = None) -> tuple[dict, dict]:
+           handicap: dict | None = None, measure: bool = True) -> tuple[dict | None, dict]:
     """(record, built): the record of ``problem`` on this machine (``candidates``: name ->
     builder of a callable, the built-in choice first), measured now when there is none or
     ``KWKER_TUNE=force``: every candidate built, timed on ``inputs()``, the winner by
     ``choose(times, handicap)`` recorded; ``built`` holds the callables built for that (empty
     when the record was read). A record's choice is re-derived from its times, so a changed
-    handicap applies to records measured before it."""
+    handicap applies to records measured before it. ``measure=False``: a record is only read
+    (None and nothing built when there is none)."""
     import torch  # the runtime's other modules do without it; only measuring needs it
     target, threads = host_target(), torch.get_num_threads()
-    record = None if mode() == "force" else load(problem, target, threads)
+    record = None if mode() == "force" and measure else load(problem, target, threads)
     if record is not None and record.get("choice") in candidates:
         times = record.get("times_us")
         if isinstance(times, dict) and set(times) == set(candidates) and all(
                 isinstance(t, (int, float)) and t > 0 for t in times.values()):
             record = {**record, "choice": choose(times, handicap)}
         return record, {}
+    if not measure:
+        return None, {}
     built = {name: build() for name, build in candidates.items()}
     with torch.no_grad():
         times = best_times(list(built.values()), inputs())
