@@ -220,10 +220,11 @@ def _build(weight_rows, m, k, largest, dtype, half, approx: str, tiles: bool, so
         spec = TopkGemmSpec(m or 0, n, kk, k, largest, mr, nr, "none", "bf16",
                             path="tile" if tiles else "vector")
         step = TILE_K_STEP if tiles else 1
-        return _runner(spec, lambda: shared(source, weight_rows, ("topk bf16", nr, step), lambda:
-                                            Packs([pack_bf16_panels(weight_rows, nr, step),
-                                                   None, None])),
-                       m, kd, k, dtype, pad=kk != kd)
+
+        def pack_half():
+            return Packs([pack_bf16_panels(weight_rows, nr, step), None, None])
+        return _runner(spec, lambda: shared(source, weight_rows, ("topk bf16", nr, step),
+                                            pack_half), m, kd, k, dtype, pad=kk != kd)
     screen, int8 = approx != "none", approx == "int8"
     mr, nr = _tile(m, n, screen)
     if int8 and m is None:  # the generic int8 kernel: one row tile of the most rows it takes
