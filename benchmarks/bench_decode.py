@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import probes
+from model_defs import llama_config
 
 from kwker.runtime.memory import release_free_heap
 
@@ -76,15 +77,10 @@ MODELS = ("gpt2", "llama")
 
 
 def config(model: str, quick: bool):
-    """transformers' GPT-2 (its defaults), or a Llama of about its size: 12 layers, 768 wide,
-    grouped-query attention (12 heads, 4 for k/v), SwiGLU MLP 2048 wide, RMSNorm, 32000 tokens."""
+    """transformers' GPT-2 (its defaults), or a Llama of about its size (llama_config)."""
     import transformers as tf
     if model == "llama":
-        width, layers, vocab = (256, 2, 4096) if quick else (768, 12, 32000)
-        return tf.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 8 // 3
-                              // 32 * 32, num_hidden_layers=layers, num_attention_heads=width // 64,
-                              num_key_value_heads=max(1, width // 192),
-                              max_position_embeddings=1024)
+        return llama_config(256, 2, 4096) if quick else llama_config()
     if quick:
         return tf.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=4096, n_positions=512)
     return tf.GPT2Config(n_positions=1024)

@@ -179,6 +179,47 @@ def _gpt2():
     return LastHidden(tf.GPT2Model(cfg), use_cache=False), (ids,)
 
 
+def llama_config(width: int = 768, layers: int = 12, vocab: int = 32000, **extra):
+    """A Llama of GPT-2's size by default: 12 layers, 768 wide, grouped-query attention (12
+    heads, 4 for k/v), SwiGLU MLP 2048 wide, RMSNorm, 32000 tokens."""
+    tf = _transformers()
+    return tf.LlamaConfig(vocab_size=vocab, hidden_size=width,
+                          intermediate_size=width * 8 // 3 // 32 * 32, num_hidden_layers=layers,
+                          num_attention_heads=width // 64, num_key_value_heads=max(1, width // 192),
+                          max_position_embeddings=1024, **extra)
+
+
+def _bert_base():
+    """BERT-base (transformers' BertConfig defaults: 12 layers, 768 wide), 1 x 128 tokens."""
+    tf = _transformers()
+    cfg = tf.BertConfig(attn_implementation="sdpa")
+    return LastHidden(tf.BertModel(cfg, add_pooling_layer=False)), (
+        torch.randint(0, cfg.vocab_size, (1, 128)),)
+
+
+def _gpt2_base():
+    """GPT-2 (transformers' GPT2Config defaults: 124M parameters), 1 x 128 tokens, no cache."""
+    tf = _transformers()
+    cfg = tf.GPT2Config(attn_implementation="sdpa")
+    return LastHidden(tf.GPT2Model(cfg), use_cache=False), (
+        torch.randint(0, cfg.vocab_size, (1, 128)),)
+
+
+def _llama_base():
+    """The Llama of ``llama_config()``, 1 x 128 tokens, no cache."""
+    tf = _transformers()
+    cfg = llama_config(attn_implementation="sdpa")
+    return LastHidden(tf.LlamaModel(cfg), use_cache=False), (
+        torch.randint(0, cfg.vocab_size, (1, 128)),)
+
+
+# the full-size transformers models of issue 19's float32 target (bench_transformers.py)
+TRANSFORMERS = {
+    "BERT-base (1,128)": _bert_base,
+    "GPT-2 (1,128)": _gpt2_base,
+    "Llama 12x768 GQA (1,128)": _llama_base,
+}
+
 # name -> (builder, target ratio eager bf16 / Kwker or None, must beat OpenVINO bf16)
 BF16_MODELS = {
     "TransformerEncoderLayer (8,128,256)": (_encoder, 1.2, True),
