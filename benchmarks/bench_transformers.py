@@ -1,21 +1,22 @@
 """Full-size transformers models (BERT-base, GPT-2, a Llama of GPT-2's size) compiled whole.
 
-Issue 19's float32 target: ``backend="kwker"`` >= 1.3x eager as a geomean over BERT-base, GPT-2
-and Llama, none below 1.0x. Each model is built from transformers' config with random weights
-(no download), called on 1 x 128 tokens, and run as PyTorch eager, Inductor and Kwker (inner
-eager and default); every compiled variant is checked against eager first, then all are timed
-interleaved, best of rounds (``common.best_of_rounds``), 2 threads, ``torch.no_grad()``.
-``--dtypes bfloat16`` adds each model as ``.to(bfloat16)`` against eager bf16, checked with the
-bf16 accuracy contract (models_bf16.py: error against the float32 model <= 1.25 x eager bf16's
-+ 1e-3 x max |reference|).
+- float32 (issue 19's target): ``backend="kwker"`` >= 1.3x eager as a geomean over BERT-base,
+  GPT-2 and the Llama, none below 1.0x. Eager, Inductor and Kwker (inner eager and default) are
+  checked against eager first, then timed interleaved, best of rounds (``common.best_of_rounds``).
+- bfloat16 (``--dtypes bfloat16``; the AMX issue's BERT-base and GPT-2 targets on a CPU with
+  AMX): each model as ``.to(bfloat16)`` and under autocast, with OpenVINO bf16 side by side and
+  the bf16 accuracy contract, through the bf16 section's machinery (models_bf16.py).
+
+Models are built from transformers' configs with random weights (no download), BERT-base at
+8 x 128 tokens, GPT-2 and the Llama at 1 x 128, no KV cache; 2 threads, ``torch.no_grad()``.
 
     python benchmarks/bench_transformers.py --out benchmarks/results/<cpu>  # transformers.{md,json}
+    python benchmarks/bench_transformers.py --dtypes float32 bfloat16      # both sections
     python benchmarks/bench_transformers.py --quick                          # prints only
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import sys
 import time
@@ -26,22 +27,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import models_bf16
+import peers
 from bench_models import check, compile_variant
-from model_defs import TRANSFORMERS, Missing
-from models_bf16 import ERR_ABS, ERR_FACTOR
+from model_defs import TRANSFORMERS, TRANSFORMERS_TARGETS_AMX, Missing, build
 
 VARIANTS = ("eager", "inductor", "kwker_eager", "kwker")
 LABELS = {"eager": "eager", "inductor": "Inductor", "kwker_eager": "Kwker inner=eager",
           "kwker": "Kwker (default)"}
-TARGET, FLOOR = 1.3, 1.0   # geomean of eager / Kwker over the models, and every model's least
-
-
-def _bf16_check(out, ref32, eager_out) -> str:
-    """The bf16 contract against the float32 model's output ``ref32``."""
-    err = (out.double() - ref32.double()).abs().max().item()
-    bound = ERR_FACTOR * (eager_out.double() - ref32.double()).abs().max().item() \
-        + ERR_ABS * ref32.abs().max().item()
-    return "ok" if err <= bound else f"BROKEN (error {err:.2e} > {bound:.2e})"
+TARGET, FLOOR = 1.3, 1.0   # float32: geomean of eager / Kwker over the models, and the least
 
 
 def _lowering() -> str:
@@ -56,16 +50,12 @@ def _lowering() -> str:
     return f"{kernels} kernels in {len(reports)} graph(s), {inner} nodes inner, {missed} missed"
 
 
-def measure(name: str, dtype: str, reps: int, rounds: int) -> dict:
+def measure_f32(name: str, reps: int, rounds: int) -> dict:
+    """One float32 row: every variant checked against eager, then timed interleaved."""
     import kwker.dynamo as kd
-    torch.manual_seed(0)
-    model, inputs = TRANSFORMERS[name]()
-    model.eval()
-    row = {"model": name, "dtype": dtype, "ms": {}, "check": {}, "compile_s": {}}
+    model, inputs = build(name, {k: v[0] for k, v in TRANSFORMERS.items()})
+    row = {"model": name, "ms": {}, "check": {}, "compile_s": {}}
     with torch.no_grad():
-        ref32 = model(*inputs)
-        if dtype == "bfloat16":
-            model = copy.deepcopy(model).to(torch.bfloat16)
         expected = model(*inputs)
         sides = []
         for variant in VARIANTS:
@@ -75,78 +65,69 @@ def measure(name: str, dtype: str, reps: int, rounds: int) -> dict:
             fn = compile_variant(model, variant, inputs)
             got = fn(*inputs)
             row["compile_s"][variant] = time.perf_counter() - t0
-            if variant == "eager":
-                row["check"][variant] = "ok"
-            elif dtype == "float32":
-                row["check"][variant] = check(name, expected, got)
-            else:
-                row["check"][variant] = _bf16_check(got, ref32, expected)
+            row["check"][variant] = "ok" if variant == "eager" else check(name, expected, got)
             if variant == "kwker":
                 row["lowering"] = _lowering()
             sides.append(common.Side(variant, lambda fn=fn: fn(*inputs), torch.no_grad))
         for side, t in zip(sides, common.best_of_rounds(sides, reps, rounds)):
             row["ms"][side.name] = t * 1e3
     row["ratio"] = row["ms"]["eager"] / row["ms"]["kwker"]
-    row["ratio_inner_eager"] = row["ms"]["eager"] / row["ms"]["kwker_eager"]
-    row["ratio_inductor"] = row["ms"]["eager"] / row["ms"]["inductor"]
-    print(f"{name:<26} {dtype:<9} " + "  ".join(
-        f"{LABELS[v]} {row['ms'][v]:.1f} ms" for v in VARIANTS)
-        + f"  eager/Kwker {row['ratio']:.2f}x  {row['lowering']}", flush=True)
+    print(f"{name:<26} " + "  ".join(f"{LABELS[v]} {row['ms'][v]:.1f} ms" for v in VARIANTS)
+          + f"  eager/Kwker {row['ratio']:.2f}x  {row['lowering']}", flush=True)
     return row
 
 
 def _geo(xs) -> float:
+    xs = list(xs)
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
-def summary(rows: list[dict], dtype: str) -> dict | None:
-    mine = [r for r in rows if r["dtype"] == dtype]
-    if not mine:
-        return None
-    best = [max(r["ratio"], r["ratio_inner_eager"]) for r in mine]
-    return {"dtype": dtype, "geomean": _geo([r["ratio"] for r in mine]),
-            "geomean_best": _geo(best), "least": min(r["ratio"] for r in mine),
-            "models": len(mine)}
+def f32_summary(rows: list[dict]) -> str:
+    geo, least = _geo(r["ratio"] for r in rows), min(r["ratio"] for r in rows)
+    met = "met" if geo >= TARGET and least >= FLOOR else "NOT met"
+    return (f"float32: geomean **{geo:.2f}x** eager over {len(rows)} models, least {least:.2f}x "
+            f"(target >= {TARGET}x, none below {FLOOR}x: {met}).")
 
 
-def render(rows: list[dict], info: dict, skipped: dict) -> str:
-    lines = ["# Full-size transformers models: eager, Inductor and Kwker", "",
-             common.machine_line(info), "",
-             ("1 x 128 tokens, random weights from transformers' configs, `torch.no_grad()`, "
-              "best of interleaved rounds; ratio = eager ms / Kwker (default inner) ms, > 1 "
-              "means Kwker is faster. check: float32 within rtol 1e-4 / atol 1e-5 of eager; "
-              "bf16 the bf16 contract against the float32 model. compile s: `torch.compile` + "
-              "the first call in this process (Kwker's kernel cache as the run found it)."), ""]
-    for dtype in ("float32", "bfloat16"):
-        s = summary(rows, dtype)
-        if s is None:
-            continue
-        target = (f" (target >= {TARGET}x, none below {FLOOR}x: "
-                  f"{'met' if s['geomean'] >= TARGET and s['least'] >= FLOOR else 'NOT met'})"
-                  if dtype == "float32" else "")
-        lines.append(f"- {dtype}: geomean **{s['geomean']:.2f}x** eager over {s['models']} "
-                     f"models{target}; least {s['least']:.2f}x.")
-    lines += [f"- {n}: not run ({why})" for n, why in skipped.items()]
-    lines += ["", common.md_table(
-        ["model", "dtype", *(f"{LABELS[v]} ms" for v in VARIANTS), "eager / Inductor",
-         "eager / Kwker inner=eager", "eager / Kwker", "compile s (Inductor / Kwker)",
-         "check", "Kwker lowered"],
-        [[r["model"], r["dtype"], *(f"{r['ms'][v]:.1f}" for v in VARIANTS),
-          f"{r['ratio_inductor']:.2f}x", f"{r['ratio_inner_eager']:.2f}x",
-          f"**{r['ratio']:.2f}x**",
+def f32_table(rows: list[dict]) -> str:
+    def x(r, v):
+        return f"{r['ms']['eager'] / r['ms'][v]:.2f}x"
+    return common.md_table(
+        ["model", *(f"{LABELS[v]} ms" for v in VARIANTS), "eager / Inductor",
+         "eager / Kwker inner=eager", "eager / Kwker", "compile s (Inductor / Kwker)", "check",
+         "Kwker lowered"],
+        [[r["model"], *(f"{r['ms'][v]:.1f}" for v in VARIANTS), x(r, "inductor"),
+          x(r, "kwker_eager"), f"**{x(r, 'kwker')}**",
           f"{r['compile_s']['inductor']:.1f} / {r['compile_s']['kwker']:.1f}",
-          " / ".join(sorted(set(r["check"].values()))), r["lowering"]] for r in rows])]
+          " / ".join(sorted(set(r["check"].values()))), r["lowering"]] for r in rows])
+
+
+def render(f32: list[dict], bf16: list[dict], info: dict, skipped: dict) -> str:
+    lines = ["# Full-size transformers models: eager, Inductor and Kwker", "",
+             common.machine_line(info), ""]
+    lines += [f"- {n}: not run ({why})" for n, why in skipped.items()]
+    if f32:
+        lines += ["## float32", "",
+                  ("Random weights from transformers' configs, `torch.no_grad()`, best of "
+                   "interleaved rounds; ratio = eager ms / Kwker ms (> 1: Kwker is faster). "
+                   "check: within rtol 1e-4 / atol 1e-5 of eager. compile s: `torch.compile` + "
+                   "the first call in this process (Kwker's kernel cache as the run found it)."),
+                  "", f32_summary(f32), "", f32_table(f32), ""]
+    if bf16:
+        lines += ["## bfloat16", "", models_bf16.METHOD, "", models_bf16.speed_table(bf16), "",
+                  models_bf16.accuracy_table(bf16), "", *models_bf16.notes(bf16), ""]
+        bad = models_bf16.broken(bf16)
+        if bad:
+            lines += ["**Accuracy contract broken:**", "", *(f"- {b}" for b in bad), ""]
     return "\n".join(lines) + "\n"
 
 
-def headline(rows: list[dict]) -> list[dict]:
+def headline(f32: list[dict], bf16: list[dict]) -> list[dict]:
     out = []
-    for dtype in ("float32", "bfloat16"):
-        s = summary(rows, dtype)
-        if s:
-            out.append({"label": f"transformers models {dtype}, geomean vs eager",
-                        "ratio": s["geomean"], **({"target": TARGET} if dtype == "float32"
-                                                  else {})})
+    if f32:
+        out.append({"label": "transformers models float32, geomean vs eager",
+                    "ratio": _geo(r["ratio"] for r in f32), "target": TARGET})
+    out += [h for h in models_bf16.headline({"rows": bf16}) if not h["label"].startswith("AVX2")]
     return out
 
 
@@ -154,30 +135,39 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer reps, no results files")
     ap.add_argument("--models", nargs="+", choices=list(TRANSFORMERS), default=list(TRANSFORMERS))
-    ap.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"])
+    ap.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"),
+                    default=["float32", "bfloat16"])
+    ap.add_argument("--no-peers", action="store_true", help="bf16: without OpenVINO")
+    ap.add_argument("--max-autotune", action="store_true",
+                    help="bf16: also Inductor with freezing and max-autotune (minutes a model)")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     common.set_threads()
     info = common.machine_info()
     reps, rounds = (2, 1) if args.quick else (5, 3)
-    rows, skipped = [], {}
-    for dtype in args.dtypes:
+    f32, bf16, skipped = [], [], {}
+    if "float32" in args.dtypes:
         for name in args.models:
             try:
-                rows.append(measure(name, dtype, reps, rounds))
+                f32.append(measure_f32(name, reps, rounds))
             except Missing as e:
                 skipped[name] = str(e)
-    text = render(rows, info, skipped)
+    if "bfloat16" in args.dtypes:
+        bf16 = models_bf16.run(args.models, reps, rounds, () if args.no_peers else peers.PEERS,
+                               max_autotune=args.max_autotune, models=TRANSFORMERS,
+                               amx_targets=TRANSFORMERS_TARGETS_AMX)
+    text = render(f32, bf16, info, skipped)
     print(text)
-    if not args.quick and rows:
+    if not args.quick and (f32 or bf16):
         out = args.out or common.RESULTS
         out.mkdir(parents=True, exist_ok=True)
         (out / "transformers.md").write_text(text)
         common.write_json(out / "transformers.json", {
-            "script": "bench_transformers.py", "machine": info, "rows": rows,
-            "headline": headline(rows)})
-    return 0 if all(c == "ok" for r in rows for c in r["check"].values()) else 1
+            "script": "bench_transformers.py", "machine": info, "float32": f32, "bf16": bf16,
+            "headline": headline(f32, bf16)})
+    wrong = any(c != "ok" for r in f32 for c in r["check"].values())
+    return 1 if wrong or models_bf16.broken(bf16) else 0
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import common
 import isa_env
 import peers
 import torch
-from model_defs import AVX2_MODELS, BF16_MODELS, BF16_TARGETS_AMX, Missing, build_bf16
+from model_defs import AVX2_MODELS, BF16_MODELS, BF16_TARGETS_AMX, Missing, build
 
 MODES = ("bf16", "autocast")
 MODE_LABELS = {"bf16": ".to(bfloat16)", "autocast": "autocast(bf16)"}
@@ -118,19 +118,22 @@ def _export(model, inputs, tmp):
 
 
 def speed(name: str, mode: str, reps: int, rounds: int, variants=VARIANTS,
-          peer_list=peers.PEERS) -> dict:
+          peer_list=peers.PEERS, models=None, amx_targets=None) -> dict:
     """One row: ``name`` in ``mode``, every variant checked against the float32 model and
-    timed interleaved with the peers."""
+    timed interleaved with the peers. ``models``: name -> (builder, target, must beat
+    OpenVINO), ``BF16_MODELS`` by default; ``amx_targets`` replace those on a CPU with AMX."""
     import kwker.dynamo as kd
 
-    _, target, beat_ov = BF16_MODELS[name]
+    models = BF16_MODELS if models is None else models
+    amx_targets = BF16_TARGETS_AMX if amx_targets is None else amx_targets
+    _, target, beat_ov = models[name]
     from kwker.runtime.target import host_target
     if host_target().tiles == "amx":
-        target, beat_ov = BF16_TARGETS_AMX.get(name, (target, beat_ov))
+        target, beat_ov = amx_targets.get(name, (target, beat_ov))
     row = {"model": name, "mode": mode, "target": target, "beat_openvino": beat_ov, "ms": {},
            "err": {}, "lowering": {}, "peers": {}}
     try:
-        model, inputs = build_bf16(name)
+        model, inputs = build(name, {k: v[0] for k, v in models.items()})
     except Missing as e:
         return {**row, "skipped": str(e)}
     with torch.no_grad():
@@ -172,13 +175,15 @@ def speed(name: str, mode: str, reps: int, rounds: int, variants=VARIANTS,
 
 
 def run(names, reps: int, rounds: int, peer_list=peers.PEERS, log=print,
-        max_autotune: bool = False) -> list[dict]:
+        max_autotune: bool = False, models=None, amx_targets=None) -> list[dict]:
+    """Every model of ``names`` in both modes (``speed``; ``models``/``amx_targets`` as there)."""
     rows = []
     variants = VARIANTS + ((MAX_AUTOTUNE,) if max_autotune else ())
     for name in names:
         for mode in MODES:
             t0 = time.perf_counter()
-            rows.append(speed(name, mode, reps, rounds, variants=variants, peer_list=peer_list))
+            rows.append(speed(name, mode, reps, rounds, variants=variants, peer_list=peer_list,
+                              models=models, amx_targets=amx_targets))
             rows[-1]["seconds"] = time.perf_counter() - t0
             log(speed_table(rows[-1:], markdown=False).splitlines()[-1], flush=True)
     return rows
