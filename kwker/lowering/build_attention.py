@@ -15,7 +15,7 @@ from ..codegen.attention_tile import tile_path_fits
 from ..runtime.target import host_target
 from .fold import ATTR as _FOLDED_ATTR
 from .generic import pinned
-from .make import known, make_kernel, mark_generic
+from .make import generic, known, make_kernel, mark_generic
 from .patterns import Match
 from .shapes import TensorMeta
 
@@ -64,6 +64,23 @@ def causal_mask(m: Match, consts, lq: int, lk: int) -> bool:
 
 
 def build_sdpa(m: Match, metas, consts):
+    fn, why = _build_sdpa(m, metas, consts)
+    return with_casts(fn, m.params.get("casts")), why
+
+
+def with_casts(fn, casts: dict | None):
+    """``fn`` taking k or v before autocast's cast, which patterns.sdpa moved from the repeated
+    heads of grouped-query attention to the unrepeated ones (``casts``: "k"/"v" -> dtype)."""
+    if fn is None or not casts:
+        return fn
+    ck, cv = casts.get("k"), casts.get("v")
+
+    def cast(q, k, v, *mask):
+        return fn(q, k if ck is None else k.to(ck), v if cv is None else v.to(cv), *mask)
+    return mark_generic(cast, generic(fn))
+
+
+def _build_sdpa(m: Match, metas, consts):
     qm, km, vm = (metas[m.inputs[k]] for k in "qkv")
     target = host_target()
     if qm.dtype == torch.bfloat16 and target.tiles == "amx":

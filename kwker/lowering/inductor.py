@@ -21,6 +21,7 @@ from . import custom_ops as C
 from . import make, tune
 from . import sorting as S
 from .autocast import make_explicit
+from .build_attention import with_casts
 from .fold import fold_constants
 from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes
 from .ops import is_view
@@ -97,6 +98,8 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
                                 p["mask"], p["causal"], p["scale"], strides, dtype=dtype,
                                 written=p.get("written", False),
                                 fill=p.get("fill", -math.inf))
+    if m.kind == "sdpa":   # the op is called with k and v cast (_rewrite), the match's before
+        fn = with_casts(fn, p.get("casts"))
     if fn is not None and not generic:
         slower, measured = tune.verdict(m, metas, consts, fn, B.runtime_inputs(m))
         if slower:
@@ -245,6 +248,10 @@ def _rewrite(gm: GraphModule, example_inputs: list, graph_id: int, dump_dir,
         target = C.op(m.params["variant"] if m.kind == "sorting" else m.kind)
         args = map_arg(_call_args(m), lambda n: replaced.get(n, n))
         with graph.inserting_before(m.output):
+            if m.kind == "sdpa" and m.params.get("casts"):   # autocast's, on unrepeated heads
+                args = tuple(graph.call_method("to", (a, m.params["casts"][k]))
+                             if k in m.params["casts"] else a
+                             for k, a in zip(("q", "k", "v"), args[:3])) + args[3:]
             new = graph.call_function(target, args)
         new.meta.update(m.output.meta)
         m.output.replace_all_uses_with(new)

@@ -476,12 +476,15 @@ class Matcher:
         if b["enable_gqa"] is not False and (b["enable_gqa"] is not True or
                                              len(self.metas[q].shape) != 4):
             return None
-        covers = [n]
-        # grouped-query attention written as repeated k/v heads: read the unrepeated ones
+        covers, casts = [n], {}
+        # grouped-query attention written as repeated k/v heads: read the unrepeated ones (and
+        # where autocast casts the repeated heads, cast the unrepeated ones: 1/r of the bytes)
         for key in ("k", "v"):
             rk = _repeated_kv(k if key == "k" else v, self.metas)
             if rk is not None and all(len(c.users) == 1 for c in rk[1]):
                 covers[:0] = rk[1]
+                if rk[2] is not None:
+                    casts[key] = rk[2]
                 if key == "k":
                     k = rk[0]
                 else:
@@ -500,7 +503,7 @@ class Matcher:
                 return None
         return Match("sdpa", n, covers, {"q": q, "k": k, "v": v, "mask": mask},
                      {"causal": b["is_causal"], "scale": None if scale is None else float(scale),
-                      "mask": mask_kind})
+                      "mask": mask_kind, "casts": casts})
 
     def written_attention(self, n: Node) -> Match | None:
         """``softmax(q @ k^T * c [+ mask]) @ v`` written out (composite.attention_at) as the
@@ -553,11 +556,13 @@ def _op_name(n: Node) -> str:
     return getattr(n.target, "__name__", "")
 
 
-def _repeated_kv(n: Node, metas) -> tuple[Node, list] | None:
-    """(the (B, Hkv, L, D) source, [the repeat's nodes]) when ``n`` repeats each head of a 4-D
-    k or v ``r`` times in place (head h reads source head h // r, as grouped-query attention):
-    ``x[:, :, None].expand(B, Hkv, r, L, D).reshape(B, Hkv * r, L, D)`` (transformers'
-    ``repeat_kv``) or ``x.repeat_interleave(r, dim=1)``. Shapes decide, from the metas."""
+def _repeated_kv(n: Node, metas) -> tuple[Node, list, torch.dtype | None] | None:
+    """(the (B, Hkv, L, D) source, [the repeat's nodes], the dtype it is cast to or None) when
+    ``n`` repeats each head of a 4-D k or v ``r`` times in place (head h reads source head
+    h // r, as grouped-query attention): ``x[:, :, None].expand(B, Hkv, r, L, D).reshape(B,
+    Hkv * r, L, D)`` (transformers' ``repeat_kv``; under autocast with its cast of the expanded
+    heads before the reshape) or ``x.repeat_interleave(r, dim=1)``. Shapes decide, from the
+    metas."""
     def shape(x):
         m = _meta(metas, x)
         return m.shape if m is not None else None
@@ -571,11 +576,13 @@ def _repeated_kv(n: Node, metas) -> tuple[Node, list] | None:
         if s is not None and len(s) == 4 and s[0] == out[0] and s[2:] == out[2:] and \
                 out[1] % s[1] == 0 and (n.kwargs.get("dim", n.args[2] if len(n.args) > 2
                                                       else None) in (1, -3)):
-            return src, [n]
+            return src, [n], None
         return None
     if _op_name(n) not in ("reshape", "view"):
         return None
-    ex = n.args[0]
+    ex, cast = n.args[0], None
+    if cast_source(ex) is not None and len(ex.users) == 1:
+        cast, ex = ex, cast_source(ex)
     if not isinstance(ex, Node) or _op_name(ex) != "expand":
         return None
     un = ex.args[0]
@@ -588,7 +595,9 @@ def _repeated_kv(n: Node, metas) -> tuple[Node, list] | None:
     s = shape(src) if isinstance(src, Node) else None
     if s is None or tuple(s) != (es[0], es[1], es[3], es[4]):
         return None
-    return src, [un, ex, n]
+    if cast is None:
+        return src, [un, ex, n], None
+    return src, [un, ex, cast, n], _dtype(metas, cast)
 
 
 def why_not(node: Node, metas: dict) -> str:

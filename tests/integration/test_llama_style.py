@@ -58,7 +58,9 @@ def test_llama_bf16_keeps_the_contract():
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_llama_under_autocast(inner):
     """bf16 projections and float32 cos/sin (the rotary embedding promotes to float32, as
-    eager's does): the rotary embeddings are kernels too, and the contract holds."""
+    eager's does): the rotary embeddings are kernels too, and so is the grouped-query
+    attention, whose repeated float32 k heads autocast casts to bf16 (the kernel casts the
+    unrepeated ones); the contract holds."""
     ids = torch.randint(0, 512, (1, 24))
     model = Logits(llama())
     torch._dynamo.reset()
@@ -69,7 +71,7 @@ def test_llama_under_autocast(inner):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             eager, got = model(ids), compiled(ids)
     names = kernels(kd.all_reports())
-    assert names.count("rope") == 4, names
+    assert names.count("rope") == 4 and names.count("sdpa") == 2, names
     assert_bf16_contract(got, eager, ref)
 
 
