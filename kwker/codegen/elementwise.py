@@ -28,13 +28,14 @@ GRAIN = {"relu": 1 << 15}  # others: DEFAULT_GRAIN
 DEFAULT_GRAIN = 1 << 12
 UNROLL = {"relu": 4}  # others: 1
 
+# op(b, x, avx512): ``avx512`` lets the exp-based ops scale with vscalefps (vmath.exp)
 OPS = {
     "silu": vmath.silu,
-    "gelu": lambda b, x: vmath.gelu(b, x, "none"),
-    "gelu_tanh": lambda b, x: vmath.gelu(b, x, "tanh"),
-    "relu": vmath.relu,
+    "gelu": lambda b, x, avx512: vmath.gelu(b, x, "none"),
+    "gelu_tanh": lambda b, x, avx512: vmath.gelu(b, x, "tanh"),
+    "relu": lambda b, x, avx512: vmath.relu(b, x),
     "exp": vmath.exp,
-    "erf": vmath.erf,
+    "erf": lambda b, x, avx512: vmath.erf(b, x),
     "tanh": vmath.tanh,
 }
 
@@ -60,7 +61,8 @@ def _store_bf16(b, x, base, index, mask=None):
     bf16.store(b, x, base, index, mask=mask)
 
 
-# (load, store) per element type: float32 lanes in registers either way, bf16 as i16 in memory
+# (load, store) per element type: float32 lanes in registers either way, bf16 as i16 in memory,
+# rounded as ATen rounds (bf16.narrow; vcvtneps2bf16 flushes denormals and keeps NaN payloads)
 IO = {"f32": (_load_f32, _store_f32), "bf16": (_load_bf16, _store_bf16)}
 
 
@@ -71,7 +73,7 @@ BINARY = {"silu_mul": "silu"}
 
 def _emit_rows(spec, target, module, load, store) -> ir.Module:
     """The row-strided binary kernel (module doc)."""
-    lanes = simd.float_lanes(target)
+    lanes, avx512 = simd.float_lanes(target), target.has("avx512f")
     body = omp.body_fn(module, f"{spec.symbol}.body")
     ctx = omp.Context(body, body.args[0])
     b = body.b
@@ -83,7 +85,7 @@ def _emit_rows(spec, target, module, load, store) -> ir.Module:
     tail = b.sub(width, full)
 
     def one(xr, yr, orow, at, mask=None):
-        v = first(b, load(b, xr, at, lanes, mask))
+        v = first(b, load(b, xr, at, lanes, mask), avx512)
         if spec.dtype == "bf16":
             v = bf16.widen(b, bf16.narrow(b, v))
         store(b, b.fmul(v, load(b, yr, at, lanes, mask)), orow, at, mask)
@@ -110,9 +112,9 @@ def emit(spec, target) -> ir.Module:
                          f"{sorted(OPS) + sorted(BINARY)}")
     if spec.dtype not in IO:
         raise ValueError(f"kwker: elementwise dtype {spec.dtype!r}; have {sorted(IO)}")
+    lanes, avx512 = simd.float_lanes(target), target.has("avx512f")
     load, store = IO[spec.dtype]
     arity = 2 if spec.op in BINARY else 1
-    lanes = simd.float_lanes(target)
     module = new_module(spec.symbol)
     if spec.rows:
         if arity != 2 or spec.numel:
@@ -127,12 +129,12 @@ def emit(spec, target) -> ir.Module:
         unary = OPS[spec.op]
 
         def op(b, x, at, mask=None):
-            return unary(b, x)
+            return unary(b, x, avx512)
     else:
         first, other = OPS[BINARY[spec.op]], ctx.ptr(1)
 
         def op(b, x, at, mask=None):
-            y = first(b, x)
+            y = first(b, x, avx512)
             if spec.dtype == "bf16":
                 y = bf16.widen(b, bf16.narrow(b, y))
             return b.fmul(y, load(b, other, at, lanes, mask))

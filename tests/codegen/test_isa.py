@@ -85,6 +85,15 @@ def test_sdpa_softmax_uses_vscalef_on_avx512():
     assert "vscalefps" in asm
 
 
+@pytest.mark.parametrize("op", ["exp", "tanh", "silu_mul"])
+def test_exp_scales_with_vscalef_on_avx512_only(op):
+    """vmath.exp's 2**n: one vscalefps on AVX-512 (the same bits as the exponent-field
+    multiplies AVX2 keeps: tests/kernels/test_eltwise.py checks both against float64)."""
+    for target, want in ((AVX512, True), (AVX2, False)):
+        _, asm = compile_assembly(ir_text(EltwiseSpec(op, 0), target), target)
+        assert ("vscalefps" in asm) == want, (op, target.name)
+
+
 def test_topk_bf16_screening_uses_vdpbf16ps():
     target = make_target("znver4", AVX512.features + ",+avx512bf16")
     spec = TopkGemmSpec(32, 20000, 128, 10, True, 8, 48, "bf16")

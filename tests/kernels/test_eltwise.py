@@ -41,6 +41,17 @@ def test_vector_math_special_values(op, fn):
     torch.testing.assert_close(y[ok], ref[ok], rtol=2e-7, atol=1e-37)
 
 
+def test_exp_scales_into_the_denormal_range():
+    """Below e**-87.3 the result is denormal: the scaling (vscalefps on AVX-512, two exponent
+    multiplies elsewhere) rounds once, so it stays within one denormal step of float64's."""
+    x = torch.cat([dense(-103.9, -87.4, 200_001), torch.tensor([-103.97, -87.34])])
+    y = make_eltwise("exp", x.numel())(x).double()
+    ref = torch.exp(x.double())
+    step = 2.0 ** -149
+    assert ((y - ref).abs() <= step * (1 + 1e-6) + ref * 2e-7).all()
+    assert (y > 0).all()
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("numel", [1, 15, 17, 1000, 70_001])
 def test_gelu_matches_aten(approximate, numel, threads):
