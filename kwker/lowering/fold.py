@@ -3,8 +3,9 @@
 transformers builds its attention masks from ``arange``, comparisons and ``&`` of tensors whose
 sizes dynamo traced as constants (GPT-2 at a fixed length: ~25 ATen calls per forward, every one
 giving the same tensors). Such nodes (no placeholder or attribute among their ancestors, a
-deterministic op, no in-place write) are evaluated here, once, and their users read the
-result: a tensor becomes a graph attribute, a number or tuple a literal argument.
+deterministic op, no in-place write, no tensor an in-place op later writes into) are evaluated
+here, once, and their users read the result: a tensor becomes a graph attribute, a number or
+tuple a literal argument.
 
 An attention whose constant boolean mask is the causal pattern (``ones(L, S).tril()``, broadcast
 over batch and heads) becomes ``is_causal=True`` without a mask: the same answer, and the kernel
@@ -79,6 +80,7 @@ def fold_constants(gm: GraphModule) -> int:
                 continue
             if _small(v):
                 values[n] = v
+    _drop_written(gm, values)
     if not values:
         return 0
     _causal_masks(gm, values)
@@ -107,6 +109,28 @@ def fold_constants(gm: GraphModule) -> int:
     gm.graph.lint()
     gm.recompile()
     return count
+
+
+def _storage(v):
+    return v.untyped_storage().data_ptr() if isinstance(v, torch.Tensor) else None
+
+
+def _drop_written(gm: GraphModule, values: dict) -> None:
+    """Unfold what an in-place op that runs every call writes into: the value it writes (and
+    every value sharing its memory), so that a folded tensor is never mutated, and whatever was
+    computed from those, which may read them after the write. T5's relative position buckets:
+    ``buckets = (pos > 0) * 16`` is input-independent, then ``buckets += where(...)`` (in
+    place) would have added to the kept constant on every call."""
+    written = {_storage(values[a]) for u in gm.graph.nodes if u not in values and is_inplace(u)
+               for a in u.all_input_nodes if a in values}
+    written.discard(None)
+    if not written:
+        return
+    dropped = set()
+    for n in list(values):   # graph order: an input's drop is known before its users
+        if _storage(values[n]) in written or any(a in dropped for a in n.all_input_nodes):
+            dropped.add(n)
+            del values[n]
 
 
 def _causal_masks(gm: GraphModule, values: dict) -> None:

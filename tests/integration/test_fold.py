@@ -64,3 +64,32 @@ def test_random_draws_are_not_folded():
         compiled(x)
     report = kd.last_report()
     assert any(op == "rand" for _, op in report.inner_nodes), str(report)
+
+
+class Buckets(torch.nn.Module):
+    """T5's relative position buckets: an input-independent tensor, then written in place."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.emb, self.lin = torch.nn.Embedding(32, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        n = x.shape[1]
+        pos = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+        buckets = (pos > 0).to(torch.long) * 16
+        buckets += pos.abs().clamp(max=15)
+        return self.lin(x) + self.emb(buckets).sum(1)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_constant_written_in_place_is_not_folded(inner):
+    """The in-place add runs on a fresh tensor every call: folded, it would add to the kept
+    constant each time (out-of-range embedding indices by the second call)."""
+    torch.manual_seed(6)
+    model, x = Buckets().eval(), torch.randn(2, 12, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="kwker", options={"inner": inner})
+    with torch.no_grad():
+        ref = model(x)
+        for _ in range(3):
+            assert_close(compiled(x), ref)
