@@ -381,9 +381,14 @@ def norm_aten(norm: str, d: int, w, b, eps: float, out_dtype=None):
     if norm == "layer":
         def fn(x):
             return F.layer_norm(x, (d,), w, b, eps)
-    elif norm == "rms":
+    elif norm == "rms" and w is not None and w.dtype != torch.float32:
         def fn(x):
             return F.rms_norm(x, (d,), w, eps)
+    elif norm == "rms":   # a float32 weight (Gemma's 1 + w): float32 maths, one rounding
+        def fn(x):
+            h = x.float()
+            y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            return (y if w is None else y * w).to(x.dtype)
     else:
         def fn(x):
             h = x.float()
@@ -399,6 +404,8 @@ def _layer_norm(m: Match, metas, consts):
         return None, f"normalised over {d} features, the input has {xm.shape[-1]}"
     w, b = (consts[m.inputs[k]].detach() if m.inputs[k] is not None else None
             for k in ("weight", "bias"))
+    if m.params.get("offset") and w is not None:   # Gemma's 1 + w, in float32 as it adds it
+        w = w.float() + m.params["offset"]
     lead, out = xm.shape[:-1], m.params.get("out")   # out: bf16, autocast's cast fused
     if not known(*lead):
         fn, why = make_kernel("make_layer_norm", d, w, b, eps, None, dtype=xm.dtype, norm=norm,

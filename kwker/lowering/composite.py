@@ -162,11 +162,31 @@ _ADD = ((operator.add, torch.add, _aten.add.Tensor), ("add", "__add__", "__radd_
 _CASTS = ((_aten.to.dtype, _aten._to_copy.default), ("to",))
 
 
+def _one_plus(n) -> tuple | None:
+    """(the parameter, [its cast if any, the add]) if ``n`` is ``1 + w`` or ``1 + w.float()``
+    of a parameter or attribute ``w`` (Gemma's norm weight), each used once, else None."""
+    if not isinstance(n, Node) or not _is(n, *_ADD) or len(n.users) != 1 or n.kwargs or \
+            len(n.args) != 2:
+        return None
+    ones = [a for a in n.args if type(a) in (int, float) and a == 1]
+    w = n.args[0] if n.args[1] in ones else n.args[1] if n.args[0] in ones else None
+    if not isinstance(w, Node):
+        return None
+    if w.op in ("placeholder", "get_attr"):
+        return w, [n]
+    src = cast_of(w)
+    if isinstance(src, Node) and src.op in ("placeholder", "get_attr") and len(w.users) == 1:
+        return src, [w, n]
+    return None
+
+
 def rms_norm_at(r: Node) -> tuple | None:
-    """An RMSNorm written out around the ``rsqrt`` node ``r`` (transformers' Llama/Mistral/T5
-    form: ``h = x.to(float32); h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)``, then
-    ``.to(x.dtype)`` and ``weight * ...``): (x, the weight node or None, eps, covered nodes in
-    graph order, the output node), or None."""
+    """An RMSNorm written out around the ``rsqrt`` node ``r``: (x, the weight node or None,
+    eps, covered nodes in graph order, the output node, the weight's offset, the norm kind),
+    or None. Two forms, as transformers writes them: Llama/Mistral/T5's ``h = x.to(float32);
+    h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)``, then ``.to(x.dtype)`` and ``weight *
+    ...`` ("rms_hf": rounded before the weight); and Gemma's ``... * (1.0 + weight.float())``
+    then ``.type_as(x)`` ("rms" with the weight offset by 1: one rounding, after it)."""
     if not _is(r, (torch.rsqrt, _aten.rsqrt.default), ("rsqrt",)) or len(r.args) != 1:
         return None
     a = r.args[0]
@@ -209,7 +229,17 @@ def rms_norm_at(r: Node) -> tuple | None:
         if isinstance(w, Node) and w.op in ("placeholder", "get_attr"):
             covers.append(m)
             out, weight = m, w
-    return x, weight, float(eps), covers, out
+        elif out is y and _one_plus(w) is not None:   # Gemma's
+            weight, extra = _one_plus(w)
+            covers += extra + [m]
+            out = m
+            last = _only_user(m)
+            if last is not None and cast_of(last) is not None:
+                covers.append(last)
+                out = last
+            order = {n: i for i, n in enumerate(r.graph.nodes)}
+            return x, weight, float(eps), sorted(covers, key=order.__getitem__), out, 1.0, "rms"
+    return x, weight, float(eps), covers, out, 0.0, "rms_hf"
 
 
 # ------------------------------------------------------------------------------- SiLU * y

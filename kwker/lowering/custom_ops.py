@@ -43,7 +43,7 @@ _SCHEMAS = {
     "matmul": "matmul(Tensor a, Tensor b) -> Tensor",
     "gelu": "gelu(Tensor x, str approximate) -> Tensor",
     "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, int d, float eps, "
-                  "str norm, ScalarType? out_dtype=None) -> Tensor",
+                  "str norm, ScalarType? out_dtype=None, float offset=0.0) -> Tensor",
     "silu_mul": "silu_mul(Tensor x, Tensor y) -> Tensor",
     "rope": "rope(Tensor x, Tensor cos, Tensor sin) -> Tensor",
     "sdpa": "sdpa(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale, "
@@ -188,15 +188,19 @@ def silu_mul_kernel(numel, dtype=torch.float32, build=True):
 
 
 def layer_norm_kernel(x_shape, weight, bias, eps, dtype=torch.float32, build=True,
-                      norm="layer", out_dtype=None):
-    """``out_dtype``: bf16 for float32 x, autocast's cast after the norm done by the kernel."""
-    key = ("layer_norm", tuple(x_shape), _ptr(weight), _ptr(bias), eps, dtype, norm, out_dtype)
+                      norm="layer", out_dtype=None, offset=0.0):
+    """``out_dtype``: bf16 for float32 x, autocast's cast after the norm done by the kernel.
+    ``offset``: the weight is ``weight + offset`` in float32 (Gemma's RMSNorm)."""
+    key = ("layer_norm", tuple(x_shape), _ptr(weight), _ptr(bias), eps, dtype, norm, out_dtype,
+           offset)
     consts = tuple(t for t in (weight, bias) if t is not None)
+    params = {"d": x_shape[-1], "eps": eps, "norm": norm, "out": out_dtype}
+    if offset:
+        params["offset"] = offset
     return kernel_for(key, consts, lambda: _make(
         "layer_norm", {"x": "x", "weight": "w" if weight is not None else None,
                        "bias": "b" if bias is not None else None}, {"x": x_shape},
-        {"d": x_shape[-1], "eps": eps, "norm": norm, "out": out_dtype}, {"w": weight, "b": bias},
-        dtype=dtype), build)
+        params, {"w": weight, "b": bias}, dtype=dtype), build)
 
 
 def sdpa_kernel(q_shape, k_shape, v_shape, mask_shape, mask_kind, causal, scale,
@@ -338,19 +342,23 @@ def _rope_fake(x, cos, sin):   # eager's layout (x's) and type (promoted)
     return torch.empty_like(x, dtype=torch.promote_types(x.dtype, cos.dtype))
 
 
-def _layer_norm(x, weight, bias, d, eps, norm, out_dtype=None):
+def _layer_norm(x, weight, bias, d, eps, norm, out_dtype=None, offset=0.0):
     fn = None
     if x.is_contiguous():
-        fn, _ = layer_norm_kernel(x.shape, weight, bias, eps, x.dtype, False, norm, out_dtype)
+        fn, _ = layer_norm_kernel(x.shape, weight, bias, eps, x.dtype, False, norm, out_dtype,
+                                  offset)
         if fn is None:
             g = generic_shapes("layer_norm", {"x": x.shape})["x"]
-            fn, _ = layer_norm_kernel(g, weight, bias, eps, x.dtype, True, norm, out_dtype)
+            fn, _ = layer_norm_kernel(g, weight, bias, eps, x.dtype, True, norm, out_dtype,
+                                      offset)
     if fn is not None:
         return fn(x)
+    if offset and weight is not None:
+        weight = weight.float() + offset
     return B.norm_aten(norm, d, weight, bias, eps, out_dtype)(x).contiguous()
 
 
-def _layer_norm_fake(x, weight, bias, d, eps, norm, out_dtype=None):
+def _layer_norm_fake(x, weight, bias, d, eps, norm, out_dtype=None, offset=0.0):
     return torch.empty_like(x, memory_format=torch.contiguous_format, dtype=out_dtype or x.dtype)
 
 

@@ -51,7 +51,8 @@ def _call_args(m: Match) -> tuple:
         return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"], \
             p.get("written", False), None if p.get("fill", -math.inf) == -math.inf else p["fill"]
     if m.kind == "layer_norm":
-        return i["x"], i["weight"], i["bias"], p["d"], p["eps"], p["norm"], p.get("out")
+        return i["x"], i["weight"], i["bias"], p["d"], p["eps"], p["norm"], p.get("out"), \
+            p.get("offset", 0.0)
     return (i["x"], *p["args"])
 
 
@@ -91,7 +92,7 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
     elif m.kind == "layer_norm":
         w, b = (consts[i[k]] if i[k] is not None else None for k in ("weight", "bias"))
         fn, why = C.layer_norm_kernel(shapes["x"], w, b, p["eps"], dtype, norm=p["norm"],
-                                      out_dtype=p.get("out"))
+                                      out_dtype=p.get("out"), offset=p.get("offset", 0.0))
     else:  # the layouts q, k, v arrive in (heads side by side...), as the op's call looks up
         strides = tuple(tuple(metas[i[k]].stride) for k in ("q", "k", "v"))
         fn, why = C.sdpa_kernel(shapes["q"], shapes["k"], shapes["v"], shapes["mask"],

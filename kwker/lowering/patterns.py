@@ -413,12 +413,13 @@ class Matcher:
             eps = torch.finfo(torch.float32).eps
         return self._rms(x, b["weight"], eps, [n], n, "rms", shape[0])
 
-    def rms_norm_written(self, x, weight, eps, covers, out) -> Match | None:
+    def rms_norm_written(self, x, weight, eps, covers, out, offset, norm) -> Match | None:
         m = _meta(self.metas, x)
         d = m.shape[-1] if m is not None and m.shape else None
-        return self._rms(x, weight, eps, covers, out, "rms_hf", d)
+        return self._rms(x, weight, eps, covers, out, norm, d, offset)
 
-    def _rms(self, x, weight, eps, covers, out, norm: str, d) -> Match | None:
+    def _rms(self, x, weight, eps, covers, out, norm: str, d, offset=0.0) -> Match | None:
+        """``offset``: the kernel's weight is ``weight + offset`` in float32 (Gemma's 1 + w)."""
         if not isinstance(x, Node) or not _fits(self.metas, x, out, rank=tuple(range(1, 9))):
             return None
         dt = _dtype(self.metas, x)
@@ -429,9 +430,11 @@ class Matcher:
         if w is not None and (w not in self.consts or not _fits(self.metas, w, rank=(1,))
                               or _dtype(self.metas, w) not in (dt, torch.float32)):
             return None
+        params = {"d": d, "eps": float(eps), "norm": norm}
+        if offset:
+            params["offset"] = float(offset)
         return self._with_cast(Match("layer_norm", out, casts + covers,
-                                     {"x": x, "weight": w, "bias": None},
-                                     {"d": d, "eps": float(eps), "norm": norm}))
+                                     {"x": x, "weight": w, "bias": None}, params))
 
     def rope(self, x: Node, c: Node, s: Node, h: int, dims: set, covers: list) -> Match | None:
         """Rotary embedding of a (B, H, T, d) ``x``, ``h = d / 2``, with ``cos``/``sin`` of

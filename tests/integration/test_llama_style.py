@@ -88,6 +88,53 @@ def test_nn_rmsnorm_module(dtype):
     torch.testing.assert_close(got, expected, **tol)
 
 
+class GemmaNorm(torch.nn.Module):
+    """Gemma's RMSNorm as transformers writes it: float32 maths, the weight as ``1 + w``, one
+    rounding after it (Llama's rounds before its weight)."""
+
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, torch.nn.Parameter(torch.randn(d) * 0.3)
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gemma_norm_is_a_kernel(dtype, inner):
+    """The whole norm (weight included) is one kernel, within one bf16 rounding of eager's."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), GemmaNorm(96)).to(dtype)
+    x = torch.randn(2, 7, 64).to(dtype)
+    with torch.no_grad():
+        expected, got, reports = compile_run(model, (x,), inner)
+    assert kernels(reports) == ["linear", "rms_norm"], kernels(reports)
+    tol = {} if dtype == torch.float32 else {"rtol": 2 ** -8, "atol": 1e-6}
+    torch.testing.assert_close(got, expected, **tol)
+
+
+def test_gemma_bf16_keeps_the_contract():
+    """transformers' Gemma in bf16: every RMSNorm a kernel (5 for 2 layers), the contract."""
+    torch.manual_seed(0)
+    cfg = tf.GemmaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                         head_dim=32, max_position_embeddings=256)
+    reference = Logits(tf.GemmaForCausalLM(cfg).eval())
+    model = Logits(tf.GemmaForCausalLM(cfg).eval()).to(torch.bfloat16)
+    model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 512, (1, 20))
+    torch._dynamo.reset()
+    kd.clear_reports()
+    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
+    with torch.no_grad():
+        eager, got, ref = model(ids), compiled(ids), reference(ids)
+    assert kernels(kd.all_reports()).count("rms_norm") == 5
+    assert_bf16_contract(got, eager, ref)
+
+
 def test_quantized_llama_greedy_tokens():
     pytest.importorskip("torchao")
     from torchao.quantization import IntxWeightOnlyConfig, quantize_
