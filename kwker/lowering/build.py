@@ -381,14 +381,12 @@ def norm_aten(norm: str, d: int, w, b, eps: float, out_dtype=None):
     if norm == "layer":
         def fn(x):
             return F.layer_norm(x, (d,), w, b, eps)
-    elif norm == "rms" and w is not None and w.dtype != torch.float32:
+    elif norm == "rms":
         def fn(x):
-            return F.rms_norm(x, (d,), w, eps)
-    elif norm == "rms":   # a float32 weight (Gemma's 1 + w): float32 maths, one rounding
-        def fn(x):
-            h = x.float()
-            y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            return (y if w is None else y * w).to(x.dtype)
+            if w is None or w.dtype == x.dtype:
+                return F.rms_norm(x, (d,), w, eps)
+            h = x.float()   # a float32 weight of a bf16 x (Gemma's 1 + w): one rounding
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
     else:
         def fn(x):
             h = x.float()

@@ -77,6 +77,9 @@ def with_casts(fn, casts: dict | None):
 
     def cast(q, k, v, *mask):
         return fn(q, k if ck is None else k.to(ck), v if cv is None else v.to(cv), *mask)
+    for attr in ("kwker_specs", "kwker_stand_in"):   # what reports and the tuner read
+        if hasattr(fn, attr):
+            setattr(cast, attr, getattr(fn, attr))
     return mark_generic(cast, generic(fn))
 
 

@@ -173,9 +173,11 @@ def _one_plus(n) -> tuple | None:
     if not isinstance(w, Node):
         return None
     if w.op in ("placeholder", "get_attr"):
-        return w, [n]
+        return w, [n]   # (the matcher checks that w is float32 then: the add is)
     src = cast_of(w)
-    if isinstance(src, Node) and src.op in ("placeholder", "get_attr") and len(w.users) == 1:
+    to_f32 = len(w.args) == 1 or w.args[1:] == (torch.float32,)   # .float() or .to(float32)
+    if isinstance(src, Node) and src.op in ("placeholder", "get_attr") and len(w.users) == 1 \
+            and to_f32 and not w.kwargs:
         return src, [w, n]
     return None
 
@@ -234,7 +236,7 @@ def rms_norm_at(r: Node) -> tuple | None:
             covers += extra + [m]
             out = m
             last = _only_user(m)
-            if last is not None and cast_of(last) is not None:
+            if last is not None and cast_of(last) is m:
                 covers.append(last)
                 out = last
             order = {n: i for i, n in enumerate(r.graph.nodes)}

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from .ops import is_inplace
+from .ops import is_inplace, is_view
 
 log = logging.getLogger("kwker")
 MAX_NUMEL = 1 << 22   # a folded tensor is kept with the compiled graph: masks, not weights
@@ -112,17 +112,48 @@ def fold_constants(gm: GraphModule) -> int:
 
 
 def _storage(v):
-    return v.untyped_storage().data_ptr() if isinstance(v, torch.Tensor) else None
+    """Where a tensor's memory starts (None for non-tensors and empty ones, which share none)."""
+    if not isinstance(v, torch.Tensor) or v.untyped_storage().nbytes() == 0:
+        return None
+    return v.untyped_storage().data_ptr()
+
+
+def _written_args(u: Node) -> list:
+    """The nodes the in-place op ``u`` writes into: its ``out=`` tensors, a mutable ATen
+    schema's written arguments, else (an in-place method, ``operator.iadd``, ``setitem``,
+    ``inplace=True``) its first argument."""
+    out = u.kwargs.get("out")
+    if out is not None:
+        return [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(o, Node)]
+    if isinstance(u.target, torch._ops.OpOverload):
+        args = u.target._schema.arguments
+        written = [a for a, spec in zip(u.args, args)
+                   if spec.alias_info is not None and spec.alias_info.is_write]
+        written += [u.kwargs[spec.name] for spec in args if spec.name in u.kwargs and
+                    spec.alias_info is not None and spec.alias_info.is_write]
+        return [a for a in written if isinstance(a, Node)]
+    return [u.args[0]] if u.args and isinstance(u.args[0], Node) else []
+
+
+def _source_value(n, values: dict):
+    """The folded node ``n`` is, or is a view (or no-op cast) of: an in-place write into ``n``
+    writes into it."""
+    while isinstance(n, Node) and n not in values and is_view(n) and n.args and \
+            isinstance(n.args[0], Node):
+        n = n.args[0]
+    return n if n in values else None
 
 
 def _drop_written(gm: GraphModule, values: dict) -> None:
-    """Unfold what an in-place op that runs every call writes into: the value it writes (and
-    every value sharing its memory), so that a folded tensor is never mutated, and whatever was
+    """Unfold what an in-place op that runs every call writes into: the value it writes (also
+    through views that are not folded), every value sharing its memory, and whatever was
     computed from those, which may read them after the write. T5's relative position buckets:
     ``buckets = (pos > 0) * 16`` is input-independent, then ``buckets += where(...)`` (in
     place) would have added to the kept constant on every call."""
-    written = {_storage(values[a]) for u in gm.graph.nodes if u not in values and is_inplace(u)
-               for a in u.all_input_nodes if a in values}
+    written = {_storage(values[src]) for u in gm.graph.nodes if u not in values and
+               is_inplace(u) for a in _written_args(u)
+               if (src := _source_value(a, values)) is not None}
     written.discard(None)
     if not written:
         return

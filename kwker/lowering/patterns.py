@@ -430,6 +430,9 @@ class Matcher:
         if w is not None and (w not in self.consts or not _fits(self.metas, w, rank=(1,))
                               or _dtype(self.metas, w) not in (dt, torch.float32)):
             return None
+        if offset and _dtype(self.metas, w) != torch.float32 and \
+                not any(cast_of(c) is w for c in covers):
+            return None   # 1 + w added in w's dtype, not in float32 as the kernel adds it
         params = {"d": d, "eps": float(eps), "norm": norm}
         if offset:
             params["offset"] = float(offset)

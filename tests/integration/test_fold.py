@@ -93,3 +93,38 @@ def test_a_constant_written_in_place_is_not_folded(inner):
         ref = model(x)
         for _ in range(3):
             assert_close(compiled(x), ref)
+
+
+class WrittenThroughAView(torch.nn.Module):
+    """An input-independent tensor written through a view that reads the input (not folded)."""
+
+    def forward(self, x):
+        c = torch.zeros(x.shape[-1])
+        v = c.view_as(x[0, 0])
+        v += 1
+        return x + c
+
+
+class FilledByAMask(torch.nn.Module):
+    """A constant mask that an in-place ``masked_fill_`` reads but does not write."""
+
+    def forward(self, x):
+        n = x.shape[-1]
+        mask = torch.arange(n)[None, :] > torch.arange(n)[:, None]
+        return (x @ x.transpose(-1, -2)).masked_fill_(mask, -1.0)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_what_in_place_ops_write_and_read(inner):
+    """Written through an unfolded view: not folded (each call starts from zeros); only read
+    by an in-place op (the mask of masked_fill_): still folded."""
+    x = torch.randn(2, 6, 6)
+    for model in (WrittenThroughAView(), FilledByAMask()):
+        torch._dynamo.reset()
+        kd.clear_reports()
+        compiled = torch.compile(model, backend="kwker", options={"inner": inner})
+        with torch.no_grad():
+            for _ in range(3):
+                assert_close(compiled(x), model(x))
+    left = [op for r in kd.all_reports() for _, op in r.inner_nodes]
+    assert "arange" not in left and "gt" not in left, left
