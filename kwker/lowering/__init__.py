@@ -6,7 +6,8 @@ The stages, in order (each module imports only earlier ones):
     report.py      which nodes became kernels, logged under the "kwker" logger
     decompose.py   fused TransformerEncoderLayer / MultiheadAttention ops -> primitives
     shapes.py      concrete (or dynamo's symbolic) shapes, strides and dtypes of every node
-    patterns.py    nodes -> Matches: which kernel replaces which nodes (structure only)
+    patterns.py    nodes -> Matches: which kernel replaces which nodes (structure only);
+                   gqa.py: grouped-query attention's repeated k/v heads, read unrepeated
     generic.py     which sizes of an op vary: the key of its size-generic kernel
     make.py        kernel factories by name; the specs of every kernel a lowering builds
     build.py       Match + sizes -> callable running a Kwker kernel (specialised to int sizes,

@@ -29,6 +29,7 @@ from .composite import (
     rope_at,
     silu_mul_at,
 )
+from .gqa import op_name, repeated_kv
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
@@ -100,8 +101,8 @@ def _flattened(metas, x: Node, n: Node) -> tuple[Node, Node, list] | None:
     is the linear of X, and an epilogue after V fuses. Known sizes only."""
     src = x.args[0] if x.op in ("call_function", "call_method") and x.args else None
     out = _sole_user(n)
-    if not isinstance(src, Node) or out is None or _op_name(x) not in ("view", "reshape") or \
-            _op_name(out) not in ("view", "reshape"):
+    if not isinstance(src, Node) or out is None or op_name(x) not in ("view", "reshape") or \
+            op_name(out) not in ("view", "reshape"):
         return None
     ms, mx, mn, mo = (_meta(metas, v) for v in (src, x, n, out))
     if None in (ms, mx, mn, mo) or not _fits(metas, src, rank=tuple(range(3, 9))):
@@ -123,7 +124,7 @@ def _sole_user(n: Node) -> Node | None:
 def _transposed_const(y: Node, metas, consts) -> Node | None:
     """The constant 2-D W if ``y`` is a transpose view of it (W.t(), W.T, W.transpose(0, 1))."""
     kind = canon(y)
-    if _op_name(y) == "permute" and tuple(y.args[1:]) in ((1, 0), ([1, 0],)) or kind == "t":
+    if op_name(y) == "permute" and tuple(y.args[1:]) in ((1, 0), ([1, 0],)) or kind == "t":
         w = y.args[0]
     elif kind == "transpose":
         b = bind(y)
@@ -486,7 +487,7 @@ class Matcher:
         # grouped-query attention written as repeated k/v heads: read the unrepeated ones (and
         # where autocast casts the repeated heads, cast the unrepeated ones: 1/r of the bytes)
         for key in ("k", "v"):
-            rk = _repeated_kv(k if key == "k" else v, self.metas)
+            rk = repeated_kv(k if key == "k" else v, self.metas)
             if rk is not None and all(len(c.users) == 1 for c in rk[1]):
                 covers[:0] = rk[1]
                 if rk[2] is not None:
@@ -548,62 +549,6 @@ class Matcher:
         return Match("sdpa", n, covers, {"q": q, "k": k, "v": v, "mask": mask},
                      {"causal": False, "scale": float(scale), "mask": kind, "written": True,
                       "fill": fill}, fallback)
-
-
-_VIEWS = ("getitem", "unsqueeze", "view", "reshape")
-
-
-def _op_name(n: Node) -> str:
-    """``view``, ``expand``, ...: a method's name, a function's, or an ATen overload's op."""
-    if n.op == "call_method":
-        return n.target
-    if isinstance(n.target, torch._ops.OpOverload):
-        return n.target._opname
-    return getattr(n.target, "__name__", "")
-
-
-def _repeated_kv(n: Node, metas) -> tuple[Node, list, torch.dtype | None] | None:
-    """(the (B, Hkv, L, D) source, [the repeat's nodes], the dtype it is cast to or None) when
-    ``n`` repeats each head of a 4-D k or v ``r`` times in place (head h reads source head
-    h // r, as grouped-query attention): ``x[:, :, None].expand(B, Hkv, r, L, D).reshape(B,
-    Hkv * r, L, D)`` (transformers' ``repeat_kv``; under autocast with its cast of the expanded
-    heads before the reshape) or ``x.repeat_interleave(r, dim=1)``. Shapes decide, from the
-    metas."""
-    def shape(x):
-        m = _meta(metas, x)
-        return m.shape if m is not None else None
-
-    out = shape(n)
-    if out is None or len(out) != 4 or not n.all_input_nodes:
-        return None
-    if _op_name(n) == "repeat_interleave":
-        src = n.args[0]
-        s = shape(src)
-        if s is not None and len(s) == 4 and s[0] == out[0] and s[2:] == out[2:] and \
-                out[1] % s[1] == 0 and (n.kwargs.get("dim", n.args[2] if len(n.args) > 2
-                                                      else None) in (1, -3)):
-            return src, [n], None
-        return None
-    if _op_name(n) not in ("reshape", "view"):
-        return None
-    ex, cast = n.args[0], None
-    if cast_source(ex) is not None and len(ex.users) == 1:
-        cast, ex = ex, cast_source(ex)
-    if not isinstance(ex, Node) or _op_name(ex) != "expand":
-        return None
-    un = ex.args[0]
-    es, us = shape(ex), shape(un) if isinstance(un, Node) else None
-    if es is None or us is None or len(es) != 5 or us[2] != 1 or \
-            (es[0], es[1] * es[2], es[3], es[4]) != tuple(out) or \
-            tuple(us) != (es[0], es[1], 1, es[3], es[4]) or _op_name(un) not in _VIEWS:
-        return None
-    src = un.args[0]
-    s = shape(src) if isinstance(src, Node) else None
-    if s is None or tuple(s) != (es[0], es[1], es[3], es[4]):
-        return None
-    if cast is None:
-        return src, [un, ex, n], None
-    return src, [un, ex, cast, n], _dtype(metas, cast)
 
 
 def why_not(node: Node, metas: dict) -> str:
