@@ -360,7 +360,8 @@ def cast_of(n):
     ``.type_as(t)``), else None."""
     if not isinstance(n, Node) or n.kwargs:
         return None
-    if _is(n, _CASTS[0], ("to", "type_as", "type")) and len(n.args) == 2 or \
+    if _is(n, (*_CASTS[0], _aten.type_as.default), ("to", "type_as", "type")) and \
+            len(n.args) == 2 or \
             _is(n, (), ("float",)) and len(n.args) == 1:
         return n.args[0]
     return None

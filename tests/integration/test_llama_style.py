@@ -151,3 +151,28 @@ def test_quantized_llama_greedy_tokens():
     reports = kd.all_reports()
     assert any("gemm_lowbit" in s for r in reports for s in r.kernel_paths)
     assert "silu_mul" in kernels(reports) and "rms_norm" in kernels(reports)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_bf16_packages_lower_the_norms(family, tmp_path):
+    """torch.export writes a metadata assert beside each cast, a second user of the norm's
+    float32 product, and Gemma's final cast as aten.type_as: the norms are kernels anyway."""
+    import copy
+
+    import kwker
+    torch.manual_seed(0)
+    if family == "llama":
+        base = llama()
+    else:
+        cfg = tf.GemmaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                             head_dim=32, max_position_embeddings=256)
+        base = tf.GemmaForCausalLM(cfg).eval()
+    model, reference = Logits(copy.deepcopy(base)).to(torch.bfloat16), Logits(base)
+    ids = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        ep = torch.export.export(model, (ids,))
+        pkg = kwker.load_package(kwker.package(ep, tmp_path / "model.kwk"))
+        got, eager, ref = pkg(ids), model(ids), reference(ids)
+    assert [k[0] for k in pkg.report.kernels].count("rms_norm") == 5, str(pkg.report)
+    assert_bf16_contract(got, eager, ref)
