@@ -297,3 +297,27 @@ def test_decode_breakdown_times_every_step_of_the_program(dbk):
     assert rows[0][1] == "0.400" and rows[-1] == ["the model call (timed)", "1.000", "100%"]
     text = dbk.render([row], {"name": "gpt2", "layers": 1, "width": 8, "new_tokens": 4}, {})
     assert "0.13 ms (now 10%)" in text and "weights at 2.0 GB/s" in text
+
+
+# ------------------------------------------------------------- bench_transformers.py harness
+@pytest.fixture(scope="module")
+def btf():
+    yield from _bench_module("bench_transformers")
+
+
+def test_transformers_rows_checks_and_target(btf, monkeypatch, tmp_path):
+    """One tiny model through the float32 harness (four variants checked against eager, the
+    lowering counted), then the target line: met at the geomean only if none is below 1.0x."""
+    monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path / "cache"))
+
+    def tiny():
+        m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+        return m, (torch.randn(4, 32),)
+    monkeypatch.setitem(btf.TRANSFORMERS, "tiny", (tiny, None, False))
+    row = btf.measure_f32("tiny", reps=1, rounds=1)
+    assert set(row["check"].values()) == {"ok"} and set(row["ms"]) == set(btf.VARIANTS)
+    assert row["lowering"].startswith(("1 kernels", "2 kernels")), row["lowering"]
+    assert row["ratio"] == pytest.approx(row["ms"]["eager"] / row["ms"]["kwker"])
+    fast, slow = dict(row, ratio=2.0), dict(row, ratio=0.95)
+    assert "met)" in btf.f32_summary([fast, fast])
+    assert "NOT met" in btf.f32_summary([fast, fast, slow])   # geomean 1.56x, one below 1.0x
