@@ -133,9 +133,15 @@ def check(name, expected, got) -> str:
 _timed = common.best_of_rounds
 
 
-def speed(name: str, reps: int, rounds: int, peers=PEERS) -> dict:
-    model, inputs = build(name)
-    row = {"model": name, "ms": {}, "check": {}, "kernels": "", "peers": {}}
+def speed(name: str, reps: int, rounds: int, peers=PEERS, models=None,
+          variants=VARIANTS) -> dict:
+    """One row: ``name`` (from ``models``, ``MODELS`` by default) as each of ``variants`` and
+    each peer, checked against eager, then timed interleaved; the seconds each variant's
+    compile and first call took, and what each Kwker compile lowered (models_bf16.lowering)."""
+    import kwker.dynamo as kd
+    model, inputs = build(name, models)
+    row = {"model": name, "ms": {}, "check": {}, "kernels": "", "peers": {}, "compile_s": {},
+           "lowering": {}}
     sides = []
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
         expected = model(*inputs)
@@ -155,13 +161,17 @@ def speed(name: str, reps: int, rounds: int, peers=PEERS) -> dict:
                     why = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
             if why is not None:
                 row["peers"][peer] = {"skipped": why}
-        for variant in VARIANTS:
+        for variant in variants:
             torch._dynamo.reset()
+            kd.clear_reports()
+            t0 = time.perf_counter()
             fn = compile_variant(model, variant, inputs)
             got = fn(*inputs)
+            row["compile_s"][variant] = time.perf_counter() - t0
             row["check"][variant] = "ok" if variant == "eager" else check(name, expected, got)
+            if variant in ("kwker_eager", "kwker"):
+                row["lowering"][variant] = models_bf16.lowering(kd.all_reports())
             if variant == "kwker_eager":
-                import kwker.dynamo as kd
                 row["kernels"] = ", ".join(kd.last_report().kernel_names)
             sides.append(common.Side(variant, lambda fn=fn: fn(*inputs), torch.no_grad))
         sides += [common.Side(p, fn, torch.no_grad) for p, fn in calls.items()]

@@ -17,20 +17,17 @@ Models are built from transformers' configs with random weights (no download), B
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
 import warnings
 from pathlib import Path
-
-import torch
+from statistics import geometric_mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import models_bf16
 import peers
-from bench_models import check, compile_variant
-from model_defs import TRANSFORMERS, TRANSFORMERS_TARGETS_AMX, Missing, build
+from bench_models import speed
+from model_defs import TRANSFORMERS, TRANSFORMERS_TARGETS_AMX, Missing
 
 VARIANTS = ("eager", "inductor", "kwker_eager", "kwker")
 LABELS = {"eager": "eager", "inductor": "Inductor", "kwker_eager": "Kwker inner=eager",
@@ -38,52 +35,27 @@ LABELS = {"eager": "eager", "inductor": "Inductor", "kwker_eager": "Kwker inner=
 TARGET, FLOOR = 1.3, 1.0   # float32: geomean of eager / Kwker over the models, and the least
 
 
-def _lowering() -> str:
-    """What the last Kwker compile lowered: kernels, nodes left to the inner compiler, missed."""
-    import kwker.dynamo as kd
-    reports = [r for r in kd.all_reports() if r.status == "lowered"]
-    if not reports:
-        return "nothing lowered"
-    kernels = sum(len(r.kernels) for r in reports)
-    inner = sum(len(r.inner_nodes) for r in reports)
-    missed = sum(len(r.missed) for r in reports)
-    return f"{kernels} kernels in {len(reports)} graph(s), {inner} nodes inner, {missed} missed"
+def _lowering(lo: dict) -> str:
+    """What a Kwker compile lowered (models_bf16.lowering), in one line."""
+    fell = f", {len(lo['fallback'])} fell back" if lo["fallback"] else ""
+    return (f"{lo['kernels']} kernels in {lo['graphs']} graph(s), {lo['inner_nodes']} nodes "
+            f"inner, {len(lo['missed'])} missed{fell}")
 
 
 def measure_f32(name: str, reps: int, rounds: int) -> dict:
-    """One float32 row: every variant checked against eager, then timed interleaved."""
-    import kwker.dynamo as kd
-    model, inputs = build(name, {k: v[0] for k, v in TRANSFORMERS.items()})
-    row = {"model": name, "ms": {}, "check": {}, "compile_s": {}}
-    with torch.no_grad():
-        expected = model(*inputs)
-        sides = []
-        for variant in VARIANTS:
-            torch._dynamo.reset()
-            kd.clear_reports()
-            t0 = time.perf_counter()
-            fn = compile_variant(model, variant, inputs)
-            got = fn(*inputs)
-            row["compile_s"][variant] = time.perf_counter() - t0
-            row["check"][variant] = "ok" if variant == "eager" else check(name, expected, got)
-            if variant == "kwker":
-                row["lowering"] = _lowering()
-            sides.append(common.Side(variant, lambda fn=fn: fn(*inputs), torch.no_grad))
-        for side, t in zip(sides, common.best_of_rounds(sides, reps, rounds)):
-            row["ms"][side.name] = t * 1e3
+    """One float32 row: every variant checked against eager, then timed interleaved
+    (bench_models.speed, without the peers)."""
+    row = speed(name, reps, rounds, peers=(), models={k: v[0] for k, v in TRANSFORMERS.items()},
+                variants=VARIANTS)
     row["ratio"] = row["ms"]["eager"] / row["ms"]["kwker"]
     print(f"{name:<26} " + "  ".join(f"{LABELS[v]} {row['ms'][v]:.1f} ms" for v in VARIANTS)
-          + f"  eager/Kwker {row['ratio']:.2f}x  {row['lowering']}", flush=True)
+          + f"  eager/Kwker {row['ratio']:.2f}x  {_lowering(row['lowering']['kwker'])}",
+          flush=True)
     return row
 
 
-def _geo(xs) -> float:
-    xs = list(xs)
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
-
-
 def f32_summary(rows: list[dict]) -> str:
-    geo, least = _geo(r["ratio"] for r in rows), min(r["ratio"] for r in rows)
+    geo, least = geometric_mean(r["ratio"] for r in rows), min(r["ratio"] for r in rows)
     met = "met" if geo >= TARGET and least >= FLOOR else "NOT met"
     return (f"float32: geomean **{geo:.2f}x** eager over {len(rows)} models, least {least:.2f}x "
             f"(target >= {TARGET}x, none below {FLOOR}x: {met}).")
@@ -99,7 +71,8 @@ def f32_table(rows: list[dict]) -> str:
         [[r["model"], *(f"{r['ms'][v]:.1f}" for v in VARIANTS), x(r, "inductor"),
           x(r, "kwker_eager"), f"**{x(r, 'kwker')}**",
           f"{r['compile_s']['inductor']:.1f} / {r['compile_s']['kwker']:.1f}",
-          " / ".join(sorted(set(r["check"].values()))), r["lowering"]] for r in rows])
+          " / ".join(sorted(set(r["check"].values()))), _lowering(r["lowering"]["kwker"])]
+         for r in rows])
 
 
 def render(f32: list[dict], bf16: list[dict], info: dict, skipped: dict) -> str:
@@ -126,7 +99,7 @@ def headline(f32: list[dict], bf16: list[dict]) -> list[dict]:
     out = []
     if f32:
         out.append({"label": "transformers models float32, geomean vs eager",
-                    "ratio": _geo(r["ratio"] for r in f32), "target": TARGET})
+                    "ratio": geometric_mean(r["ratio"] for r in f32), "target": TARGET})
     out += [h for h in models_bf16.headline({"rows": bf16}) if not h["label"].startswith("AVX2")]
     return out
 
