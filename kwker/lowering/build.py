@@ -395,6 +395,12 @@ def norm_aten(norm: str, d: int, w, b, eps: float, out_dtype=None):
     return fn if out_dtype is None else (lambda x: fn(x).to(out_dtype))
 
 
+def offset_weight(w, offset: float):
+    """A norm's weight as its kernel and ATen fallback read it: Gemma's ``1 + w`` is added in
+    float32 (``offset`` 1.0), any other weight is as it is."""
+    return w.float() + offset if offset and w is not None else w
+
+
 def _layer_norm(m: Match, metas, consts):
     xm: TensorMeta = metas[m.inputs["x"]]
     d, eps, norm = m.params["d"], m.params["eps"], m.params.get("norm", "layer")
@@ -402,8 +408,7 @@ def _layer_norm(m: Match, metas, consts):
         return None, f"normalised over {d} features, the input has {xm.shape[-1]}"
     w, b = (consts[m.inputs[k]].detach() if m.inputs[k] is not None else None
             for k in ("weight", "bias"))
-    if m.params.get("offset") and w is not None:   # Gemma's 1 + w, in float32 as it adds it
-        w = w.float() + m.params["offset"]
+    w = offset_weight(w, m.params.get("offset", 0.0))
     lead, out = xm.shape[:-1], m.params.get("out")   # out: bf16, autocast's cast fused
     if not known(*lead):
         fn, why = make_kernel("make_layer_norm", d, w, b, eps, None, dtype=xm.dtype, norm=norm,

@@ -231,8 +231,8 @@ def rms_norm_at(r: Node) -> tuple | None:
         if isinstance(w, Node) and w.op in ("placeholder", "get_attr"):
             covers.append(m)
             out, weight = m, w
-        elif out is y and _one_plus(w) is not None:   # Gemma's
-            weight, extra = _one_plus(w)
+        elif out is y and (gemma := _one_plus(w)) is not None:
+            weight, extra = gemma
             covers += extra + [m]
             out = m
             last = _only_user(m)

@@ -353,9 +353,8 @@ def _layer_norm(x, weight, bias, d, eps, norm, out_dtype=None, offset=0.0):
                                       offset)
     if fn is not None:
         return fn(x)
-    if offset and weight is not None:
-        weight = weight.float() + offset
-    return B.norm_aten(norm, d, weight, bias, eps, out_dtype)(x).contiguous()
+    return B.norm_aten(norm, d, B.offset_weight(weight, offset), bias, eps,
+                       out_dtype)(x).contiguous()
 
 
 def _layer_norm_fake(x, weight, bias, d, eps, norm, out_dtype=None, offset=0.0):

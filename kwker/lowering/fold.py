@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from .ops import is_inplace, is_view
+from .ops import is_inplace, is_view, written_args
 
 log = logging.getLogger("kwker")
 MAX_NUMEL = 1 << 22   # a folded tensor is kept with the compiled graph: masks, not weights
@@ -118,24 +118,6 @@ def _storage(v):
     return v.untyped_storage().data_ptr()
 
 
-def _written_args(u: Node) -> list:
-    """The nodes the in-place op ``u`` writes into: its ``out=`` tensors, a mutable ATen
-    schema's written arguments, else (an in-place method, ``operator.iadd``, ``setitem``,
-    ``inplace=True``) its first argument."""
-    out = u.kwargs.get("out")
-    if out is not None:
-        return [o for o in (out if isinstance(out, (tuple, list)) else (out,))
-                if isinstance(o, Node)]
-    if isinstance(u.target, torch._ops.OpOverload):
-        args = u.target._schema.arguments
-        written = [a for a, spec in zip(u.args, args)
-                   if spec.alias_info is not None and spec.alias_info.is_write]
-        written += [u.kwargs[spec.name] for spec in args if spec.name in u.kwargs and
-                    spec.alias_info is not None and spec.alias_info.is_write]
-        return [a for a in written if isinstance(a, Node)]
-    return [u.args[0]] if u.args and isinstance(u.args[0], Node) else []
-
-
 def _source_value(n, values: dict):
     """The folded node ``n`` is, or is a view (or no-op cast) of: an in-place write into ``n``
     writes into it."""
@@ -152,7 +134,7 @@ def _drop_written(gm: GraphModule, values: dict) -> None:
     ``buckets = (pos > 0) * 16`` is input-independent, then ``buckets += where(...)`` (in
     place) would have added to the kept constant on every call."""
     written = {_storage(values[src]) for u in gm.graph.nodes if u not in values and
-               is_inplace(u) for a in _written_args(u)
+               is_inplace(u) for a in written_args(u)
                if (src := _source_value(a, values)) is not None}
     written.discard(None)
     if not written:

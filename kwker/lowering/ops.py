@@ -178,6 +178,24 @@ def is_inplace(node: Node) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
+def written_args(u: Node) -> list:
+    """The nodes the in-place op ``u`` writes into: its ``out=`` tensors, a mutable ATen
+    schema's written arguments, else (an in-place method, ``operator.iadd``, ``setitem``,
+    ``inplace=True``) its first argument."""
+    out = u.kwargs.get("out")
+    if out is not None:
+        return [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(o, Node)]
+    if isinstance(u.target, torch._ops.OpOverload):
+        args = u.target._schema.arguments
+        written = [a for a, spec in zip(u.args, args)
+                   if spec.alias_info is not None and spec.alias_info.is_write]
+        written += [u.kwargs[spec.name] for spec in args if spec.name in u.kwargs and
+                    spec.alias_info is not None and spec.alias_info.is_write]
+        return [a for a in written if isinstance(a, Node)]
+    return [u.args[0]] if u.args and isinstance(u.args[0], Node) else []
+
+
 def is_view(node: Node) -> bool:
     """Whether ``node``'s result may alias its first argument."""
     if node.op == "call_method":
