@@ -24,6 +24,7 @@ from ..runtime import kernel
 from . import sorting as S
 from .build_attention import build_sdpa
 from .generic import SHORT_NAMES, SIZED_INPUTS, generic_shapes, pinned
+from .grouped import expert_weights
 from .make import collecting, known, make_kernel, mark_generic
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides, same_layout
@@ -442,6 +443,17 @@ def _sorting(m: Match, metas, consts):
     return (lambda x: wrap(run(mod, v, x, *args))), None
 
 
+def _grouped_mm(m: Match, metas, consts):
+    """One kernel generic over the rows for every expert (kernels/grouped.py): the runs'
+    lengths change with each call's routing."""
+    xm = metas[m.inputs["x"]]
+    w = expert_weights(consts[m.inputs["weight"]], m.inputs["transposed"])
+    if xm.shape[-1] != w.shape[2] or metas[m.inputs["offs"]].shape[0] != w.shape[0]:
+        return None, f"x {xm.shape} and offsets against {w.shape[0]} experts of {w.shape[2]}"
+    fn, why = make_kernel("make_grouped_linear", w, dtype=xm.dtype)
+    return mark_generic(fn, not known(*xm.shape)), why
+
+
 def _rope(m: Match, metas, consts):
     """One kernel per row length and dtype: sizes, strides and broadcasting are read per call
     (and a layout it does not take runs the ATen composition), so it serves every size."""
@@ -452,7 +464,7 @@ def _rope(m: Match, metas, consts):
 
 _BUILDERS = {"linear": _linear, "linear_topk": _linear_topk, "matmul": _matmul, "gelu": _gelu,
              "sdpa": build_sdpa, "layer_norm": _layer_norm, "silu_mul": _silu_mul, "rope": _rope,
-             "sorting": _sorting}
+             "grouped_mm": _grouped_mm, "sorting": _sorting}
 
 
 def restrided(fn, meta: TensorMeta):

@@ -24,11 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._call import float32_precision
+from ..kernels.grouped import grouped_linear_aten
 from ..kernels.rope import rotate_half_rope
 from . import build as B
 from . import sorting as S
 from .build_attention import written_attention_aten
 from .generic import generic_shapes
+from .grouped import expert_weights
 from .make import make_kernel
 from .patterns import Match
 from .shapes import TensorMeta, contiguous_strides
@@ -46,6 +48,7 @@ _SCHEMAS = {
                   "str norm, ScalarType? out_dtype=None, float offset=0.0) -> Tensor",
     "silu_mul": "silu_mul(Tensor x, Tensor y) -> Tensor",
     "rope": "rope(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+    "grouped_mm": "grouped_mm(Tensor x, Tensor weight, Tensor offs, bool transposed) -> Tensor",
     "sdpa": "sdpa(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale, "
             "bool written=False, float? fill=None) -> Tensor",
 }
@@ -176,6 +179,16 @@ def matmul_kernel(a_shape, b_shape, dtype=torch.float32, build=True, b_transpose
         {"b_transposed": b_transposed}, dtype=dtype), build)
 
 
+def grouped_mm_kernel(weight, transposed, dtype=torch.float32, build=True):
+    """Generic over the rows: the runs change with every call's routing."""
+    key = ("grouped_mm", weight.data_ptr(), tuple(weight.shape), transposed, dtype,
+           float32_precision())
+    return kernel_for(key, (weight,), lambda: _make(
+        "grouped_mm", {"x": "x", "weight": "w", "offs": "o", "transposed": transposed},
+        {"x": (None, weight.shape[2 if transposed else 1]), "o": (weight.shape[0],)}, {},
+        {"w": weight}, dtype=dtype, dtypes={"o": torch.int64}), build)
+
+
 def gelu_kernel(numel, approximate, dtype=torch.float32, build=True):
     return kernel_for(("gelu", numel, approximate, dtype), (), lambda: _make(
         "gelu", {"x": "x"}, {"x": (numel,)}, {"approximate": approximate}, dtype=dtype), build)
@@ -289,6 +302,17 @@ def _matmul_fake(a, b):
         return a.new_empty((*a.shape[:-1], b.shape[-1]))
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     return a.new_empty((*batch, a.shape[-2], b.shape[-1]))
+
+
+def _grouped_mm(x, weight, offs, transposed):
+    fn, _ = grouped_mm_kernel(weight, transposed, x.dtype)
+    if fn is not None:
+        return fn(x, offs)
+    return grouped_linear_aten(x, expert_weights(weight, transposed).to(x.dtype), offs)
+
+
+def _grouped_mm_fake(x, weight, offs, transposed):
+    return x.new_empty((x.shape[0], weight.shape[1 if transposed else 2]))
 
 
 def _gelu(x, approximate):
@@ -413,7 +437,8 @@ def _sorting(v):
 _IMPLS = {"linear": (_linear, _linear_fake), "linear_topk": (_linear_topk, _linear_topk_fake),
           "matmul": (_matmul, _matmul_fake), "gelu": (_gelu, _gelu_fake),
           "sdpa": (_sdpa, _sdpa_fake), "layer_norm": (_layer_norm, _layer_norm_fake),
-          "silu_mul": (_silu_mul, _silu_mul_fake), "rope": (_rope, _rope_fake)}
+          "silu_mul": (_silu_mul, _silu_mul_fake), "rope": (_rope, _rope_fake),
+          "grouped_mm": (_grouped_mm, _grouped_mm_fake)}
 for _v in _SORTING:
     _IMPLS[_v] = _sorting(_v)
 for _name, (_impl, _fake) in _IMPLS.items():

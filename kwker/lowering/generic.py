@@ -11,7 +11,7 @@ from .shapes import known_size
 # inputs whose sizes a kernel depends on, and their names in ``generic_shapes``
 SIZED_INPUTS = {"linear": ("x", "residual"), "linear_topk": ("x",), "matmul": ("a", "b"),
                 "gelu": ("x",), "sdpa": ("q", "k", "v", "mask"), "layer_norm": ("x",),
-                "silu_mul": ("x", "y")}
+                "silu_mul": ("x", "y"), "grouped_mm": ("x", "offs")}
 SHORT_NAMES = {"residual": "r", "mask": "m"}
 
 
@@ -52,6 +52,8 @@ def generic_shapes(kind: str, shapes: dict) -> dict:
         return {"x": (None,)}
     if kind == "silu_mul":
         return {"x": (None,), "y": (None,)}
+    if kind == "grouped_mm":   # the rows vary, the experts and features come with the weight
+        return {"x": fixed(shapes["x"], {-1}), "offs": fixed(shapes["offs"], {0})}
     if kind == "sdpa":
         q = shapes["q"]
         heads = {0, 2} if len(q) == 3 else {1, 3}

@@ -47,6 +47,8 @@ def _call_args(m: Match) -> tuple:
         return i["x"], i["y"]
     if m.kind == "rope":
         return i["x"], i["cos"], i["sin"]
+    if m.kind == "grouped_mm":
+        return i["x"], i["weight"], i["offs"], i["transposed"]
     if m.kind == "sdpa":
         return i["q"], i["k"], i["v"], i["mask"], p["causal"], p["scale"], \
             p.get("written", False), None if p.get("fill", -math.inf) == -math.inf else p["fill"]
@@ -89,6 +91,8 @@ def _prebuild(m: Match, metas: dict, consts: dict, specs: list,
         fn, why = C.gelu_kernel(n, p["approximate"], dtype)
     elif m.kind == "silu_mul":
         fn, why = C.silu_mul_kernel(None if generic else math.prod(shapes["x"]), dtype)
+    elif m.kind == "grouped_mm":
+        fn, why = C.grouped_mm_kernel(consts[i["weight"]], i["transposed"], dtype)
     elif m.kind == "layer_norm":
         w, b = (consts[i[k]] if i[k] is not None else None for k in ("weight", "bias"))
         fn, why = C.layer_norm_kernel(shapes["x"], w, b, p["eps"], dtype, norm=p["norm"],

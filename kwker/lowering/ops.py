@@ -53,6 +53,7 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], dict]] = {
     "dropout": (("input", "p", "training", "inplace"),
                 {"p": 0.5, "training": True, "inplace": False}),
     "cat": (("tensors", "dim"), {"dim": 0}),
+    "grouped_mm": (("input", "mat2"), {"offs": None, "bias": None, "out_dtype": None}),
 }
 
 _FUNCTIONS = {
@@ -72,7 +73,10 @@ _FUNCTIONS = {
     torch.t: "t", torch.transpose: "transpose",
     F.dropout: "dropout", torch.dropout: "dropout",
     torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat",
+    torch._grouped_mm: "grouped_mm",
 }
+if hasattr(F, "grouped_mm"):
+    _FUNCTIONS[F.grouped_mm] = "grouped_mm"
 
 # the same operations as ATen overloads, as ``torch.export`` records them (packages)
 _aten = torch.ops.aten
@@ -92,7 +96,13 @@ _FUNCTIONS.update({
     _aten.argsort.default: "argsort", _aten.argsort.stable: "argsort",
     _aten.msort.default: "msort", _aten.t.default: "t", _aten.transpose.int: "transpose",
     _aten.dropout.default: "dropout", _aten.cat.default: "cat",
+    _aten._grouped_mm.default: "grouped_mm",
 })
+
+# Other libraries' custom ops that mean one of ours, by qualified name (not imported here):
+# transformers' MoE layers call their own grouped matmul under ``torch.compile`` in float32
+# (``torch._grouped_mm`` in bf16), with ``_grouped_mm``'s arguments and meaning
+_NAMED_OPS = {"transformers::grouped_mm_fallback": "grouped_mm"}
 
 _METHODS = {
     "matmul": "matmul", "__matmul__": "matmul", "mm": "mm", "bmm": "bmm", "addmm": "addmm",
@@ -129,6 +139,10 @@ def canon(node: Node) -> str | None:
         if name is None and node.target is getattr and len(node.args) == 2 \
                 and node.args[1] in ("T", "mT"):
             return "t"
+        if name is None and isinstance(node.target, (torch._ops.OpOverload,
+                                                     torch._ops.OpOverloadPacket)):
+            packet = getattr(node.target, "overloadpacket", node.target)
+            return _NAMED_OPS.get(packet._qualified_op_name)
         return name
     if node.op == "call_method":
         return _METHODS.get(node.target)

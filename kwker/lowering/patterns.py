@@ -30,6 +30,7 @@ from .composite import (
     silu_mul_at,
 )
 from .gqa import op_name, repeated_kv
+from .grouped import grouped_mm_at
 from .ops import bind, canon, is_inplace
 from .shapes import TensorMeta
 
@@ -42,7 +43,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 @dataclass
 class Match:
     kind: str   # linear | matmul | gelu | sdpa | linear_topk | layer_norm | silu_mul | rope
-    #             | sorting
+    #             | grouped_mm | sorting
     output: Node              # the node whose value the kernel produces
     covers: list              # every node the kernel replaces, in graph order
     inputs: dict              # name -> Node (runtime tensor) or constant
@@ -199,6 +200,9 @@ class Matcher:
             b = bind(n)
             if b and b["approximate"] in ("none", "tanh") and _fits(self.metas, b["input"]):
                 return Match("gelu", n, [n], {"x": b["input"]}, {"approximate": b["approximate"]})
+        if kind == "grouped_mm":
+            found = grouped_mm_at(n, self.metas, self.consts)
+            return Match("grouped_mm", n, found[1], found[0]) if found else None
         if kind == "sdpa":
             return self.sdpa(n)
         if kind == "layer_norm":

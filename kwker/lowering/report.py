@@ -25,7 +25,7 @@ log = logging.getLogger("kwker")
 # Node kinds Kwker has kernels for: finding one on the inner compiler is a "miss" worth reporting.
 LOWERABLE = {"linear", "matmul", "mm", "bmm", "addmm", "gelu", "sdpa", "layer_norm", "topk",
              "sort", "argsort", "msort", "kthvalue", "mode", "median", "nanmedian", "quantile",
-             "nanquantile"}
+             "nanquantile", "grouped_mm"}
 _FUSED_TARGETS = {"_transformer_encoder_layer_fwd", "multi_head_attention_forward",
                   "_native_multi_head_attention"}
 

@@ -25,6 +25,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..kernels._call import float32_precision
 from ..runtime import tuning
+from .grouped import even_runs
 from .shapes import TensorMeta
 
 log = logging.getLogger("kwker")
@@ -116,6 +117,14 @@ def _random(meta: TensorMeta) -> torch.Tensor:
     return base.as_strided(meta.shape, meta.stride)
 
 
+def _sample(m, metas: dict, n: Node) -> torch.Tensor:
+    """A random input of the match's, or a valid one where random values mean nothing (the
+    runs of a grouped matmul)."""
+    if m.kind == "grouped_mm" and n is m.inputs["offs"]:
+        return even_runs(metas[n], metas[m.inputs["x"]].shape[0])
+    return _random(metas[n])
+
+
 def reference(m, metas: dict, consts: dict, inputs: list):
     """``callable(*inputs)`` running the match's nodes as ATen does, or None when a node
     reads a value that is neither an input, a constant nor a static size.
@@ -179,7 +188,7 @@ def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None,
         return None, ""
     try:
         record, _ = tuning.decide(key, m.name, {"kwker": lambda: fn, "aten": lambda: ref},
-                                  lambda: [_random(metas[n]) for n in inputs],
+                                  lambda: [_sample(m, metas, n) for n in inputs],
                                   handicap={"kwker": MARGIN},
                                   measure=not getattr(fn, "kwker_stand_in", False))
     except Exception as e:  # noqa: BLE001 - a failed measurement keeps the built kernel
