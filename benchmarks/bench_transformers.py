@@ -2,8 +2,9 @@
 compiled whole.
 
 - float32 (issue 19's target): ``backend="kwker"`` >= 1.3x eager as a geomean over BERT-base,
-  GPT-2 and the Llama, none below 1.0x (the MoE too). Eager, Inductor and Kwker (inner eager and default) are
-  checked against eager first, then timed interleaved, best of rounds (``common.best_of_rounds``).
+  GPT-2 and the Llama, none below 1.0x (the MoE too). Eager, Inductor and Kwker (inner eager
+  and default) are checked against eager first, then timed interleaved, best of rounds
+  (``common.best_of_rounds``).
 - bfloat16 (``--dtypes bfloat16``; the AMX issue's BERT-base and GPT-2 targets on a CPU with
   AMX): each model as ``.to(bfloat16)`` and under autocast, with OpenVINO bf16 side by side and
   the bf16 accuracy contract, through the bf16 section's machinery (models_bf16.py).
