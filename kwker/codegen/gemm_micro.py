@@ -10,7 +10,7 @@ Contract (BLIS's, with the vector dimension along N because C and the weights ar
 - A is broadcast one element per row per k step from ``a + r*a_rs + k*a_ks`` (packed micro-panel:
   a_rs = 1, a_ks = MR; or the activation matrix itself: a_rs = lda, a_ks = 1).
 - ``first`` starts from zero (``beta = 0``: C is never read), otherwise C holds the partial sum of
-  earlier K blocks. Float accumulators sum ``SEGMENT_PRODUCTS`` products per lane, then add
+  earlier K blocks. float32 accumulators sum ``SEGMENT_PRODUCTS`` products per lane, then add
   their sum to C's partial sum and restart from zero (BLIS's ``C += A B`` per K block, at a
   finer grain): the error of a long K is that of MKL's blocked sums, not of one serial chain.
 - Only the first ``cols`` columns (a compile-time count, < nr only at the N edge) are stored,
@@ -71,9 +71,10 @@ from .gemm_lowbit_vnni import GROUP_QUADS, GROUP_ROWS, HEAD, combine_planes, loa
 from .irutil import Fn, const, defined, f32, i8, i16, i32, i64, intrinsic, ptr, smin, void
 
 FIRST, LAST = 1, 2  # bits of the ``mode`` argument
-# products a float accumulator sums before its sum is added to the partial sum in ``c`` and it
+# products a float32 accumulator sums before its sum is added to the partial sum in ``c`` and it
 # restarts from zero: one serial chain over all of K lost ~10x the accuracy of MKL's blocked sums
-# (K = 4096-16384: max error 1.5e-5 against 1.5e-6); 128-256 products match MKL's
+# (K = 4096-16384: max error 1.5e-5 against 1.5e-6); 128-256 products match MKL's. bf16 products
+# (2**-9 each) are not segmented: 1024^3 bf16 ran ~8% slower with them (Zen 4)
 SEGMENT_PRODUCTS = 256
 
 
@@ -110,11 +111,6 @@ class Micro:
     @property
     def int8(self) -> bool:
         return self.dot == "vnni"
-
-    @property
-    def per_step(self) -> int:
-        """Products per lane of one k step: 1 (fma), 2 (bf16 pairs), 4 (int8 quads)."""
-        return 4 if self.int8 else 2 if self.bf16 else 1
 
     @property
     def has_out(self) -> bool:
@@ -212,19 +208,22 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
     step = fstep if mk.dot == "fma" else _word_step(f, mk, a, bp, acc)
     group = mk.ksplit * mk.unroll
     main_end = b.mul(b.sdiv(kc, const(i64, group)), const(i64, group))
-    # float sums restart every ``segment`` k steps, each segment's added to ``c``'s partial sum
-    # (int32 sums are exact: one segment)
-    segment = -(-SEGMENT_PRODUCTS // (mk.per_step * group)) * group
-    with f.for_range(0, main_end, step=segment, name="seg") as s0:
-        s1 = smin(b, b.add(s0, const(i64, segment)), main_end)
-        with f.for_range(s0, s1, step=group, name="k") as k:
+    def k_steps(lo, hi):
+        with f.for_range(lo, hi, step=group, name="k") as k:
             for u in range(group):
                 step(b.add(k, const(i64, u)), u % mk.ksplit)
             if mk.prefetch:  # the lines of B that many k steps on read, ``prefetch`` bytes on
                 at = b.add(b.mul(k, const(i64, mk.ldb)), const(i64, mk.prefetch // 4))
                 for line in range(0, group * mk.ldb, 16):
                     simd.prefetch(b, simd.gep(b, bp, b.add(at, const(i64, line))))
-        if not mk.int8:
+
+    if mk.dot != "fma":   # int32 sums are exact; bf16 products are rounded to 8 bits each
+        k_steps(const(i64, 0), main_end)
+    else:   # float32 sums restart every ``segment`` k steps, added to ``c``'s partial sum
+        segment = -(-SEGMENT_PRODUCTS // group) * group
+        with f.for_range(0, main_end, step=segment, name="seg") as s0:
+            s1 = smin(b, b.add(s0, const(i64, segment)), main_end)
+            k_steps(s0, s1)
             with f.if_(b.icmp_signed("<", s1, kc)):    # more k steps follow this segment
                 sums = summed()
                 for r in range(mr):
