@@ -53,7 +53,8 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], dict]] = {
     "dropout": (("input", "p", "training", "inplace"),
                 {"p": 0.5, "training": True, "inplace": False}),
     "cat": (("tensors", "dim"), {"dim": 0}),
-    "grouped_mm": (("input", "mat2"), {"offs": None, "bias": None, "out_dtype": None}),
+    "grouped_mm": (("input", "mat2", "offs", "bias", "out_dtype"),
+                   {"offs": None, "bias": None, "out_dtype": None}),
 }
 
 _FUNCTIONS = {

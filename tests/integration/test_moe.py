@@ -93,3 +93,21 @@ def test_transformers_moe_bf16_keeps_the_contract():
         eager, got, ref = model(ids), compiled(ids), reference(ids)
     assert kernels(kd.all_reports()).count("grouped_mm") == 4
     assert_bf16_contract(got, eager, ref)
+
+
+def test_packaged_moe(tmp_path):
+    """An exported bf16 MoE (aten._grouped_mm with its runs as a positional argument) packaged:
+    both grouped matmuls are kernels, and the bf16 contract holds."""
+    import kwker
+    torch.manual_seed(0)
+    reference = Experts().eval()
+    model = Experts().eval()
+    model.load_state_dict(reference.state_dict())
+    model.to(torch.bfloat16)
+    x = torch.randn(3, 40, 64)
+    ep = torch.export.export(model, (x.to(torch.bfloat16),))
+    loaded = kwker.load_package(kwker.package(ep, tmp_path / "moe.kwk"))
+    assert loaded.report.kernel_names.count("grouped_mm") == 2, loaded.report.kernel_names
+    with torch.no_grad():
+        assert_bf16_contract(loaded(x.to(torch.bfloat16)), model(x.to(torch.bfloat16)),
+                             reference(x))
