@@ -213,9 +213,6 @@ def _llama_base():
         torch.randint(0, cfg.vocab_size, (1, 128)),)
 
 
-# bench_transformers.py: full-size transformers models, name -> (builder, target ratio eager
-# bf16 / Kwker or None, must beat OpenVINO bf16) as in BF16_MODELS; in float32 they share issue
-# 19's geomean target, in bf16 the AMX issue's targets hold on a CPU with AMX
 def _qwen3_moe_base():
     """A Qwen3-MoE of GPT-2's size: 12 layers, 768 wide, grouped-query attention, 8 experts of
     768 -> 1024 -> 768 each, 2 per token (as Qwen3-30B-A3B routes, scaled down), 1 x 128 tokens,
@@ -229,6 +226,9 @@ def _qwen3_moe_base():
         torch.randint(0, cfg.vocab_size, (1, 128)),)
 
 
+# bench_transformers.py: full-size transformers models, name -> (builder, target ratio eager
+# bf16 / Kwker or None, must beat OpenVINO bf16) as in BF16_MODELS; in float32 they share issue
+# 19's geomean target, in bf16 the AMX issue's targets hold on a CPU with AMX
 TRANSFORMERS = {
     "BERT-base (8,128)": (_bert_base, None, False),
     "GPT-2 (1,128)": (_gpt2_base, None, False),

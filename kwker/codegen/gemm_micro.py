@@ -16,7 +16,8 @@ Contract (BLIS's, with the vector dimension along N because C and the weights ar
 - Only the first ``cols`` columns (a compile-time count, < nr only at the N edge) are stored,
   with masked stores: edge tiles are the same code, not a scalar loop.
 - ``ksplit`` > 1 keeps that many independent accumulator sets over interleaved k (summed at the
-  end), so tiles with few rows (decode-sized M) still have enough FMA chains in flight.
+  end of each segment), so tiles with few rows (decode-sized M) still have enough FMA chains
+  in flight.
 
 bfloat16 (``dtype="bf16"``): A and B hold k *pairs*, one 32-bit word of two bf16 per element
 (k even in the low half), so every stride above counts words and the loop runs over pairs. A
@@ -217,7 +218,7 @@ def emit_micro(module: ir.Module, mk: Micro) -> ir.Function:
                 for line in range(0, group * mk.ldb, 16):
                     simd.prefetch(b, simd.gep(b, bp, b.add(at, const(i64, line))))
 
-    if mk.dot != "fma":   # int32 sums are exact; bf16 products are rounded to 8 bits each
+    if mk.dot != "fma":   # int32 sums are exact; bf16 (8-bit operands) ran slower segmented
         k_steps(const(i64, 0), main_end)
     else:   # float32 sums restart every ``segment`` k steps, added to ``c``'s partial sum
         segment = -(-SEGMENT_PRODUCTS // group) * group

@@ -28,16 +28,20 @@ def grouped_linear_aten(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tenso
     return out
 
 
-def make_grouped_linear(weight: torch.Tensor, dtype: torch.dtype | None = None):
+def make_grouped_linear(weight: torch.Tensor, dtype: torch.dtype | None = None,
+                        source: torch.Tensor | None = None):
     """``callable(x (S, K), offs (E,)) -> (S, N)`` for expert weights ``weight`` (E, N, K)
     (each one ``nn.Linear``'s (N, K)); ``offs``: the cumulative row counts of the runs, int32
-    or int64. ``dtype`` (default: the weight's): x's and the output's, float32 or bfloat16."""
+    or int64. ``dtype`` (default: the weight's): x's and the output's, float32 or bfloat16.
+    ``source``: the parameter ``weight`` views; builds from it share each expert's packed copy
+    (``linear.shared``), so another graph or size packs nothing again."""
     if weight.dim() != 3 or min(weight.shape) < 1:
         raise ValueError(f"make_grouped_linear: weight must be (experts, N, K), got "
                          f"{tuple(weight.shape)}")
     dtype = dtype or weight.dtype
     experts, n, k = weight.shape
-    linears = [make_linear(weight[g].detach(), None, dtype=dtype) for g in range(experts)]
+    linears = [make_linear(weight[g].detach(), None, dtype=dtype, source=source)
+               for g in range(experts)]
     name = "kwker grouped linear"
 
     def run(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -54,7 +58,7 @@ def make_grouped_linear(weight: torch.Tensor, dtype: torch.dtype | None = None):
         out = torch.empty(rows, n, dtype=dtype)
         start = 0
         for lin, end in zip(linears, ends):
-            if end > start:
+            if end > start:   # (one copy of each run's result: small beside its product)
                 out[start:end] = lin(x[start:end])
             start = end
         if start < rows:

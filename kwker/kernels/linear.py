@@ -82,8 +82,9 @@ def shared(source: torch.Tensor | None, weight: torch.Tensor, layout: tuple, pac
     while any kernel holds it.
 
     ``source`` is the tensor ``weight`` was derived from (a parameter: ``weight`` is its
-    detached view or its transposed copy, new objects per build; the key tells these two apart
-    by storage and shape, so no other derivation may pass the same source). Kernels built from
+    detached view, a slice of it or its transposed copy, new objects per build; the key tells
+    these apart by storage, offset, strides and shape, so no other derivation may pass the same
+    source). Kernels built from
     the same source for other sizes or graphs share the copy, so memory does not grow with the
     sizes seen, and a graph dynamo adds for one more size packs nothing. An in-place update of
     the source (its version) or its death retires the copy.
@@ -94,7 +95,11 @@ def shared(source: torch.Tensor | None, weight: torch.Tensor, layout: tuple, pac
         version = source._version
     except RuntimeError:  # inference tensors have no version counter
         version = None
-    key = (id(source), weight.data_ptr() == source.data_ptr(), tuple(weight.shape), layout)
+    # where ``weight`` lies in the source: a view's offset (0 for the whole of it, one expert's
+    # slice of a mixture's 3-D weights further on), else a copy
+    same = weight.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+    where = (weight.storage_offset(), tuple(weight.stride())) if same else "copy"
+    key = (id(source), where, tuple(weight.shape), layout)
     with _shared_lock:
         entry = _shared.get(key)
         if entry is not None:

@@ -447,11 +447,12 @@ def _grouped_mm(m: Match, metas, consts):
     """One kernel generic over the rows for every expert (kernels/grouped.py): the runs'
     lengths change with each call's routing."""
     xm = metas[m.inputs["x"]]
-    w = expert_weights(consts[m.inputs["weight"]], m.inputs["transposed"])
+    source = consts[m.inputs["weight"]]
+    w = expert_weights(source, m.inputs["transposed"])
     if xm.shape[-1] != w.shape[2] or metas[m.inputs["offs"]].shape[0] != w.shape[0]:
         return None, f"x {xm.shape} and offsets against {w.shape[0]} experts of {w.shape[2]}"
-    fn, why = make_kernel("make_grouped_linear", w, dtype=xm.dtype)
-    return mark_generic(fn, not known(*xm.shape)), why
+    fn, why = make_kernel("make_grouped_linear", w, dtype=xm.dtype, source=source)
+    return mark_generic(fn, True), why   # whatever the graph's sizes, it serves every row count
 
 
 def _rope(m: Match, metas, consts):

@@ -71,3 +71,18 @@ def test_bad_input():
         f(torch.randn(10, 15), torch.tensor([4, 8, 10]))
     with pytest.raises(ValueError, match="experts, N, K"):
         make_grouped_linear(torch.randn(8, 16))
+
+
+def test_builds_from_one_parameter_share_each_experts_packed_weights():
+    """Two builds from one 3-D parameter (another graph, another size) read one packed copy
+    per expert, and the experts' copies are distinct (each its own slice of the parameter)."""
+    torch.manual_seed(2)
+    w = torch.nn.Parameter(torch.randn(4, 24, 40), requires_grad=False)
+    first = make_grouped_linear(w.detach(), source=w)
+    again = make_grouped_linear(w.detach(), source=w)
+    packed = [lin.packed_weight.data_ptr() for lin in first.linears]
+    assert packed == [lin.packed_weight.data_ptr() for lin in again.linears]
+    assert len(set(packed)) == 4
+    x, offs = torch.randn(12, 40), torch.tensor([3, 6, 9, 12])
+    torch.testing.assert_close(again(x, offs), aten(x, w.detach(), offs.to(torch.int32)),
+                               rtol=1e-4, atol=1e-5)
