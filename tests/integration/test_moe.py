@@ -36,15 +36,19 @@ class Experts(torch.nn.Module):
         return back.view(-1, self.top, x.shape[-1]).sum(1).view(x.shape)
 
 
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
-def test_grouped_matmuls_are_kernels(inner):
-    """bf16 (``torch._grouped_mm`` traces in bf16 only), against the float32 model."""
+def bf16_experts():
+    """(the float32 reference, its bf16 copy, a float32 input)."""
     torch.manual_seed(0)
     reference = Experts().eval()
     model = Experts().eval()
     model.load_state_dict(reference.state_dict())
-    model.to(torch.bfloat16)
-    x = torch.randn(3, 40, 64)
+    return reference, model.to(torch.bfloat16), torch.randn(3, 40, 64)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_grouped_matmuls_are_kernels(inner):
+    """bf16 (``torch._grouped_mm`` traces in bf16 only), against the float32 model."""
+    reference, model, x = bf16_experts()
     with torch.no_grad():
         eager, got, reports = compile_run(model, (x.to(torch.bfloat16),), inner)
         ref = reference(x)
@@ -99,12 +103,7 @@ def test_packaged_moe(tmp_path):
     """An exported bf16 MoE (aten._grouped_mm with its runs as a positional argument) packaged:
     both grouped matmuls are kernels, and the bf16 contract holds."""
     import kwker
-    torch.manual_seed(0)
-    reference = Experts().eval()
-    model = Experts().eval()
-    model.load_state_dict(reference.state_dict())
-    model.to(torch.bfloat16)
-    x = torch.randn(3, 40, 64)
+    reference, model, x = bf16_experts()
     ep = torch.export.export(model, (x.to(torch.bfloat16),))
     loaded = kwker.load_package(kwker.package(ep, tmp_path / "moe.kwk"))
     assert loaded.report.kernel_names.count("grouped_mm") == 2, loaded.report.kernel_names
