@@ -56,18 +56,19 @@ def measure_f32(name: str, reps: int, rounds: int) -> dict:
     return row
 
 
-def _geomean(rows: list[dict]) -> tuple[float, int]:
-    """(geomean of eager / Kwker over the target's models present, how many)."""
-    named = [r["ratio"] for r in rows if r["model"] in TRANSFORMERS_GEOMEAN]
-    return (geometric_mean(named) if named else float("nan")), len(named)
+def _geomean(rows: list[dict]) -> tuple[float, list[str]]:
+    """(geomean of eager / Kwker over the target's models present, their names)."""
+    named = [r for r in rows if r["model"] in TRANSFORMERS_GEOMEAN]
+    geo = geometric_mean(r["ratio"] for r in named) if named else float("nan")
+    return geo, [r["model"] for r in named]
 
 
 def f32_summary(rows: list[dict]) -> str:
-    (geo, count), least = _geomean(rows), min(r["ratio"] for r in rows)
+    (geo, names), least = _geomean(rows), min(r["ratio"] for r in rows)
     met = "met" if geo >= TARGET and least >= FLOOR else "NOT met"
-    return (f"float32: geomean **{geo:.2f}x** eager over {count} models (BERT-base, GPT-2, the "
-            f"Llama), least {least:.2f}x over all {len(rows)} (target >= {TARGET}x, none below "
-            f"{FLOOR}x: {met}).")
+    return (f"float32: geomean **{geo:.2f}x** eager over {len(names)} models ("
+            f"{', '.join(names)}), least {least:.2f}x over all {len(rows)} (target >= {TARGET}x, "
+            f"none below {FLOOR}x: {met}).")
 
 
 def f32_table(rows: list[dict]) -> str:

@@ -7,17 +7,8 @@ import torch
 from torch.fx import Node
 
 from .autocast import cast_source
+from .ops import op_name
 from .shapes import TensorMeta
-
-
-def op_name(n: Node) -> str:
-    """``view``, ``expand``, ...: a method's name, a function's, or an ATen overload's op."""
-    if n.op == "call_method":
-        return n.target
-    if isinstance(n.target, torch._ops.OpOverload):
-        return n.target._opname
-    return getattr(n.target, "__name__", "")
-
 
 _VIEWS = ("getitem", "unsqueeze", "view", "reshape")
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from .gqa import op_name
-from .ops import bind
+from ..kernels._call import KERNEL_DTYPES
+from .ops import bind, op_name
 from .shapes import TensorMeta
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _meta(metas, n) -> TensorMeta | None:

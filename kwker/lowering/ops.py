@@ -74,10 +74,8 @@ _FUNCTIONS = {
     torch.t: "t", torch.transpose: "transpose",
     F.dropout: "dropout", torch.dropout: "dropout",
     torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat",
-    torch._grouped_mm: "grouped_mm",
+    torch._grouped_mm: "grouped_mm", F.grouped_mm: "grouped_mm",
 }
-if hasattr(F, "grouped_mm"):
-    _FUNCTIONS[F.grouped_mm] = "grouped_mm"
 
 # the same operations as ATen overloads, as ``torch.export`` records them (packages)
 _aten = torch.ops.aten
@@ -170,6 +168,16 @@ def bind(node: Node, name: str | None = None) -> dict | None:
     if any(p not in out for p in params):
         return None
     return out
+
+
+def op_name(n: Node) -> str:
+    """``view``, ``expand``, ...: a method's name, a function's, or an ATen overload's op (the
+    spelling, where ``canon`` names the operation only for the ops Kwker replaces)."""
+    if n.op == "call_method":
+        return n.target
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._opname
+    return getattr(n.target, "__name__", "")
 
 
 def is_inplace(node: Node) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
+from ..kernels._call import KERNEL_DTYPES  # the compute kernels' (sorting.py: more)
 from . import sorting as S
 from .autocast import cast_source
 from .composite import (
@@ -29,15 +30,13 @@ from .composite import (
     rope_at,
     silu_mul_at,
 )
-from .gqa import op_name, repeated_kv
+from .gqa import repeated_kv
 from .grouped import grouped_mm_at
-from .ops import bind, canon, is_inplace
+from .ops import bind, canon, is_inplace, op_name
 from .shapes import TensorMeta
 
 # activations a GEMM with a weight takes into its epilogue (by their canonical names)
 ACTIVATIONS = ("relu", "silu", "sigmoid", "tanh", "gelu")
-# dtypes the compute kernels run in (sorting ops take more, see sorting.py)
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass

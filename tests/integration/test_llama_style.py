@@ -44,12 +44,10 @@ def test_llama_bf16_keeps_the_contract():
     ids = torch.randint(0, 512, (1, 24))
     reference = Logits(llama())
     model = Logits(llama(dtype=torch.bfloat16))
-    torch._dynamo.reset()
-    kd.clear_reports()
-    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
     with torch.no_grad():
-        eager, got, ref = model(ids), compiled(ids), reference(ids)
-    names = kernels(kd.all_reports())
+        eager, got, reports = compile_run(model, (ids,), "eager")
+        ref = reference(ids)
+    names = kernels(reports)
     assert names.count("rms_norm") == 5 and names.count("silu_mul") == 2, names
     assert names.count("rope") == 4, names
     assert_bf16_contract(got, eager, ref)
@@ -126,12 +124,10 @@ def test_gemma_bf16_keeps_the_contract():
     model = Logits(tf.GemmaForCausalLM(cfg).eval()).to(torch.bfloat16)
     model.load_state_dict(reference.state_dict())
     ids = torch.randint(0, 512, (1, 20))
-    torch._dynamo.reset()
-    kd.clear_reports()
-    compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
     with torch.no_grad():
-        eager, got, ref = model(ids), compiled(ids), reference(ids)
-    assert kernels(kd.all_reports()).count("rms_norm") == 5
+        eager, got, reports = compile_run(model, (ids,), "eager")
+        ref = reference(ids)
+    assert kernels(reports).count("rms_norm") == 5
     assert_bf16_contract(got, eager, ref)
 
 
