@@ -185,10 +185,11 @@ def _one_plus(n) -> tuple | None:
 def rms_norm_at(r: Node) -> tuple | None:
     """An RMSNorm written out around the ``rsqrt`` node ``r``: (x, the weight node or None,
     eps, covered nodes in graph order, the output node, the weight's offset, the norm kind),
-    or None. Two forms, as transformers writes them: Llama/Mistral/T5's ``h = x.to(float32);
+    or None. Three forms, as transformers writes them: Llama/Mistral/T5's ``h = x.to(float32);
     h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)``, then ``.to(x.dtype)`` and ``weight *
-    ...`` ("rms_hf": rounded before the weight); and Gemma's ``... * (1.0 + weight.float())``
-    then ``.type_as(x)`` ("rms" with the weight offset by 1: one rounding, after it)."""
+    ...`` ("rms_hf": rounded before the weight); OLMo 2's ``(weight * ...).to(x.dtype)`` ("rms":
+    one rounding, after the weight); and Gemma's ``... * (1.0 + weight.float())`` then
+    ``.type_as(x)`` ("rms" with the weight offset by 1)."""
     if not _is(r, (torch.rsqrt, _aten.rsqrt.default), ("rsqrt",)) or len(r.args) != 1:
         return None
     a = r.args[0]
@@ -230,6 +231,9 @@ def rms_norm_at(r: Node) -> tuple | None:
         w = _other(m, out)
         if isinstance(w, Node) and w.op in ("placeholder", "get_attr"):
             covers.append(m)
+            last = _only_user(m)
+            if out is y and last is not None and cast_of(last) is m:
+                return x, w, float(eps), covers + [last], last, 0.0, "rms"   # OLMo 2's
             out, weight = m, w
         elif out is y and (gemma := _one_plus(w)) is not None:
             weight, extra = gemma

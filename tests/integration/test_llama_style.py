@@ -114,6 +114,36 @@ def test_gemma_norm_is_a_kernel(dtype, inner):
     torch.testing.assert_close(got, expected, **tol)
 
 
+class OlmoNorm(torch.nn.Module):
+    """OLMo 2's RMSNorm as transformers writes it: the weight applied in float32, then one
+    rounding (``(weight * h).to(dtype)``)."""
+
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, torch.nn.Parameter(1 + torch.randn(d) * 0.3)
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_olmo_norm_is_a_kernel(dtype, inner):
+    """The norm with its weight and the cast back is one kernel, in bf16 too (it had stayed on
+    the inner compiler there), within one bf16 rounding of eager's."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), OlmoNorm(96)).to(dtype)
+    x = torch.randn(2, 7, 64).to(dtype)
+    with torch.no_grad():
+        expected, got, reports = compile_run(model, (x,), inner)
+    assert kernels(reports) == ["linear", "rms_norm"], kernels(reports)
+    assert got.dtype == expected.dtype
+    tol = {} if dtype == torch.float32 else {"rtol": 2 ** -8, "atol": 1e-6}
+    torch.testing.assert_close(got, expected, **tol)
+
+
 def test_gemma_bf16_keeps_the_contract():
     """transformers' Gemma in bf16: every RMSNorm a kernel (5 for 2 layers), the contract."""
     torch.manual_seed(0)
