@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SCRIPTS = ("bench_sorting.py", "bench_kernels.py", "bench_models.py", "bench_ops.py",
            "bench_dynamic.py", "bench_package.py", "bench_decode.py", "decode_breakdown.py",
-           "bench_precision.py", "bench_transformers.py")
+           "bench_precision.py", "bench_transformers.py", "bench_generate.py")
 STATUS = "run_all.json"  # exit status of each script's last run through this runner
 
 

@@ -326,3 +326,26 @@ def test_transformers_rows_checks_and_target(btf, monkeypatch, tmp_path):
     assert "geomean **2.00x** eager over 2 models" in btf.f32_summary(
         [*fast, dict(row, model=moe, ratio=1.1)])
     assert "NOT met" in btf.f32_summary([*fast, dict(row, model=moe, ratio=0.95)])
+
+
+# ------------------------------------------------------------------ bench_generate.py harness
+@pytest.fixture(scope="module")
+def bgen():
+    yield from _bench_module("bench_generate")
+
+
+def test_generate_harness_checks_tokens(bgen, monkeypatch, tmp_path, capsys):
+    """A tiny Llama through generate(), eager and Kwker (tokens equal); then the token checks:
+    where two generations part, and a row whose check failed named in the summary."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path / "cache"))
+    assert bgen.main(["--quick", "--models", "Llama", "--dtypes", "float32",
+                      "--no-inductor"]) == 0
+    assert "float32: Kwker" in capsys.readouterr().out
+    a = torch.tensor([[7, 7, 1, 2, 3, 4]])
+    assert bgen.first_difference(a, a.clone(), 4) == 4
+    assert bgen.first_difference(a, torch.tensor([[7, 7, 1, 2, 9, 4]]), 4) == 2
+    row = {"model": "m", "dtype": "float32", "ratio": 2.0, "check": "ok",
+           "s": {"eager": 2.0, "kwker": 1.0}}
+    assert "every check ok" in bgen.summary([row])
+    assert "check failed: m" in bgen.summary([row, dict(row, check="tokens differ")])
