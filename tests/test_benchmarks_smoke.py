@@ -347,5 +347,5 @@ def test_generate_harness_checks_tokens(bgen, monkeypatch, tmp_path, capsys):
     assert bgen.first_difference(a, torch.tensor([[7, 7, 1, 2, 9, 4]]), 4) == 2
     row = {"model": "m", "dtype": "float32", "ratio": 2.0, "check": "ok",
            "s": {"eager": 2.0, "kwker": 1.0}}
-    assert "every check ok" in bgen.summary([row])
-    assert "check failed: m" in bgen.summary([row, dict(row, check="tokens differ")])
+    assert "every check ok" in bgen.summary([row])[0]
+    assert "check failed: m" in bgen.summary([row, dict(row, check="tokens differ")])[0]
