@@ -17,7 +17,7 @@ the decode steps run on dynamic sizes). 2 threads, ``torch.no_grad()``.
 
     python benchmarks/bench_generate.py --out benchmarks/results/<cpu>   # generate.{md,json}
     python benchmarks/bench_generate.py --models Llama T5 --dtypes float32
-    python benchmarks/bench_generate.py --quick                          # 2 models, prints only
+    python benchmarks/bench_generate.py --quick                          # 2 tiny models
 """
 from __future__ import annotations
 
@@ -231,7 +231,8 @@ def headline(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 models, 2 layers, no results files")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 models, 2 layers; results files only with --out")
     ap.add_argument("--models", nargs="+", default=None, help="names from the table (default all)")
     ap.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"),
                     default=["float32", "bfloat16"])
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
         r.pop("f32_tokens", None)
     text = render(rows, info, args)
     print(text)
-    if not args.quick:
+    if not args.quick or args.out:
         out = args.out or common.RESULTS
         (out / "generate.md").parent.mkdir(parents=True, exist_ok=True)
         (out / "generate.md").write_text(text)
