@@ -131,8 +131,9 @@ def seeded(build, args) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.randint(3, VOCAB, (1, args.prompt))
 
 
-def measure(name: str, build, dtype: str, args, f32_tokens=None) -> dict:
-    """One row: eager, Kwker (and Inductor in float32) generating from the same prompt."""
+def measure(name: str, build, dtype: str, args, f32_tokens=None) -> tuple[dict, torch.Tensor]:
+    """(one row: eager, Kwker (and Inductor in float32) generating from the same prompt;
+    eager's tokens)."""
     import kwker.dynamo as kd
     model, prompt = seeded(build, args)
     if dtype == "bfloat16":
@@ -158,12 +159,11 @@ def measure(name: str, build, dtype: str, args, f32_tokens=None) -> dict:
         kwker_agrees = first_difference(kwker_tokens, f32_tokens, args.new)
         row["agrees_with_f32"] = {"eager": eager_agrees, "kwker": kwker_agrees}
         row["check"] = "ok" if kwker_agrees >= eager_agrees else "agrees with float32 less"
-    row["f32_tokens"] = expected if dtype == "float32" else None
     new = args.new
     print(f"{name:<11} {dtype:<8} " + "  ".join(
         f"{b} {new / row['s'][b]:.1f} tok/s" for b in row["s"])
         + f"  eager/Kwker {row['ratio']:.2f}x  {row['check']}  {row['lowered']}", flush=True)
-    return row
+    return row, expected
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -260,17 +260,14 @@ def main(argv=None) -> int:
         ap.error(f"unknown models {sorted(unknown)}; choose from {list(archs)}")
     rows = []
     for name in names:
-        f32 = measure(name, archs[name], "float32", args) if "float32" in args.dtypes else None
-        rows += [f32] if f32 else []
+        if "float32" in args.dtypes:
+            row, reference = measure(name, archs[name], "float32", args)
+            rows.append(row)
+        else:   # the float32 model's tokens, untimed
+            model, prompt = seeded(archs[name], args)
+            reference = timed(model, model.forward, prompt, args.new, 0)[0]
         if "bfloat16" in args.dtypes:
-            if f32:
-                reference = f32["f32_tokens"]
-            else:   # the float32 model's tokens, untimed
-                model, prompt = seeded(archs[name], args)
-                reference = timed(model, model.forward, prompt, args.new, 0)[0]
-            rows.append(measure(name, archs[name], "bfloat16", args, reference))
-    for r in rows:
-        r.pop("f32_tokens", None)
+            rows.append(measure(name, archs[name], "bfloat16", args, reference)[0])
     text = render(rows, info, args)
     print(text)
     if not args.quick or args.out:
