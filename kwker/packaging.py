@@ -49,10 +49,12 @@ from .lowering.exported import (
     describe,
     dtype_name,
     dtype_of,
+    flatten_tree,
     rebuild,
     stored_names,
     tree_is_flat_tuple,
 )
+from .lowering.kv_append import any_stride_inputs
 from .lowering.partition import const_nodes, lower_graph
 from .lowering.report import Report, new_graph_id
 from .runtime import cache, kernel, tuning
@@ -219,15 +221,16 @@ def _child_specs(path: str) -> list:
 
 
 def _lower(doc: dict, tensors: dict):
-    """(program, report, kernel specs) for a stored graph: the backend's lowering, on ``Sym``
-    sizes where the export declared dynamic ones."""
+    """(program, report, kernel specs, names of the inputs it takes at any strides) for a
+    stored graph: the backend's lowering, on ``Sym`` sizes where the export declared dynamic
+    ones."""
     graph, metas = rebuild(doc, tensors)
     # the rest runs as ATen calls in the flat program, as under inner="eager"
     report = Report(new_graph_id(), "eager", shapes=_inputs_text(doc["inputs"]))
     with make.collecting() as specs, B.specialising():
         program, _ = lower_graph(graph, metas, const_nodes(graph, []), report)
     report.specs = list(dict.fromkeys(specs))
-    return program, report, report.specs
+    return program, report, report.specs, any_stride_inputs(graph.graph.nodes, report.kernels)
 
 
 def _inputs_text(inputs: list) -> str:
@@ -372,8 +375,8 @@ def load_package(path) -> PackagedModel:
                     "ahead of time)", path, host_target().describe(), built)
     for record in manifest.get("tuning") or ():
         tuning.install(tuning.encode(record))
-    program, report, _ = _lower_stored(path, manifest, blob)
-    return PackagedModel(path, manifest, program, report)
+    program, report, _, any_strides = _lower_stored(path, manifest, blob)
+    return PackagedModel(path, manifest, program, report, any_strides)
 
 
 def _other_versions(manifest: dict) -> tuple[str, str] | None:
@@ -392,17 +395,23 @@ def _other_versions(manifest: dict) -> tuple[str, str] | None:
 class PackagedModel:
     """A loaded package: ``model(*inputs)`` runs its flat program under autograd off.
 
-    Inputs are checked before any kernel runs: their number, type, dtype, device, rank and
-    sizes (fixed ones exactly, dynamic ones in the exported range and equal wherever the
-    export tied them). ``report`` says which nodes run as Kwker kernels.
+    The inputs are structured as the exported program took them (tensors, or tuples, lists and
+    dicts of them: a decoder's KV cache as a tuple of (key, value) pairs). They are checked
+    before any kernel runs: their number, type, dtype, device, rank and sizes (fixed ones
+    exactly, dynamic ones in the exported range and equal wherever the export tied them).
+    ``report`` says which nodes run as Kwker kernels.
     """
 
-    def __init__(self, path: Path, manifest: dict, program, report: Report):
+    def __init__(self, path: Path, manifest: dict, program, report: Report,
+                 any_strides: set = frozenset()):
         self.path, self.report, self._program = path, report, program
         graph = manifest["graph"]
         self.inputs = graph["inputs"]
         self.versions = manifest["versions"]
-        self._check = _checker(self.inputs)
+        self._check = _checker(self.inputs, any_strides)
+        tree = graph.get("in_tree")   # None or a flat tuple: the inputs are taken as they come
+        self._flatten = None if tree is None or tree_is_flat_tuple(tree) else \
+            lambda args: flatten_tree(tree, args, [], "the inputs")
         tree = graph["out_tree"]
         if tree_is_flat_tuple(tree):
             self._wrap = tuple
@@ -415,6 +424,8 @@ class PackagedModel:
             self._wrap = lambda flat: build_tree(tree, iter(flat))
 
     def __call__(self, *args):
+        if self._flatten is not None:   # the exported program's nested inputs, as it took them
+            args = self._flatten(args)
         args = self._check(args)
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
@@ -433,9 +444,10 @@ def _first(flat):
     return flat[0]
 
 
-def _checker(inputs: list):
-    """A function validating a call's inputs (contiguous copies of strided ones); the common
-    case costs a few attribute reads per input, the messages are built only on failure."""
+def _checker(inputs: list, any_strides: set = frozenset()):
+    """A function validating a call's inputs (contiguous copies of strided ones, but for those
+    named in ``any_strides``: a KV cache's past); the common case costs a few attribute reads per
+    input, the messages are built only on failure."""
     names = ", ".join(i["name"] for i in inputs)
     plan = []
     for pos, i in enumerate(inputs):
@@ -443,7 +455,7 @@ def _checker(inputs: list):
         syms = tuple((d, s["sym"], s["min"], s["max"]) for d, s in enumerate(i["shape"])
                      if isinstance(s, dict) and "sym" in s)
         plan.append((pos, i, dtype_of(i["dtype"]), i["device"] == "cpu",
-                     len(i["shape"]), fixed, syms))
+                     len(i["shape"]), fixed, syms, i["name"] in any_strides))
     n = len(plan)
     tensor = torch.Tensor
 
@@ -453,7 +465,7 @@ def _checker(inputs: list):
                             f"got {len(args)}")
         out = list(args)
         seen = {}
-        for pos, spec, dtype, cpu, rank, fixed, syms in plan:
+        for pos, spec, dtype, cpu, rank, fixed, syms, strided in plan:
             a = args[pos]
             if not isinstance(a, tensor):
                 raise TypeError(f"input {spec['name']!r} must be a Tensor, not "
@@ -475,7 +487,7 @@ def _checker(inputs: list):
                     raise RuntimeError(
                         f"input {spec['name']!r}: dim {d} ({sym}) is {v}, but input "
                         f"{first[1]!r} has {first[0]} in the same dim of the export")
-            if not a.is_contiguous():
+            if not (strided or a.is_contiguous()):
                 out[pos] = a.contiguous()
         return out
     return check

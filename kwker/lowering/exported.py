@@ -242,6 +242,37 @@ def build_tree(d, leaves):
     return kind(tuple(build_tree(c, leaves) for c in d["items"]))
 
 
+def flatten_tree(d, value, out: list, where: str = "the inputs") -> list:
+    """``value``'s leaves appended to ``out`` in ``d``'s order (``build_tree``'s inverse), or
+    TypeError saying where ``value`` departs from the structure ``d``."""
+    if d == "leaf":
+        out.append(value)
+        return out
+    kind, children = next((k, d[k]) for k in ("tuple", "list", "dict", "items") if k in d)
+    if kind == "dict":
+        if not isinstance(value, dict) or set(value) != set(d["keys"]):
+            raise TypeError(f"{where} must be a dict with keys {d['keys']}, got "
+                            f"{_shape_of(value)}")
+        parts = [value[k] for k in d["keys"]]
+    else:
+        if not isinstance(value, (tuple, list)) or len(value) != len(children):
+            raise TypeError(f"{where} must be a tuple or list of {len(children)}, got "
+                            f"{_shape_of(value)}")
+        parts = value
+    for i, (c, v) in enumerate(zip(children, parts)):
+        flatten_tree(c, v, out, f"{where}[{d['keys'][i]!r}]" if kind == "dict" else
+                     f"{where}[{i}]")
+    return out
+
+
+def _shape_of(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {list(value)}"
+    return f"a {type(value).__name__}"
+
+
 def tree_is_flat_tuple(d) -> bool:
     return isinstance(d, dict) and "tuple" in d and all(c == "leaf" for c in d["tuple"])
 
@@ -266,11 +297,12 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
     if bad:
         raise ExportError(f"the program mutates {bad[0].target!r} ({bad[0].kind.name}); "
                           "packages are for inference on stateless programs")
-    in_spec = ep.call_spec.in_spec
+    in_spec, in_tree = ep.call_spec.in_spec, None
     if in_spec is not None:
-        _, kwargs_spec = in_spec.children()
+        args_spec, kwargs_spec = in_spec.children()
         if kwargs_spec.num_leaves:
             raise ExportError("export the program with positional inputs only (no kwargs)")
+        in_tree = _encode_tree(args_spec, "the inputs")
     ranges = _ranges(ep)
     graph, placeholders = _without_subclass_parts(ep, state_kinds)
     inputs, consts, tensors = [], [], {}
@@ -327,6 +359,7 @@ def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:
     doc = {"format": FORMAT, "inputs": inputs, "constants": consts, "nodes": nodes,
            "output": _encode_arg(output.args[0], "the output"),
            "out_tree": _encode_tree(ep.call_spec.out_spec, "the output"),
+           "in_tree": in_tree,
            "ranges": ranges}
     return doc, tensors
 

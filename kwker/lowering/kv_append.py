@@ -14,6 +14,7 @@ it was compiled for.
 """
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
 
 from ..kernels.kv_cache import make_kv_append
@@ -73,3 +74,24 @@ def append_matches(nodes: list, metas: dict, consts: set, claimed: set) -> list[
 def build_append(m: Match):
     """The append for ``m``: one callable serves every size."""
     return mark_generic(make_kv_append(m.params["dim"]), True)
+
+
+_SIZE_READS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default)
+
+
+def any_stride_inputs(nodes: list, kernels: list) -> set[str]:
+    """Names of the graph inputs that may be taken at any strides: those read only as the past
+    of a KV append (``kernels``: a report's, whose covered node names say which cats are
+    appends) or for their sizes. A package keeps them as given, so the view of a buffer with
+    spare room the previous call returned is appended to in place, not copied contiguous
+    first (every other input is, as the kernels were built for contiguous ones)."""
+    appends = {name for kernel, covers, *_ in kernels if kernel == "kv_append" for name in covers}
+    out = set()
+    for n in nodes:
+        if n.op != "placeholder" or not n.users:
+            continue
+        if all(u.target in _SIZE_READS or
+               u.name in appends and (bind(u) or {}).get("tensors", [None])[0] is n
+               for u in n.users):
+            out.add(n.name)
+    return out

@@ -32,6 +32,15 @@ METHODS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "c
 FUNCTIONS = {operator.getitem, torch.transpose, torch.reshape, torch.flatten, torch.split,
              torch.unsqueeze, torch.squeeze, torch.permute, torch.narrow, torch.select,
              torch.chunk, torch.unbind, torch.t, torch.swapaxes, torch.movedim}
+# the same ops as ATen overloads, as an exported program (a package's graph) spells them
+_aten = torch.ops.aten
+FUNCTIONS |= {_aten.view.default, _aten.reshape.default, _aten.transpose.int,
+              _aten.permute.default, _aten.unsqueeze.default, _aten.squeeze.dim,
+              _aten.squeeze.dims, _aten.squeeze.default, _aten.split.Tensor,
+              _aten.split_with_sizes.default, _aten.select.int, _aten.slice.Tensor,
+              _aten.expand.default, _aten.t.default, _aten.alias.default, _aten.unflatten.int,
+              _aten.flatten.using_ints, _aten.narrow.default, _aten.chunk.default,
+              _aten.unbind.int}
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""A decoder's step packaged with its KV cache: ``kwker.package`` of a ``torch.export`` of one
+decode step (the past a tuple of (key, value) pairs, its length dynamic) decodes with no dynamo,
+taking the past as the model takes it, appending to it in place, its view chains one call each."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kwker
+
+from .models import GPTDecoder
+
+VOCAB = 512
+
+
+def decoder():
+    torch.manual_seed(0)
+    return GPTDecoder(vocab=VOCAB, d=64, heads=4, layers=2).eval()
+
+
+@pytest.fixture(scope="module")
+def packaged(tmp_path_factory):
+    """(model, prompt, the loaded package of its decode step)."""
+    model = decoder()
+    prompt = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        logits, past = model(prompt, None)
+    ids = logits.argmax(-1, keepdim=True)
+    length = torch.export.Dim("length", min=2, max=200)
+    ep = torch.export.export(model, (ids, past),
+                             dynamic_shapes=({}, tuple(({2: length}, {2: length}) for _ in past)))
+    path = kwker.package(ep, tmp_path_factory.mktemp("decode") / "step.kwk")
+    return model, prompt, kwker.load_package(path)
+
+
+def storages(past) -> list:
+    return [t.untyped_storage().data_ptr() for kv in past for t in kv]
+
+
+def test_greedy_steps_match_eager_and_append_in_place(packaged):
+    model, prompt, step = packaged
+    assert step.report.kernel_names.count("kv_append") == 4 and not step.report.missed
+    with torch.no_grad():
+        ref_logits, ref_past = model(prompt, None)
+        past, seen = ref_past, None
+        for i in range(12):
+            ids = ref_logits.argmax(-1, keepdim=True)
+            ref_logits, ref_past = model(ids, ref_past)
+            logits, past = step(ids, past)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+            for got, want in zip(past, ref_past):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            # from the second step on, the past is the buffer the step before returned a view
+            # of (9 + 12 positions fit its first capacity): appended to, never copied
+            if seen is not None:
+                assert storages(past) == seen, i
+            seen = storages(past)
+
+
+def test_a_strided_past_from_elsewhere_gives_the_same_answer(packaged):
+    """The past is taken at any strides (no contiguous copy): one the caller made, not a view of
+    the package's buffers, is read as it is and copied into a new buffer by the append."""
+    model, prompt, step = packaged
+    with torch.no_grad():
+        logits, past = model(prompt, None)
+        strided = tuple(tuple(t.transpose(2, 3).contiguous().transpose(2, 3) for t in kv)
+                        for kv in past)
+        assert not strided[0][0].is_contiguous()
+        ids = logits.argmax(-1, keepdim=True)
+        want_logits, want_past = model(ids, past)
+        got_logits, got_past = step(ids, strided)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-5)
+    for got, want in zip(got_past, want_past):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_inputs_structured_otherwise_are_refused_with_where(packaged):
+    model, prompt, step = packaged
+    with torch.no_grad():
+        logits, past = model(prompt, None)
+    ids = logits.argmax(-1, keepdim=True)
+    with pytest.raises(TypeError, match=r"the inputs\[1\] must be a tuple or list of 2, got a "
+                                        r"tuple of 1"):
+        step(ids, past[:1])
+    with pytest.raises(TypeError, match=r"the inputs must be a tuple or list of 2, got a tuple "
+                                        r"of 5"):
+        step(ids, *[t for kv in past for t in kv])
+    with pytest.raises(TypeError, match=r"the inputs\[1\]\[0\]\[1\] must be a Tensor|"
+                                        r"input 'past_0_1' must be a Tensor"):
+        step(ids, ((past[0][0], None), past[1]))
+
+
+def test_view_chains_of_an_exported_graph_are_one_call_each(packaged):
+    """An exported graph spells its views as ATen overloads (``aten.view``, ``aten.transpose``,
+    ``aten.split``): each chain between kernels is one ``as_strided`` step, as in a dynamo graph,
+    and no view op is called one by one."""
+    model, prompt, step = packaged
+    steps = [s for s, _ in step._program.steps]
+    # per layer: q, k and v to heads, attention's output back to rows; the last position's row
+    assert sum(bool(getattr(s, "strided", False)) for s in steps) == 2 * 4 + 1
+    with torch.no_grad():
+        logits, past = model(prompt, None)
+        with Calls() as calls:
+            step(logits.argmax(-1, keepdim=True), past)
+    views = {"view", "transpose", "split", "reshape", "_unsafe_view", "select", "unsqueeze"}
+    assert not views & calls.names, calls.names
+
+
+class Calls(TorchDispatchMode):
+    """The ATen ops called inside, by name (``aten.view.default`` -> ``view``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
