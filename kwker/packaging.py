@@ -34,6 +34,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 import zipfile
 from dataclasses import asdict
 from pathlib import Path
@@ -107,7 +108,7 @@ def package(exported_program, path, targets=None) -> Path:
         entries.append({"target": asdict(target), "describe": target.describe(),
                         "specs": [s.to_json() for s in target_specs], "objects": objects})
         all_specs += target_specs
-    saved = _save_exported(exported_program)
+    saved = _save_exported(exported_program, doc)
     if saved is not None:
         members[EXPORTED] = saved
     manifest = {"kwker_package": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
@@ -160,18 +161,29 @@ def _tensors_from(layout: list, blob: bytearray) -> dict:
     return out
 
 
-def _save_exported(ep) -> bytes | None:
+def _save_exported(ep, doc: dict) -> bytes | None:
     """``torch.export.save`` bytes; its output structure is stored as a flat tuple (it cannot
     serialise ``torch.return_types`` outputs such as ``topk``'s; the package's own graph keeps
-    the real structure). None, with a log line, if it still cannot be saved."""
+    the real structure). The tensors ``weights.bin`` holds (of a torchao weight, its ``qdata``) go
+    in as stand-ins (one element broadcast to their shape), which ``exported_program`` replaces:
+    the copy costs the file its graph, not the weights a second time. None, with a log line, if
+    it still cannot be saved."""
     from torch.utils import _pytree as pytree
     sig = ep._module_call_graph[0].signature
     old = sig.out_spec if sig is not None else None
+    swapped = []
+    for c in doc["constants"]:
+        where, key = _holder(ep, c["target"]), c["target"]
+        if where is not None:
+            swapped.append((where, key, where[key]))
+            where[key] = _with_data(where[key], _stand_in, "lowbit" in c)
     buf = io.BytesIO()
     try:
         if old is not None:
             sig.out_spec = pytree.tree_structure(tuple(range(old.num_leaves)))
-        torch.export.save(ep, buf)
+        with warnings.catch_warnings():   # "no complete tensor": the stand-ins, as meant
+            warnings.filterwarnings("ignore", "No complete tensor found")
+            torch.export.save(ep, buf)
         return buf.getvalue()
     except Exception as e:  # noqa: BLE001 - the copy is a convenience, not the package
         log.warning("kwker: the package holds no exported program (torch.export.save: %s)", e)
@@ -179,6 +191,33 @@ def _save_exported(ep) -> bytes | None:
     finally:
         if old is not None:
             sig.out_spec = old
+        for where, key, t in swapped:
+            where[key] = t
+
+
+def _holder(ep, key: str) -> dict | None:
+    """The dict of ``ep`` (its state dict or constants) holding the tensor ``key``."""
+    return next((d for d in (ep.state_dict, ep.constants)
+                 if isinstance(d.get(key), torch.Tensor)), None)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=t.dtype).expand(t.shape)
+
+
+def _with_data(t: torch.Tensor, data, quantized: bool) -> torch.Tensor:
+    """``t`` with its values (a torchao weight's: its ``qdata``, the bulk, which the package
+    stores as the part of that name) from ``data(old)``, held as ``t`` is (a Parameter or not)."""
+    if quantized:
+        names, ctx = t.__tensor_flatten__()
+        inner = {n: getattr(t, n) for n in names}
+        inner["qdata"] = data(inner["qdata"])
+        new = type(t).__tensor_unflatten__(inner, ctx, t.shape, t.stride())
+    else:
+        new = data(t)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(new, requires_grad=t.requires_grad)
+    return new
 
 
 def _write_zip(path: Path, members: dict[str, bytes]) -> None:
@@ -320,7 +359,16 @@ def exported_program(path):
         if not name:
             raise PackageError(f"package {path} holds no exported program")
         data = _read(z, path, name, manifest["members"].get(name))
-    return torch.export.load(io.BytesIO(data))
+        blob = bytearray(_read(z, path, WEIGHTS, manifest["members"].get(WEIGHTS)))
+    ep = torch.export.load(io.BytesIO(data))
+    # the weights, where the program holds stand-ins (_save_exported)
+    tensors = _tensors_from(manifest["weights"], blob)
+    for c in manifest["graph"]["constants"]:
+        where, key = _holder(ep, c["target"]), c["target"]
+        if where is not None:
+            stored = tensors[c["lowbit"]["parts"]["qdata"] if "lowbit" in c else c["name"]]
+            where[key] = _with_data(where[key], lambda _: stored, "lowbit" in c)
+    return ep
 
 
 def _entry_for(manifest: dict, target: Target) -> dict | None:

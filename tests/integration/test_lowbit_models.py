@@ -4,6 +4,7 @@ output keeps the issue's accuracy contract against the model with its weights de
 torchao defines them; formats Kwker does not take run as torchao runs them, with the reason in
 the report; greedy decoding gives eager torchao's tokens."""
 import copy
+import zipfile
 
 import pytest
 import torch
@@ -194,6 +195,14 @@ def test_packages_of_quantized_models(dtype, tmp_path):
         assert "gemm_lowbit" in info["families"], (config, info)
         assert sorted(info["names"]) == ["linear", "linear_gelu", "linear_residual"], info
         assert not info["aten"], (config, info)
+        # the exported program it keeps holds the quantised weights again, from weights.bin
+        with torch.no_grad():
+            x = cases[1][0]
+            (kept,) = kwker.exported_program(path).module()(x)   # its outputs as a flat tuple
+            assert torch.equal(kept, model(x)), config
+        with zipfile.ZipFile(path) as z:
+            sizes = {i.filename: i.file_size for i in z.infolist()}
+        assert sizes["exported.pt2"] < sizes["weights.bin"] // 2, (config, sizes)
         with torch.no_grad():
             for (x,), (y,) in zip(cases, answers):
                 if dtype == torch.float32:

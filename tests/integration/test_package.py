@@ -87,12 +87,20 @@ def test_output_structure_is_the_models(ranker_package, tmp_path):
 
 
 def test_the_exported_program_is_kept(ranker_package):
-    """Off the load path, for re-lowering: the same graph, answering as the model does."""
+    """Off the load path, for re-lowering: the same graph and weights, answering as the model
+    does; the weights are stored once in the file (weights.bin), not again in the program."""
     model, path = ranker_package
     ep = kwker.exported_program(path)
     x = torch.randn(5, 64)
     values, indices = ep.module()(x)
     assert torch.equal(values, model(x).values) and torch.equal(indices, model(x).indices)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    assert ep.state_dict.keys() == state.keys()
+    for key, t in ep.state_dict.items():
+        assert torch.equal(t, state[key]) and type(t) is type(state[key])
+    with zipfile.ZipFile(path) as z:
+        sizes = {i.filename: i.file_size for i in z.infolist()}
+    assert sizes["exported.pt2"] < sizes["weights.bin"] // 10, sizes
 
 
 def test_bad_inputs_are_refused_with_a_message(ranker_package, tmp_path):
