@@ -16,6 +16,9 @@ of ``--reps`` runs. Rows, one model each, in one process:
   ("module guards skipped"): a token is a few ms, and dynamo checks ~3000 guards on the model's
   modules (their hook dicts, config attributes) before each call. Safe where the serving code does
   not change the modules after compiling; Kwker still checks each parameter's identity and version.
+- Kwker packages (decode_package.py): the prompt's forward and a decode step exported
+  (``torch.export``), packaged (``kwker.package``) and loaded, generating with no dynamo in the
+  loop; "first call" includes exporting and packaging.
 - Kwker again under ``torch.set_float32_matmul_precision("medium")`` (bf16 products allowed
   for float32 matmuls, as eager's oneDNN reads it): the prefill's int8 products take two byte
   planes of x instead of three, int4's bf16 products where the CPU has ``vdpbf16ps``.
@@ -45,11 +48,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import probes
+from decode_package import Packaged
 from model_defs import llama_config
 
 from kwker.runtime.memory import release_free_heap
 
 PROMPT, NEW = 128, 64
+MAX_PAST = 500   # the packaged decode step's longest past
 # (label, activation dtype, quantisation, how it runs). Inductor's rows come last: on the Zen 5
 # VM the two rows after them ran at half speed (GPT-2 int8 prefill 128-131 ms against 69-81
 # without them or after a 60 s pause), with nothing of the run busy in between
@@ -66,6 +71,8 @@ ROWS = [
     ("Kwker int4, module guards skipped", "f32", "int4", "kwker-lean"),
     ("Kwker int8, float32 matmul precision medium", "f32", "int8", "kwker-medium"),
     ("Kwker int4, float32 matmul precision medium", "f32", "int4", "kwker-medium"),
+    ("Kwker package int8", "f32", "int8", "package"),
+    ("Kwker package int4", "f32", "int4", "package"),
     ("torchao int8, Inductor", "f32", "int8", "inductor"),
     ("torchao int4, Inductor", "f32", "int4", "inductor"),
     ("torchao int8, Inductor, module guards skipped", "f32", "int8", "inductor-lean"),
@@ -129,6 +136,8 @@ def build(cfg, dtype: str, quant: str | None, how: str):
         return model, torch.compile(model, backend="kwker", options={"inner": "eager", **lean})
     if how.startswith("inductor"):
         return model, torch.compile(model, options=lean or None)
+    if how == "package":
+        return model, Packaged.build(model, PROMPT, MAX_PAST)
     return model, model
 
 
@@ -178,13 +187,15 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
             continue
         torch._dynamo.reset()
         torch.set_float32_matmul_precision("medium" if how.endswith("-medium") else "highest")
+        t = time.perf_counter()
         _, model = build(cfg, dtype, quant, how)
+        packaging = time.perf_counter() - t if how == "package" else 0.0  # export, package, load
         gc.collect()
         release_free_heap()  # what earlier rows and the quantisation freed leaves the RSS
         rss = common.rss_mb()
         t = time.perf_counter()
         generate(model, prompt, 4)                   # compiles (prefill and decode graphs)
-        first = time.perf_counter() - t
+        first = time.perf_counter() - t + packaging
         gc.collect()
         rss = common.rss_mb() - rss
         best_prefill, best_tps = float("inf"), 0.0
@@ -199,7 +210,7 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
         if how == "eager":
             eager_tokens[key] = tokens
         check = ""
-        if how.startswith("kwker"):
+        if how.startswith(("kwker", "package")):
             reference = eager_tokens.get(key)
             if reference is None:  # bf16 + quantised has no eager row: build it once here
                 reference = generate(build(cfg, dtype, quant, "eager")[1], prompt, steps)[0]
@@ -207,6 +218,8 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
             check = "same tokens" if not len(differ) else \
                 f"differs from token {int(differ[0, 1])}" + (
                     " (bf16 roundings)" if dtype == "bf16" or how.endswith("-medium") else "")
+        if how == "package":
+            check += f"; packages {model.nbytes / 1e6:.0f} MB"
         row = {"row": label, "dtype": dtype, "weights": quant or dtype, "how": how,
                "tok_s": best_tps, "prefill_ms": best_prefill * 1e3, "first_s": first,
                "rss_mb": rss,
@@ -231,7 +244,7 @@ def ratios(rows: list[dict]) -> list[list]:
     bf16 = _get(rows, "eager bf16")
     out = []
     for r in rows:
-        if not r["how"].startswith("kwker"):
+        if not r["how"].startswith(("kwker", "package")):
             continue
         q, lean = r["weights"], ", module guards skipped" if r["how"].endswith("-lean") else ""
         ao, ind = _get(rows, f"torchao {q}, eager"), _get(rows, f"torchao {q}, Inductor{lean}")
@@ -287,7 +300,8 @@ def plot(rows: list[dict], path: Path, info: dict) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 0.32 * len(rows) + 1))
-    colors = ["tab:orange" if r["how"].startswith("kwker") else "tab:grey" for r in rows]
+    colors = ["tab:orange" if r["how"].startswith(("kwker", "package")) else "tab:grey"
+              for r in rows]
     ys = list(range(len(rows)))[::-1]
     ax.barh(ys, [r["tok_s"] for r in rows], color=colors)
     for y, r in zip(ys, rows):

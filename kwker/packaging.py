@@ -174,7 +174,7 @@ def _save_exported(ep, doc: dict) -> bytes | None:
     swapped = []
     for c in doc["constants"]:
         where, key = _holder(ep, c["target"]), c["target"]
-        if where is not None:
+        if where is not None and where[key].numel() > 1:   # (torch cannot save an empty one)
             swapped.append((where, key, where[key]))
             where[key] = _with_data(where[key], _stand_in, "lowbit" in c)
     buf = io.BytesIO()

@@ -349,3 +349,24 @@ def test_generate_harness_checks_tokens(bgen, monkeypatch, tmp_path, capsys):
            "s": {"eager": 2.0, "kwker": 1.0}}
     assert "every check ok" in bgen.summary([row])[0]
     assert "check failed: m" in bgen.summary([row, dict(row, check="tokens differ")])[0]
+
+
+@pytest.fixture(scope="module")
+def bdec():
+    yield from _bench_module("bench_decode")
+
+
+def test_packaged_transformers_decoder_generates_eager_tokens(bdec):
+    """bench_decode's package rows: transformers' GPT-2 (2 layers) with torchao int8 weights,
+    its prompt and decode step exported through decode_package's cache adapters, packaged and
+    loaded, generates eager torchao's tokens, each layer's cache appended by Kwker's kernel."""
+    pytest.importorskip("torchao")
+    cfg = bdec.config("gpt2", True)
+    model, packaged = bdec.build(cfg, "f32", "int8", "package")
+    prompt = torch.randint(0, cfg.vocab_size, (1, bdec.PROMPT))
+    want = bdec.generate(model, prompt, 8)[0]
+    got = bdec.generate(packaged, prompt, 8)[0]
+    assert torch.equal(got, want)
+    names = packaged.step.report.kernel_names
+    assert names.count("kv_append") == 2 * cfg.n_layer and not packaged.step.report.missed
+    assert "gemm_lowbit" in {s.family for s in packaged.step.report.specs}

@@ -447,3 +447,21 @@ def test_rotary_embedding_is_a_kernel_in_a_package(tmp_path):
     for case, got in zip(cases, answers):
         for g, want in zip(got, model(*case)):
             assert_close(g, want)
+
+
+def test_empty_constants_leave_the_exported_program_whole(tmp_path):
+    """A program with an empty tensor constant (transformers' caches start from ``tensor([])``)
+    keeps its exported copy, the weights back in it."""
+    class StartsEmpty(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return torch.cat([torch.tensor([]), self.lin(x).flatten()])
+
+    torch.manual_seed(0)
+    model, x = StartsEmpty().eval(), torch.randn(3, 16)
+    path = kwker.package(torch.export.export(model, (x,)), tmp_path / "empty.kwk")
+    (kept,) = kwker.exported_program(path).module()(x)
+    assert torch.equal(kept, model(x))
