@@ -54,7 +54,6 @@ from model_defs import llama_config
 from kwker.runtime.memory import release_free_heap
 
 PROMPT, NEW = 128, 64
-MAX_PAST = 500   # the packaged decode step's longest past
 # (label, activation dtype, quantisation, how it runs). Inductor's rows come last: on the Zen 5
 # VM the two rows after them ran at half speed (GPT-2 int8 prefill 128-131 ms against 69-81
 # without them or after a 60 s pause), with nothing of the run busy in between
@@ -137,7 +136,7 @@ def build(cfg, dtype: str, quant: str | None, how: str):
     if how.startswith("inductor"):
         return model, torch.compile(model, options=lean or None)
     if how == "package":
-        return model, Packaged.build(model, PROMPT, MAX_PAST)
+        return model, Packaged.build(model, PROMPT)
     return model, model
 
 

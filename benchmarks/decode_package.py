@@ -65,19 +65,21 @@ class Packaged:
         self.prompt, self.step, self.nbytes = prompt, step, nbytes
 
     @classmethod
-    def build(cls, model, prompt_len: int, max_len: int):
+    def build(cls, model, prompt_len: int):
         """Export, package and load ``model``'s prompt forward (``prompt_len`` tokens) and its
-        decode step (past lengths up to ``max_len``); the files are deleted once loaded."""
+        decode step (any past length); the files are deleted once loaded."""
         with tempfile.TemporaryDirectory(prefix="kwker-decode-") as folder:
-            return cls._build(model, prompt_len, max_len, Path(folder))
+            return cls._build(model, prompt_len, Path(folder))
 
     @classmethod
-    def _build(cls, model, prompt_len: int, max_len: int, folder: Path):
+    def _build(cls, model, prompt_len: int, folder: Path):
         ids = torch.zeros(1, prompt_len, dtype=torch.long)
         with torch.no_grad():
             logits, past = _Prompt(model)(ids)
         first = torch.export.export(_Prompt(model).eval(), (ids,), strict=False)
-        length = torch.export.Dim("past", min=2, max=max_len)
+        # each layer's past length dynamic (a named Dim with a range made export fail on the
+        # Llama, its guards unprovable over the range)
+        length = torch.export.Dim.DYNAMIC
         step = torch.export.export(
             _Step(model).eval(), (ids[:, :1], past),
             dynamic_shapes=({}, tuple(({2: length}, {2: length}) for _ in past)), strict=False)

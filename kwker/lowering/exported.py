@@ -279,12 +279,14 @@ def tree_is_flat_tuple(d) -> bool:
 
 # --------------------------------------------------------------------------- export -> doc
 def _ranges(ep) -> dict:
-    out = {}
-    for sym, vr in ep.range_constraints.items():
-        lo, hi = vr.lower, vr.upper
-        out[str(sym)] = [int(lo) if lo.is_finite else 0,
-                         int(hi) if hi.is_finite else None]
-    return out
+    return {str(sym): [_bound(vr.lower, 0), _bound(vr.upper, None)]
+            for sym, vr in ep.range_constraints.items()}
+
+
+def _bound(v, unbounded):
+    """A range end as an int, or ``unbounded`` for an infinite one (torch's ``int_oo``, which
+    sympy calls finite, or sympy's ``oo``)."""
+    return int(v) if v.is_Integer else unbounded
 
 
 def describe(ep) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -465,3 +465,17 @@ def test_empty_constants_leave_the_exported_program_whole(tmp_path):
     path = kwker.package(torch.export.export(model, (x,)), tmp_path / "empty.kwk")
     (kept,) = kwker.exported_program(path).module()(x)
     assert torch.equal(kept, model(x))
+
+
+@pytest.mark.parametrize("dim", [torch.export.Dim.DYNAMIC, torch.export.Dim("rows", min=2)],
+                         ids=["Dim.DYNAMIC", "no max"])
+def test_unbounded_dynamic_sizes(dim, tmp_path):
+    """A size exported without an upper bound (``Dim.DYNAMIC``, or a ``Dim`` with no max: torch
+    records the range's end as its ``int_oo``) is packaged as unbounded and served at any size."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.GELU()).eval()
+    ep = torch.export.export(model, (torch.randn(4, 32),), dynamic_shapes=({0: dim},))
+    packaged = kwker.load_package(kwker.package(ep, tmp_path / "rows.kwk"))
+    for rows in (3, 1000):
+        x = torch.randn(rows, 32)
+        assert_close(packaged(x), model(x))
