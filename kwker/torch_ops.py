@@ -91,7 +91,11 @@ def _overrides() -> list[tuple[str, object, str]]:
             # median(dim) of an expanded input is always Kwker's (ATen reads it wrongly)
             small = self.numel() < ops.MIN_NUMEL[family] and (family != "median"
                                                           or 0 not in self.stride())
-            r = fast(self, *args) if not small and _plain_outs(self, values, indices) else None
+            r = None
+            if not small and _plain_outs(self, values, indices):
+                # the functional forms' outs come fresh from ATen's wrapper: written directly
+                fresh = values.numel() == 0 and indices.numel() == 0
+                r = fast(self, *args, outs=(values, indices) if fresh else None)
             if r is None or r is NotImplemented:
                 return orig[name](self, *args, values=values, indices=indices)
             return ops.write_out(r, (values, indices))
@@ -116,15 +120,15 @@ def _overrides() -> list[tuple[str, object, str]]:
         ("topk", topk, "CPU"), ("topk.values", topk_out, "CPU"),
         ("sort.stable", sort, "CPU"), ("sort.values_stable", sort_out, "CPU"),
         ("kthvalue.values", reduction_out(
-            "kthvalue.values", "kthvalue", lambda x, k, dim=-1, keepdim=False:
-            ops.fast_kthvalue(x, k, dim, keepdim)), "CPU"),
+            "kthvalue.values", "kthvalue", lambda x, k, dim=-1, keepdim=False, outs=None:
+            ops.fast_kthvalue(x, k, dim, keepdim, outs)), "CPU"),
         ("median", median_all, "CPU"), ("nanmedian", nanmedian_all, "CPU"),
         ("median.dim_values", reduction_out(
-            "median.dim_values", "median", lambda x, dim, keepdim=False:
-            ops.fast_median_dim(x, dim, keepdim)), "CPU"),
+            "median.dim_values", "median", lambda x, dim, keepdim=False, outs=None:
+            ops.fast_median_dim(x, dim, keepdim, outs=outs)), "CPU"),
         ("nanmedian.dim_values", reduction_out(
-            "nanmedian.dim_values", "median", lambda x, dim, keepdim=False:
-            ops.fast_median_dim(x, dim, keepdim, ignore_nan=True)), "CPU"),
+            "nanmedian.dim_values", "median", lambda x, dim, keepdim=False, outs=None:
+            ops.fast_median_dim(x, dim, keepdim, ignore_nan=True, outs=outs)), "CPU"),
         ("mode", mode, "CPU"),
     ]
     for base, ignore_nan in (("quantile", False), ("nanquantile", True)):

@@ -125,34 +125,49 @@ def _reduced_shape(x, d, keepdim):
     return shape
 
 
-def _reduce_with_index(op, x, dim, keepdim, param=0):
-    """values, indices of a per-row reduction (kthvalue, median(dim), mode), keepdim applied."""
+def _reduce_with_index(op, x, dim, keepdim, param=0, outs=None, usable=None):
+    """values, indices of a per-row reduction (kthvalue, median(dim), mode), keepdim applied.
+
+    ``outs``: ATen's fresh (empty) out tensors, which the kernel then writes in place of new
+    ones (resized as ATen resizes them; no copy after); ``usable``: ``_usable``'s answer when
+    the caller has it."""
     # ATen's median/nanmedian(dim) read expanded (stride-0) inputs wrongly: always take those
     expanded = op in ("median", "nanmedian") and 0 in x.stride()
-    u = _usable(x, dim, "median" if op == "nanmedian" else op, any_size=expanded)
+    u = usable or _usable(x, dim, "median" if op == "nanmedian" else op, any_size=expanded)
     if u is None:
         return NotImplemented
     name, d = u
     x2, rs, rows, n = rows_of(x, d)
-    kshape = _reduced_shape(x, d, True)
-    values = torch.empty(kshape, dtype=x.dtype)
-    indices = torch.empty(kshape, dtype=torch.int64)
-    run(_spec(op, name), x2, rs, rows, n, OutRows(values, d, rows, 1),
-        OutRows(indices, d, rows, 1), (param, 0, 0, 0))
+    if outs is None:
+        kshape = _reduced_shape(x, d, True)
+        values = torch.empty(kshape, dtype=x.dtype)
+        indices = torch.empty(kshape, dtype=torch.int64)
+        out_v, out_i = OutRows(values, d, rows, 1), OutRows(indices, d, rows, 1)
+    else:
+        reduced = _reduced_shape(x, d, keepdim)
+        for t in outs:
+            resize_out(t, reduced)
+        # one result a row, in the rows' order: a contiguous out is row after row
+        out_v, out_i = (DenseOut(t) if t.is_contiguous() else
+                        OutRows(t if keepdim else t.unsqueeze(d), d, rows, 1) for t in outs)
+    run(_spec(op, name), x2, rs, rows, n, out_v, out_i, (param, 0, 0, 0))
+    if outs is not None:
+        return tuple(outs)
     if not keepdim:
         values, indices = values.squeeze(d), indices.squeeze(d)
     return values, indices
 
 
-def fast_kthvalue(x, k, dim=-1, keepdim=False):
+def fast_kthvalue(x, k, dim=-1, keepdim=False, outs=None):
     u = _usable(x, dim, "kthvalue")
     if u is None or not 1 <= k <= x.shape[u[1]]:
         return NotImplemented
-    return _reduce_with_index("kthvalue", x, dim, keepdim, k - 1)
+    return _reduce_with_index("kthvalue", x, dim, keepdim, k - 1, outs, u)
 
 
-def fast_median_dim(x, dim, keepdim=False, ignore_nan=False):
-    return _reduce_with_index("nanmedian" if ignore_nan else "median", x, dim, keepdim)
+def fast_median_dim(x, dim, keepdim=False, ignore_nan=False, outs=None):
+    return _reduce_with_index("nanmedian" if ignore_nan else "median", x, dim, keepdim,
+                              outs=outs)
 
 
 def fast_mode(x, dim=-1, keepdim=False):
@@ -220,7 +235,10 @@ def fast_quantile(x, q, dim=None, keepdim=False, interpolation="linear", ignore_
 
 # ------------------------------------------------------------------------------ out= helper
 def write_out(result, outs):
-    """Copy a functional result into ATen-style out tensors (resized as ATen would)."""
+    """Copy a functional result into ATen-style out tensors (resized as ATen would); a result
+    written into them already is returned as it is."""
+    if all(src is dst for src, dst in zip(result, outs)):
+        return tuple(outs)
     for src, dst in zip(result, outs):
         resize_out(dst, src.shape)
         dst.copy_(src)

@@ -55,6 +55,42 @@ def test_every_call_path_reaches_kwker():
         assert_identical(tuple(got), tuple(want))
 
 
+
+@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("op", ["kthvalue", "median", "nanmedian"])
+def test_reductions_write_their_out_tensors_as_aten(op, keepdim):
+    """out= of the index reductions: empty outs (as the functional forms' wrapper passes them,
+    written by the kernel in place), outs of the wrong size (resized, with ATen's warning) and
+    strided outs of the right size (written through their strides), each identical to ATen's,
+    the outs themselves returned."""
+    x = make("ties4", (12, 3000), torch.float32).t()     # rows along dim 0, strided
+    args = (1500, 0) if op == "kthvalue" else (0,)
+    fn = getattr(torch, op)
+
+    def outs(kind):
+        if kind == "empty":
+            return torch.empty(0), torch.empty(0, dtype=torch.long)
+        if kind == "wrong size":
+            return torch.zeros(7), torch.zeros(7, dtype=torch.long)
+        shape = (1, 12) if keepdim else (12,)
+        return (torch.zeros(*shape, 2)[..., 1], torch.zeros(*shape, 2, dtype=torch.long)[..., 1])
+
+    for kind in ("empty", "wrong size", "strided"):
+        want_v, want_i = outs(kind)
+        with warnings.catch_warnings(record=True) as aten_warned:
+            warnings.simplefilter("always")
+            fn(x, *args, keepdim=keepdim, out=(want_v, want_i))
+        got_v, got_i = outs(kind)
+        before = rows.calls[op]
+        with kto.accelerated(), warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            result = fn(x, *args, keepdim=keepdim, out=(got_v, got_i))
+        assert rows.calls[op] == before + 1, kind
+        assert result[0] is got_v and result[1] is got_i, kind
+        assert_identical((got_v, got_i), (want_v, want_i))
+        assert got_v.stride() == want_v.stride() and got_i.stride() == want_i.stride(), kind
+        assert len(warned) == len(aten_warned), (kind, [str(w.message) for w in warned])
+
 ERROR_CASES = [
     lambda x: torch.topk(x, 501),
     lambda x: torch.topk(x, -1),
