@@ -356,17 +356,20 @@ def bdec():
     yield from _bench_module("bench_decode")
 
 
-def test_packaged_transformers_decoder_generates_eager_tokens(bdec):
-    """bench_decode's package rows: transformers' GPT-2 (2 layers) with torchao int8 weights,
-    its prompt and decode step exported through decode_package's cache adapters, packaged and
-    loaded, generates eager torchao's tokens, each layer's cache appended by Kwker's kernel."""
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_packaged_transformers_decoder_generates_eager_tokens(bdec, name):
+    """bench_decode's package rows: transformers' GPT-2 and Llama (2 layers) with torchao int8
+    weights, their prompt and decode step exported through decode_package's cache adapters,
+    packaged and loaded, generate eager torchao's tokens, each layer's cache appended by Kwker's
+    kernel (the Llama's too, whose exported step repeats its k/v heads for attention)."""
     pytest.importorskip("torchao")
-    cfg = bdec.config("gpt2", True)
+    cfg = bdec.config(name, True)
     model, packaged = bdec.build(cfg, "f32", "int8", "package")
     prompt = torch.randint(0, cfg.vocab_size, (1, bdec.PROMPT))
     want = bdec.generate(model, prompt, 8)[0]
     got = bdec.generate(packaged, prompt, 8)[0]
     assert torch.equal(got, want)
     names = packaged.step.report.kernel_names
-    assert names.count("kv_append") == 2 * cfg.n_layer and not packaged.step.report.missed
+    assert names.count("kv_append") == 2 * cfg.num_hidden_layers, names
+    assert not packaged.step.report.missed
     assert "gemm_lowbit" in {s.family for s in packaged.step.report.specs}

@@ -42,16 +42,31 @@ def repeated_kv(n: Node, metas) -> tuple[Node, list, torch.dtype | None] | None:
         cast, ex = ex, cast_source(ex)
     if not isinstance(ex, Node) or op_name(ex) != "expand":
         return None
-    un = ex.args[0]
+    slices = []
+    un = _past_full_slices(ex.args[0], shape, slices)
     es, us = shape(ex), shape(un) if isinstance(un, Node) else None
     if es is None or us is None or len(es) != 5 or us[2] != 1 or \
             (es[0], es[1] * es[2], es[3], es[4]) != tuple(out) or \
             tuple(us) != (es[0], es[1], 1, es[3], es[4]) or op_name(un) not in _VIEWS:
         return None
-    src = un.args[0]
+    src = _past_full_slices(un.args[0], shape, slices)
     s = shape(src) if isinstance(src, Node) else None
     if s is None or tuple(s) != (es[0], es[1], es[3], es[4]):
         return None
     if cast is None:
-        return src, [un, ex, n], None
-    return src, [un, ex, cast, n], metas[cast].dtype
+        return src, [*slices, un, ex, n], None
+    return src, [*slices, un, ex, cast, n], metas[cast].dtype
+
+
+def _past_full_slices(x, shape, passed: list):
+    """The first node up from ``x`` that is not a slice of everything (``x[:, :, None, :, :]``
+    in an exported graph: ``aten.slice`` of 0 to the end, step 1, around the ``unsqueeze``),
+    the slices passed appended to ``passed``."""
+    while isinstance(x, Node) and op_name(x) == "slice" and x.args and \
+            isinstance(x.args[0], Node) and not x.kwargs and \
+            (x.args[2] if len(x.args) > 2 else None) in (None, 0) and \
+            (x.args[4] if len(x.args) > 4 else 1) == 1 and \
+            shape(x) is not None and shape(x) == shape(x.args[0]) and len(x.users) == 1:
+        passed.append(x)
+        x = x.args[0]
+    return x

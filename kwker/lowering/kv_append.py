@@ -18,19 +18,38 @@ import torch
 from torch.fx import Node
 
 from ..kernels.kv_cache import make_kv_append
+from .gqa import repeated_kv
 from .make import mark_generic
 from .ops import bind, canon
 from .patterns import Match
 from .shapes import TensorMeta
 
 
-def _reads_any_strides(user: Node, cat: Node) -> bool:
+def _reads_any_strides(user: Node, cat: Node, metas: dict) -> bool:
     if user.op == "output":
         return True
     if canon(user) != "sdpa":
-        return False
+        return _repeated_for_attention(user, cat, metas)
     b = bind(user)
     return b is not None and b["query"] is not cat and b["attn_mask"] is not cat
+
+
+def _repeated_for_attention(user: Node, cat: Node, metas: dict) -> bool:
+    """Whether ``user`` begins grouped-query attention's repeat of ``cat``'s heads
+    (``gqa.repeated_kv``: view ops and a reshape, as an exported graph spells ``repeat_kv``)
+    whose result only attention reads, as keys or values: Kwker's attention kernel then reads
+    the unrepeated heads at their strides, and ATen's ops, should it run them, read any."""
+    n = user
+    for _ in range(6):
+        found = repeated_kv(n, metas)
+        if found is not None:
+            src, chain, _ = found
+            return src is cat and user in chain and \
+                all(canon(u) == "sdpa" and _reads_any_strides(u, n, metas) for u in n.users)
+        if len(n.users) != 1:
+            return False
+        n = next(iter(n.users))
+    return False
 
 
 def append_matches(nodes: list, metas: dict, consts: set, claimed: set) -> list[Match]:
@@ -64,7 +83,7 @@ def append_matches(nodes: list, metas: dict, consts: set, claimed: set) -> list[
             continue
         users = list(n.users)
         if not any(u.op == "output" for u in users) or \
-                not all(_reads_any_strides(u, n) for u in users):
+                not all(_reads_any_strides(u, n, metas) for u in users):
             continue
         found.append(Match("kv_append", n, [n], {"past": parts[0], "new": parts[1]},
                            {"dim": b["dim"] % rank}))

@@ -40,7 +40,7 @@ FUNCTIONS |= {_aten.view.default, _aten.reshape.default, _aten.transpose.int,
               _aten.split_with_sizes.default, _aten.select.int, _aten.slice.Tensor,
               _aten.expand.default, _aten.t.default, _aten.alias.default, _aten.unflatten.int,
               _aten.flatten.using_ints, _aten.narrow.default, _aten.chunk.default,
-              _aten.unbind.int}
+              _aten.unbind.int, _aten.to.dtype}   # (``to`` only where it is the tensor itself)
 
 
 @dataclass
