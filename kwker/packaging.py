@@ -51,6 +51,7 @@ from .lowering.exported import (
     dtype_name,
     dtype_of,
     flatten_tree,
+    lowbit_parts,
     rebuild,
     stored_names,
     tree_is_flat_tuple,
@@ -366,7 +367,7 @@ def exported_program(path):
     for c in manifest["graph"]["constants"]:
         where, key = _holder(ep, c["target"]), c["target"]
         if where is not None:
-            stored = tensors[c["lowbit"]["parts"]["qdata"] if "lowbit" in c else c["name"]]
+            stored = lowbit_parts(c, tensors)["qdata"] if "lowbit" in c else tensors[c["name"]]
             where[key] = _with_data(where[key], lambda _: stored, "lowbit" in c)
     return ep
 

@@ -402,7 +402,38 @@ def _lowbit_parts(name: str, t) -> tuple[dict, dict]:
     stored = {k: f"{name}.{k}" for k, v in parts.items() if v is not None}
     record = {"group": lw.group, "bits": lw.bits, "dtype": dtype_name(lw.dtype),
               "format": lw.source, "parts": stored}
-    return record, {stored[k]: parts[k].detach().contiguous() for k in stored}
+    tensors = {stored[k]: parts[k].detach().contiguous() for k in stored}
+    q = lw.qdata
+    if lw.bits == 4 and q.numel() and -8 <= int(q.min()) and int(q.max()) <= 7:
+        # two values a byte in the file (torchao keeps one): unpacked again when read
+        tensors[stored["qdata"]] = _nibbles(q)
+        record["qdata"] = {"nibbles": list(q.shape)}
+    return record, tensors
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], (N, K) -> uint8 (N, ceil(K / 2)): ``q + 8`` of even k in the low
+    nibble, of odd k in the high one."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    if u.shape[1] % 2:
+        u = torch.nn.functional.pad(u, (0, 1))
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+
+
+def _unnibble(p: torch.Tensor, shape: list) -> torch.Tensor:
+    """``_nibbles``' inverse: the (N, K) int8 values."""
+    q = torch.stack((p & 15, p >> 4), dim=2).reshape(p.shape[0], -1)[:, :shape[1]]
+    return (q.to(torch.int8) - 8).contiguous()
+
+
+def lowbit_parts(c: dict, tensors: dict) -> dict:
+    """A quantised constant's parts (qdata, scale, zero_point) as the package stored them,
+    its values unpacked where they were stored two a byte."""
+    q = c["lowbit"]
+    parts = {k: tensors[v] for k, v in q["parts"].items()}
+    if "nibbles" in q.get("qdata", {}):
+        parts["qdata"] = _unnibble(parts["qdata"], q["qdata"]["nibbles"])
+    return parts
 
 
 def stored_names(doc: dict) -> list[str]:
@@ -415,7 +446,7 @@ def _constant(c: dict, tensors: dict) -> torch.Tensor:
     if "lowbit" not in c:
         return tensors[c["name"]]
     q = c["lowbit"]
-    parts = {k: tensors[v] for k, v in q["parts"].items()}
+    parts = lowbit_parts(c, tensors)
     return LowbitTensor(parts["qdata"], parts["scale"], parts.get("zero_point"), q["group"],
                         q["bits"], dtype_of(q["dtype"]))
 

@@ -203,6 +203,12 @@ def test_packages_of_quantized_models(dtype, tmp_path):
         with zipfile.ZipFile(path) as z:
             sizes = {i.filename: i.file_size for i in z.infolist()}
         assert sizes["exported.pt2"] < sizes["weights.bin"] // 2, (config, sizes)
+        # int4 values are stored two a byte: the weights take about half their int8 bytes
+        values = sum(m.weight.numel() for m in model.modules()
+                     if isinstance(m, torch.nn.Linear))
+        stored = sizes["weights.bin"] - sum(p.numel() * p.element_size() for n, p in
+                                            model.named_parameters() if "bias" in n)
+        assert stored < (0.7 if config.startswith("int4") else 1.3) * values, (config, stored)
         with torch.no_grad():
             for (x,), (y,) in zip(cases, answers):
                 if dtype == torch.float32:
