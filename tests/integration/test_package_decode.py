@@ -32,6 +32,12 @@ def packaged(tmp_path_factory):
     return model, prompt, kwker.load_package(path)
 
 
+def assert_step(logits, past, want_logits, want_past) -> None:
+    """A step's logits and every layer's keys and values against the model's."""
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(past, want_past, rtol=1e-5, atol=1e-6)
+
+
 def storages(past) -> list:
     return [t.untyped_storage().data_ptr() for kv in past for t in kv]
 
@@ -46,9 +52,7 @@ def test_greedy_steps_match_eager_and_append_in_place(packaged):
             ids = ref_logits.argmax(-1, keepdim=True)
             ref_logits, ref_past = model(ids, ref_past)
             logits, past = step(ids, past)
-            torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
-            for got, want in zip(past, ref_past):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert_step(logits, past, ref_logits, ref_past)
             # from the second step on, the past is the buffer the step before returned a view
             # of (9 + 12 positions fit its first capacity): appended to, never copied
             if seen is not None:
@@ -68,9 +72,7 @@ def test_a_strided_past_from_elsewhere_gives_the_same_answer(packaged):
         ids = logits.argmax(-1, keepdim=True)
         want_logits, want_past = model(ids, past)
         got_logits, got_past = step(ids, strided)
-    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-5)
-    for got, want in zip(got_past, want_past):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_step(got_logits, got_past, want_logits, want_past)
 
 
 def test_inputs_structured_otherwise_are_refused_with_where(packaged):
