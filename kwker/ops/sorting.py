@@ -18,12 +18,14 @@ FLOAT_DTYPES = (torch.float32, torch.float64)
 # Below these many elements, or with rows shorter than MIN_ROW, a Kwker call (Python dispatch,
 # output allocation, ctypes: ~10 us, plus per-row set-up such as radix histograms) costs more
 # than ATen's whole kernel, so ATen runs; crossovers measured on a 2-core Zen 4 over 1-128 rows
-# of 16-16384 elements (benchmarks/results/sorting.md has the sweep).
-MIN_NUMEL = {"topk": 8192, "sort": 8192, "stable": 1024, "kthvalue": 12288, "median": 32768,
-             "median_all": 8192, "mode": 16384, "quantile": 0}
+# of 16-16384 elements (benchmarks/results/sorting.md has the sweep); kthvalue's, median's and
+# mode's as ``thresholds.calibrate`` fits them there (2026-12-06, their out= tensors written in
+# place).
+MIN_NUMEL = {"topk": 8192, "sort": 8192, "stable": 1024, "kthvalue": 8192, "median": 8192,
+             "median_all": 8192, "mode": 8192, "quantile": 0}
 # ATen's quantile is a composite of a dozen ops (~25 us even for 8 elements), and Kwker sorts
 # short rows instead of bucketing them: it takes every size.
-MIN_ROW = {"topk": 1000, "sort": 0, "stable": 512, "kthvalue": 512, "median": 256,
+MIN_ROW = {"topk": 1000, "sort": 0, "stable": 512, "kthvalue": 256, "median": 256,
            "median_all": 0, "mode": 256, "quantile": 0}
 SPLIT_ROW = 100_000  # a single row at least this long sorts on several threads
 # Algorithm switches of the kernels, measured on this CPU by ``thresholds.calibrate``:
