@@ -373,3 +373,5 @@ def test_packaged_transformers_decoder_generates_eager_tokens(bdec, name):
     assert names.count("kv_append") == 2 * cfg.num_hidden_layers, names
     assert not packaged.step.report.missed
     assert "gemm_lowbit" in {s.family for s in packaged.step.report.specs}
+    # the lone query's causal mask, which the exported step computes, masks nothing: unread
+    assert {s.mask for s in packaged.step.report.specs if s.family == "attention"} == {"none"}

@@ -32,6 +32,7 @@ from .composite import (
 )
 from .gqa import repeated_kv
 from .grouped import grouped_mm_at
+from .masks import every_key_visible
 from .ops import bind, canon, is_inplace, op_name
 from .shapes import TensorMeta
 
@@ -503,6 +504,8 @@ class Matcher:
         if scale is not None and (not isinstance(scale, (int, float)) or scale == 0):
             return None
         mask_kind = None
+        if mask is not None and every_key_visible(mask, self.metas.get(q)):
+            mask = None   # read by nothing: the kernel runs unmasked
         if mask is not None:
             mm = _meta(self.metas, mask)
             if mm is None or b["is_causal"]:

@@ -117,3 +117,36 @@ class Calls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.add(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
+
+
+class LoneQuery(torch.nn.Module):
+    """One query over a past of dynamic length, masked as transformers masks it when exported:
+    ``kv_idx <= q_idx`` with the query at the past's end (``shift`` 0: every key visible), or
+    one position earlier (``shift`` 1: the last key masked)."""
+
+    def __init__(self, shift: int):
+        super().__init__()
+        self.shift = shift
+
+    def forward(self, q, k, v):
+        past = k.shape[2] - 1
+        keys = torch.arange(past + 1)[None, None, None, :]
+        query = (torch.arange(1) + past - self.shift)[None, None, :, None]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                attn_mask=keys <= query)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_a_lone_querys_causal_mask_runs_unmasked_only_when_it_masks_nothing(shift, tmp_path):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 4, 9, 16), torch.randn(1, 4, 9, 16)
+    length = torch.export.Dim("length", min=2, max=100)
+    ep = torch.export.export(LoneQuery(shift), (q, k, v),
+                             dynamic_shapes=({}, {2: length}, {2: length}))
+    step = kwker.load_package(kwker.package(ep, tmp_path / "lone.kwk"))
+    (spec,) = [s for s in step.report.specs if s.family == "attention"]
+    assert spec.mask == ("none" if shift == 0 else "bool"), spec
+    for n in (9, 40):
+        k, v = torch.randn(1, 4, n, 16), torch.randn(1, 4, n, 16)
+        torch.testing.assert_close(step(q, k, v), LoneQuery(shift)(q, k, v), rtol=1e-5,
+                                   atol=1e-6)
