@@ -504,7 +504,7 @@ class Matcher:
         if scale is not None and (not isinstance(scale, (int, float)) or scale == 0):
             return None
         mask_kind = None
-        if mask is not None and every_key_visible(mask, self.metas.get(q)):
+        if mask is not None and not b["is_causal"] and every_key_visible(mask, self.metas.get(q)):
             mask = None   # read by nothing: the kernel runs unmasked
         if mask is not None:
             mm = _meta(self.metas, mask)
