@@ -80,6 +80,7 @@ ROWS = [
 
 
 MODELS = ("gpt2", "llama")
+KWKER_HOWS = ("kwker", "package")   # the rows that run Kwker's kernels
 
 
 def config(model: str, quick: bool):
@@ -209,7 +210,7 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
         if how == "eager":
             eager_tokens[key] = tokens
         check = ""
-        if how.startswith(("kwker", "package")):
+        if how.startswith(KWKER_HOWS):
             reference = eager_tokens.get(key)
             if reference is None:  # bf16 + quantised has no eager row: build it once here
                 reference = generate(build(cfg, dtype, quant, "eager")[1], prompt, steps)[0]
@@ -243,7 +244,7 @@ def ratios(rows: list[dict]) -> list[list]:
     bf16 = _get(rows, "eager bf16")
     out = []
     for r in rows:
-        if not r["how"].startswith(("kwker", "package")):
+        if not r["how"].startswith(KWKER_HOWS):
             continue
         q, lean = r["weights"], ", module guards skipped" if r["how"].endswith("-lean") else ""
         ao, ind = _get(rows, f"torchao {q}, eager"), _get(rows, f"torchao {q}, Inductor{lean}")
@@ -299,8 +300,7 @@ def plot(rows: list[dict], path: Path, info: dict) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 0.32 * len(rows) + 1))
-    colors = ["tab:orange" if r["how"].startswith(("kwker", "package")) else "tab:grey"
-              for r in rows]
+    colors = ["tab:orange" if r["how"].startswith(KWKER_HOWS) else "tab:grey" for r in rows]
     ys = list(range(len(rows)))[::-1]
     ax.barh(ys, [r["tok_s"] for r in rows], color=colors)
     for y, r in zip(ys, rows):

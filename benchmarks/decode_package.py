@@ -36,24 +36,17 @@ def _as_tuple(cache) -> tuple:
     return tuple((layer.keys, layer.values) for layer in cache.layers)
 
 
-class _Prompt(torch.nn.Module):
+class _Tupled(torch.nn.Module):
+    """``model`` with its cache as a tuple of (keys, values) per layer: ``(ids, past=None) ->
+    (logits, past)``; exported once without a past (the prompt) and once with one (a step)."""
+
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, ids):
-        out = self.model(input_ids=ids, use_cache=True)
-        return out.logits, _as_tuple(out.past_key_values)
-
-
-class _Step(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, past):
-        out = self.model(input_ids=ids, past_key_values=_cache(self.model.config, past),
-                         use_cache=True)
+    def forward(self, ids, past=None):
+        cache = None if past is None else _cache(self.model.config, past)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         return out.logits, _as_tuple(out.past_key_values)
 
 
@@ -75,13 +68,13 @@ class Packaged:
     def _build(cls, model, prompt_len: int, folder: Path):
         ids = torch.zeros(1, prompt_len, dtype=torch.long)
         with torch.no_grad():
-            logits, past = _Prompt(model)(ids)
-        first = torch.export.export(_Prompt(model).eval(), (ids,), strict=False)
+            logits, past = _Tupled(model)(ids)
+        first = torch.export.export(_Tupled(model).eval(), (ids,), strict=False)
         # each layer's past length dynamic (a named Dim with a range made export fail on the
         # Llama, its guards unprovable over the range)
         length = torch.export.Dim.DYNAMIC
         step = torch.export.export(
-            _Step(model).eval(), (ids[:, :1], past),
+            _Tupled(model).eval(), (ids[:, :1], past),
             dynamic_shapes=({}, tuple(({2: length}, {2: length}) for _ in past)), strict=False)
         paths = [kwker.package(ep, folder / f"{name}.kwk")
                  for ep, name in ((first, "prompt"), (step, "step"))]
