@@ -244,25 +244,43 @@ def build_tree(d, leaves):
 
 def flatten_tree(d, value, out: list, where: str = "the inputs") -> list:
     """``value``'s leaves appended to ``out`` in ``d``'s order (``build_tree``'s inverse), or
-    TypeError saying where ``value`` departs from the structure ``d``."""
+    TypeError saying where ``value`` departs from the structure ``d`` (the path is worked out
+    only then: a decode step's call flattens its cache every token)."""
+    if not _flatten(d, value, out):
+        _explain(d, value, where)
+    return out
+
+
+def _flatten(d, value, out: list) -> bool:
     if d == "leaf":
         out.append(value)
-        return out
-    kind, children = next((k, d[k]) for k in ("tuple", "list", "dict", "items") if k in d)
-    if kind == "dict":
+        return True
+    if "dict" in d:
+        keys = d["keys"]
+        return isinstance(value, dict) and set(value) == set(keys) and \
+            all(_flatten(c, value[k], out) for k, c in zip(keys, d["dict"]))
+    children = d.get("tuple", d.get("list", d.get("items")))
+    return isinstance(value, (tuple, list)) and len(value) == len(children) and \
+        all(_flatten(c, v, out) for c, v in zip(children, value))
+
+
+def _explain(d, value, where: str) -> None:
+    """TypeError at the first place ``value`` departs from ``d``."""
+    if d == "leaf":
+        return
+    if "dict" in d:
         if not isinstance(value, dict) or set(value) != set(d["keys"]):
             raise TypeError(f"{where} must be a dict with keys {d['keys']}, got "
                             f"{_shape_of(value)}")
-        parts = [value[k] for k in d["keys"]]
-    else:
-        if not isinstance(value, (tuple, list)) or len(value) != len(children):
-            raise TypeError(f"{where} must be a tuple or list of {len(children)}, got "
-                            f"{_shape_of(value)}")
-        parts = value
-    for i, (c, v) in enumerate(zip(children, parts)):
-        flatten_tree(c, v, out, f"{where}[{d['keys'][i]!r}]" if kind == "dict" else
-                     f"{where}[{i}]")
-    return out
+        for k, c in zip(d["keys"], d["dict"]):
+            _explain(c, value[k], f"{where}[{k!r}]")
+        return
+    children = d.get("tuple", d.get("list", d.get("items")))
+    if not isinstance(value, (tuple, list)) or len(value) != len(children):
+        raise TypeError(f"{where} must be a tuple or list of {len(children)}, got "
+                        f"{_shape_of(value)}")
+    for i, (c, v) in enumerate(zip(children, value)):
+        _explain(c, v, f"{where}[{i}]")
 
 
 def _shape_of(value) -> str:
