@@ -219,7 +219,7 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
                 f"differs from token {int(differ[0, 1])}" + (
                     " (bf16 roundings)" if dtype == "bf16" or how.endswith("-medium") else "")
         if how == "package":
-            check += f"; packages {model.nbytes / 1e6:.0f} MB"
+            check += f"; package {model.nbytes / 1e6:.0f} MB"
         row = {"row": label, "dtype": dtype, "weights": quant or dtype, "how": how,
                "tok_s": best_tps, "prefill_ms": best_prefill * 1e3, "first_s": first,
                "rss_mb": rss,

@@ -1,5 +1,6 @@
-"""A transformers decoder served from two Kwker packages, the prompt's forward and one decode
-step: generation with no dynamo in the loop (bench_decode.py's "package" rows).
+"""A transformers decoder served from one Kwker package holding two programs, the prompt's
+forward and one decode step (their weights stored, and loaded, once): generation with no dynamo
+in the loop (bench_decode.py's "package" rows).
 
 ``torch.export`` takes tensors, tuples and dicts, not transformers' ``DynamicCache``, so each
 program is exported through a small module that hands the cache over as a tuple of (keys,
@@ -51,8 +52,8 @@ class _Tupled(torch.nn.Module):
 
 
 class Packaged:
-    """``model(input_ids=..., past_key_values=None | tuple, use_cache=True)`` on the two loaded
-    packages (``Packaged.build``)."""
+    """``model(input_ids=..., past_key_values=None | tuple, use_cache=True)`` on the package's
+    two programs (``Packaged.build``)."""
 
     def __init__(self, prompt, step, nbytes: int):
         self.prompt, self.step, self.nbytes = prompt, step, nbytes
@@ -60,7 +61,7 @@ class Packaged:
     @classmethod
     def build(cls, model, prompt_len: int):
         """Export, package and load ``model``'s prompt forward (``prompt_len`` tokens) and its
-        decode step (any past length); the files are deleted once loaded."""
+        decode step (any past length); the file is deleted once loaded."""
         with tempfile.TemporaryDirectory(prefix="kwker-decode-") as folder:
             return cls._build(model, prompt_len, Path(folder))
 
@@ -76,10 +77,9 @@ class Packaged:
         step = torch.export.export(
             _Tupled(model).eval(), (ids[:, :1], past),
             dynamic_shapes=({}, tuple(({2: length}, {2: length}) for _ in past)), strict=False)
-        paths = [kwker.package(ep, folder / f"{name}.kwk")
-                 for ep, name in ((first, "prompt"), (step, "step"))]
-        nbytes = sum(p.stat().st_size for p in paths)
-        return cls(*(kwker.load_package(p) for p in paths), nbytes)
+        path = kwker.package({"prompt": first, "step": step}, folder / "decoder.kwk")
+        programs = kwker.load_package(path)
+        return cls(programs["prompt"], programs["step"], path.stat().st_size)
 
     def __call__(self, input_ids, past_key_values=None, use_cache=True):
         if past_key_values is None:

@@ -5,18 +5,27 @@
     model = kwker.load_package("ranker.kwk")                  # in the serving process
     scores, items = model(x)
 
+Several programs of one model (a decoder's prompt forward and its decode step) go in one file by
+name, their weights stored once and, loaded together, held once in memory:
+
+    kwker.package({"prompt": prompt_ep, "step": step_ep}, "gpt2.kwk")
+    programs = kwker.load_package("gpt2.kwk")       # {"prompt": PackagedModel, "step": ...}
+
 A package is a zip file (stored, not compressed) holding:
 
-- ``kwker-package.json``: the graph (``lowering/exported.py``'s document: ATen ops by name,
-  argument slots, constants, metadata, input ranges), the kernel specs, the versions it was
-  built with, one entry per target (CPU name and features -> object code members), the tuning
-  records its lowering used on the build machine (installed into the loading machine's cache,
-  where they apply only to the same CPU type) and the SHA-256 of every other member;
+- ``kwker-package.json``: per program, its graph (``lowering/exported.py``'s document: ATen ops
+  by name, argument slots, constants, metadata, input ranges) and where its constants lie in
+  ``weights.bin``; the kernel specs, the versions it was built with, one entry per target (CPU
+  name and features -> object code members), the tuning records its lowering used on the build
+  machine (installed into the loading machine's cache, where they apply only to the same CPU
+  type) and the SHA-256 of every other member;
 - ``INTEGRITY``: the SHA-256 of ``kwker-package.json``, so any change to any byte is caught;
-- ``weights.bin``: the constants, raw, 64-byte aligned (no pickle: loading runs no code);
+- ``weights.bin``: the constants, raw, 64-byte aligned, each distinct content once (no pickle:
+  loading runs no code);
 - ``objects/<key>.o``: object code per kernel and target, keyed like the kernel cache;
-- ``exported.pt2``: the ``torch.export`` program, for re-lowering elsewhere; never read by
-  ``load_package``, which therefore imports neither ``torch.export`` nor dynamo.
+- ``exported.pt2`` (``exported/<name>.pt2`` per named program): the ``torch.export`` program,
+  for re-lowering elsewhere; never read by ``load_package``, which therefore imports neither
+  ``torch.export`` nor dynamo.
 
 Loading re-runs Kwker's lowering on the stored graph (the backend's ``inner="eager"`` lowering:
 the same kernels, a flat program) with the object code of the running CPU's target handed to the
@@ -46,26 +55,28 @@ from .lowering import build as B
 from .lowering import make
 from .lowering.exported import (
     ExportError,
-    build_tree,
     describe,
     dtype_name,
     dtype_of,
-    flatten_tree,
     lowbit_parts,
+    nibbled,
     rebuild,
     stored_names,
-    tree_is_flat_tuple,
+    unnibble,
 )
 from .lowering.kv_append import any_stride_inputs
 from .lowering.partition import const_nodes, lower_graph
 from .lowering.report import Report, new_graph_id
+from .packaged_model import PackagedModel, inputs_text
 from .runtime import cache, kernel, tuning
 from .runtime.target import Target, host_target, make_target
 from .spec import spec_from_json
 
 log = logging.getLogger("kwker")
 
-FORMAT = 1
+FORMAT = 2       # 2: named programs sharing one weights.bin; 1: one program at the top level
+READS = (1, 2)
+SINGLE = "model"  # the name of the program of a package made from one exported program
 MANIFEST, INTEGRITY, WEIGHTS, EXPORTED = ("kwker-package.json", "INTEGRITY", "weights.bin",
                                           "exported.pt2")
 ALIGN = 64
@@ -80,7 +91,9 @@ class PackageError(RuntimeError):
 
 # --------------------------------------------------------------------------- writing
 def package(exported_program, path, targets=None) -> Path:
-    """Write ``exported_program`` (a ``torch.export.export`` result) to the package ``path``.
+    """Write ``exported_program`` (a ``torch.export.export`` result, or a dict of them by name:
+    programs of one model, such as its prompt forward and decode step) to the package ``path``.
+    Tensors of equal content (a weight both programs read) are stored once.
 
     ``targets``: more CPUs to hold object code for, besides this one: CPU names (``"znver3"``,
     their LLVM features implied) or ``"cpu:features"`` strings (``"znver3:+avx2,+fma"``), as in
@@ -88,16 +101,20 @@ def package(exported_program, path, targets=None) -> Path:
     package cannot hold (mutated buffers, custom or higher-order ops), naming the node.
     """
     path = Path(path)
-    doc, tensors = describe(exported_program)
-    layout, blob = _pack_weights(doc, tensors)
+    named = isinstance(exported_program, dict)
+    eps = _named_programs(exported_program) if named else {SINGLE: exported_program}
+    described = {name: describe(ep) for name, ep in eps.items()}
+    layouts, blob = _pack_weights(described)
+    programs = {name: {"graph": doc, "weights": layouts[name]}
+                for name, (doc, _) in described.items()}
     host = host_target()
     with tuning.recording() as records:
-        specs = _lower(doc, _tensors_from(layout, bytearray(blob)))[2]
+        specs = _all_specs(_lower_programs(programs, bytearray(blob)))
     per_target = [(host, specs)]
     for t in targets or ():
         target = _parse_target(t)
         if target != host and all(target != p[0] for p in per_target):
-            per_target.append((target, _specs_for(target, doc, layout, blob)))
+            per_target.append((target, _specs_for(target, programs, blob)))
     members: dict[str, bytes] = {WEIGHTS: bytes(blob)}
     entries, all_specs = [], []
     for target, target_specs in per_target:
@@ -109,23 +126,38 @@ def package(exported_program, path, targets=None) -> Path:
         entries.append({"target": asdict(target), "describe": target.describe(),
                         "specs": [s.to_json() for s in target_specs], "objects": objects})
         all_specs += target_specs
-    saved = _save_exported(exported_program, doc)
-    if saved is not None:
-        members[EXPORTED] = saved
+    for name, ep in eps.items():
+        saved = _save_exported(ep, programs[name]["graph"])
+        member = f"exported/{name}.pt2" if named else EXPORTED
+        programs[name]["exported"] = member if saved is not None else None
+        if saved is not None:
+            members[member] = saved
     manifest = {"kwker_package": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                   time.gmtime()),
                 "versions": {"torch": torch.__version__, "kwker_package": __version__,
                              **cache.versions()},
-                "graph": doc, "weights": layout, "targets": entries,
+                "named": named, "programs": programs, "targets": entries,
                 "tuning": list({json.dumps(r, sort_keys=True): r for r in records}.values()),
                 "spec_modules": {s.family: type(s).__module__ for s in all_specs},
-                "exported": EXPORTED if saved is not None else None,
                 "members": {name: hashlib.sha256(data).hexdigest()
                             for name, data in members.items()}}
     text = json.dumps(manifest, indent=1).encode()
     _write_zip(path, {MANIFEST: text, INTEGRITY: hashlib.sha256(text).hexdigest().encode(),
                       **members})
     return path
+
+
+def _named_programs(eps: dict) -> dict:
+    if not eps:
+        raise ValueError("kwker.package: the dict of programs is empty")
+    for name, ep in eps.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"kwker.package: program names must be identifiers (they name "
+                             f"files in the package), got {name!r}")
+        if not isinstance(ep, torch.export.ExportedProgram):
+            raise TypeError(f"kwker.package: program {name!r} must be a torch.export."
+                            f"ExportedProgram, not {type(ep).__name__}")
+    return dict(eps)
 
 
 def _parse_target(t) -> Target:
@@ -135,31 +167,52 @@ def _parse_target(t) -> Target:
     return make_target(cpu.strip(), features.strip())
 
 
-def _pack_weights(doc: dict, tensors: dict) -> tuple[list, bytearray]:
-    layout, blob = [], bytearray()
-    for name in stored_names(doc):
-        t = tensors[name]
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        blob += b"\0" * (-len(blob) % ALIGN)
-        layout.append({"name": name, "dtype": dtype_name(t.dtype),
-                       "shape": list(t.shape), "offset": len(blob), "nbytes": len(data)})
-        blob += data
-    return layout, blob
+def _pack_weights(described: dict) -> tuple[dict, bytearray]:
+    """(each program's layout: where its stored tensors lie, and the blob), each distinct
+    content stored once (a weight several programs read; equal constants within one)."""
+    layouts, blob, where = {}, bytearray(), {}
+    for program, (doc, tensors) in described.items():
+        layout = layouts[program] = []
+        for name in stored_names(doc):
+            t = tensors[name]
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            digest = hashlib.sha256(data).digest()
+            if digest not in where:
+                blob += b"\0" * (-len(blob) % ALIGN)
+                where[digest] = len(blob)
+                blob += data
+            layout.append({"name": name, "dtype": dtype_name(t.dtype),
+                           "shape": list(t.shape), "offset": where[digest], "nbytes": len(data)})
+    return layouts, blob
 
 
-def _tensors_from(layout: list, blob: bytearray) -> dict:
+def _tensors_from(program: dict, blob: bytearray, made: dict | None = None) -> dict:
+    """A program's stored tensors by name, read from ``blob`` (int4 values unpacked).
+    ``made``: the tensors read so far, by where they lie: programs naming the same bytes get
+    one tensor, so one copy in memory and one packing into the kernels that read it."""
+    made = {} if made is None else made
+    unpack = nibbled(program["graph"])
     out = {}
-    for w in layout:
-        dtype = dtype_of(w["dtype"])
-        numel = math.prod(w["shape"])
-        if numel == 0:
-            out[w["name"]] = torch.empty(w["shape"], dtype=dtype)
-            continue
-        t = torch.frombuffer(blob, dtype=dtype, count=numel, offset=w["offset"])
-        # a storage of its own: what only kernels read (packed into them) is freed after
-        # lowering, instead of the whole file's weights staying alive through one buffer
-        out[w["name"]] = t.view(w["shape"]).clone()
+    for w in program["weights"]:
+        nibbles = unpack.get(w["name"])
+        key = (w["offset"], w["nbytes"], w["dtype"], tuple(w["shape"]), str(nibbles))
+        if key not in made:
+            made[key] = _tensor_at(w, blob, nibbles)
+        out[w["name"]] = made[key]
     return out
+
+
+def _tensor_at(w: dict, blob: bytearray, nibbles: list | None) -> torch.Tensor:
+    dtype = dtype_of(w["dtype"])
+    numel = math.prod(w["shape"])
+    if numel == 0:
+        return torch.empty(w["shape"], dtype=dtype)
+    t = torch.frombuffer(blob, dtype=dtype, count=numel, offset=w["offset"]).view(w["shape"])
+    if nibbles is not None:
+        return unnibble(t, nibbles)
+    # a storage of its own: what only kernels read (packed into them) is freed after lowering,
+    # instead of the whole file's weights staying alive through one buffer
+    return t.clone()
 
 
 def _save_exported(ep, doc: dict) -> bytes | None:
@@ -234,14 +287,14 @@ def _write_zip(path: Path, members: dict[str, bytes]) -> None:
         raise
 
 
-def _specs_for(target: Target, doc: dict, layout: list, blob: bytearray) -> list:
+def _specs_for(target: Target, programs: dict, blob: bytearray) -> list:
     """The kernel specs lowering picks on ``target`` (blocking depends on the ISA): lowered in a
     child process that takes ``target`` as its CPU, which also compiles them into the cache."""
     import subprocess
     import sys
     with tempfile.TemporaryDirectory(prefix="kwker-package-") as tmp:
         src = Path(tmp) / "graph.kwk"
-        text = json.dumps({"kwker_package": FORMAT, "graph": doc, "weights": layout}).encode()
+        text = json.dumps({"kwker_package": FORMAT, "programs": programs}).encode()
         _write_zip(src, {MANIFEST: text, WEIGHTS: bytes(blob)})
         env = {**os.environ, "KWKER_CPU": target.cpu, "KWKER_FEATURES": target.features}
         code = ("import json, sys; from kwker.packaging import _child_specs; "
@@ -257,7 +310,8 @@ def _child_specs(path: str) -> list:
     with zipfile.ZipFile(path) as z:
         manifest = json.loads(z.read(MANIFEST))
         blob = bytearray(z.read(WEIGHTS))
-    return [s.to_json() for s in _lower_stored(Path(path), manifest, blob)[2]]
+    lowered = _lower_stored(Path(path), manifest["programs"], blob)
+    return [s.to_json() for s in _all_specs(lowered)]
 
 
 def _lower(doc: dict, tensors: dict):
@@ -266,23 +320,22 @@ def _lower(doc: dict, tensors: dict):
     ones."""
     graph, metas = rebuild(doc, tensors)
     # the rest runs as ATen calls in the flat program, as under inner="eager"
-    report = Report(new_graph_id(), "eager", shapes=_inputs_text(doc["inputs"]))
+    report = Report(new_graph_id(), "eager", shapes=inputs_text(doc["inputs"]))
     with make.collecting() as specs, B.specialising():
         program, _ = lower_graph(graph, metas, const_nodes(graph, []), report)
     report.specs = list(dict.fromkeys(specs))
     return program, report, report.specs, any_stride_inputs(graph.graph.nodes, report.kernels)
 
 
-def _inputs_text(inputs: list) -> str:
-    def dim(d):
-        if isinstance(d, int):
-            return str(d)
-        if "sym" in d:
-            hi = d["max"] if d["max"] is not None else "inf"
-            return f"{d['sym']}[{d['min']}..{hi}]"
-        return d["expr"]
-    return ", ".join(f"{i['name']}: {i['dtype']}[{', '.join(dim(d) for d in i['shape'])}]"
-                     for i in inputs)
+def _lower_programs(programs: dict, blob: bytearray) -> dict:
+    """``_lower`` of each program, by name, on tensors read once for all of them."""
+    made: dict = {}
+    return {name: _lower(p["graph"], _tensors_from(p, blob, made))
+            for name, p in programs.items()}
+
+
+def _all_specs(lowered: dict) -> list:
+    return list(dict.fromkeys(s for _, _, specs, _ in lowered.values() for s in specs))
 
 
 # --------------------------------------------------------------------------- reading
@@ -306,11 +359,16 @@ def _open(path: Path) -> tuple[zipfile.ZipFile, dict]:
         manifest = json.loads(text)
         if not isinstance(manifest, dict) or "kwker_package" not in manifest:
             raise PackageError(f"{path} is not a Kwker package")
-        if manifest["kwker_package"] != FORMAT:
+        if manifest["kwker_package"] not in READS:
             raise PackageError(
                 f"package {path} has format {manifest['kwker_package']}, written by Kwker "
                 f"{manifest.get('versions', {}).get('kwker_package')}; this Kwker "
-                f"({__version__}) reads format {FORMAT}: package the model again with it")
+                f"({__version__}) reads formats {', '.join(map(str, READS))}: package the "
+                "model again with it")
+        if manifest["kwker_package"] == 1:   # one program, at the top level
+            manifest["named"] = False
+            manifest["programs"] = {SINGLE: {k: manifest.pop(k, None)
+                                             for k in ("graph", "weights", "exported")}}
         return z, manifest
     except PackageError:
         z.close()
@@ -335,7 +393,7 @@ def _read(z: zipfile.ZipFile, path: Path, name: str, digest: str | None = None) 
 def package_specs(path) -> list:
     """The kernel specs a package needs on this CPU (or ``KWKER_CPU``), for ``kwker-cache
     prewarm --package``: those it records for this target and this Kwker and LLVM; else
-    (blocking depends on the ISA, specs on the version) those its graph lowers to here, which
+    (blocking depends on the ISA, specs on the version) those its programs lower to here, which
     compiles them into the kernel cache on the way."""
     path = Path(path)
     z, manifest = _open(path)
@@ -346,30 +404,51 @@ def package_specs(path) -> list:
     if entry is not None:
         _import_families(manifest)
         return [spec_from_json(s) for s in entry["specs"]]
-    return _lower_stored(path, manifest, blob)[2]
+    return _all_specs(_lower_stored(path, manifest["programs"], blob))
 
 
-def exported_program(path):
+def exported_program(path, name: str | None = None):
     """The ``torch.export`` program stored in the package (to re-lower it, e.g. with another
-    Kwker version), checked against its hash. Its output structure is a flat tuple where
+    Kwker version), checked against its hash; of a package of named programs, the one called
+    ``name``, or a dict of them all. Its output structure is a flat tuple where
     ``torch.export.save`` could not store the model's own (``torch.return_types``)."""
     path = Path(path)
     z, manifest = _open(path)
     with z:
-        name = manifest.get("exported")
-        if not name:
-            raise PackageError(f"package {path} holds no exported program")
-        data = _read(z, path, name, manifest["members"].get(name))
+        chosen = _chosen(path, manifest, name)
+        data = {}
+        for which, program in chosen.items():
+            member = program.get("exported")
+            if not member:
+                raise PackageError(f"package {path} holds no exported program"
+                                   + (f" for {which!r}" if manifest["named"] else ""))
+            data[which] = _read(z, path, member, manifest["members"].get(member))
         blob = bytearray(_read(z, path, WEIGHTS, manifest["members"].get(WEIGHTS)))
-    ep = torch.export.load(io.BytesIO(data))
-    # the weights, where the program holds stand-ins (_save_exported)
-    tensors = _tensors_from(manifest["weights"], blob)
-    for c in manifest["graph"]["constants"]:
-        where, key = _holder(ep, c["target"]), c["target"]
-        if where is not None:
-            stored = lowbit_parts(c, tensors)["qdata"] if "lowbit" in c else tensors[c["name"]]
-            where[key] = _with_data(where[key], lambda _: stored, "lowbit" in c)
-    return ep
+    eps, made = {}, {}
+    for which, program in chosen.items():
+        ep = eps[which] = torch.export.load(io.BytesIO(data[which]))
+        # the weights, where the program holds stand-ins (_save_exported)
+        tensors = _tensors_from(program, blob, made)
+        for c in program["graph"]["constants"]:
+            where, key = _holder(ep, c["target"]), c["target"]
+            if where is not None:
+                stored = lowbit_parts(c, tensors)["qdata"] if "lowbit" in c else \
+                    tensors[c["name"]]
+                where[key] = _with_data(where[key], lambda _, t=stored: t, "lowbit" in c)
+    return eps if manifest["named"] and name is None else next(iter(eps.values()))
+
+
+def _chosen(path: Path, manifest: dict, name: str | None) -> dict:
+    """The programs a call asked for by ``name`` (all of them for None)."""
+    programs = manifest["programs"]
+    if name is None:
+        return programs
+    if not manifest["named"]:
+        raise ValueError(f"package {path} holds one unnamed program; call without a name")
+    if name not in programs:
+        raise ValueError(f"package {path} has no program {name!r}; it has "
+                         f"{', '.join(map(repr, programs))}")
+    return {name: programs[name]}
 
 
 def _entry_for(manifest: dict, target: Target) -> dict | None:
@@ -385,10 +464,10 @@ def _code_for_here(manifest: dict) -> dict | None:
     return _entry_for(manifest, host_target())
 
 
-def _lower_stored(path: Path, manifest: dict, blob: bytearray):
-    """``_lower`` of the package's graph; PackageError where this torch cannot run it."""
+def _lower_stored(path: Path, programs: dict, blob: bytearray) -> dict:
+    """``_lower_programs``; PackageError where this torch cannot run them."""
     try:
-        return _lower(manifest["graph"], _tensors_from(manifest["weights"], blob))
+        return _lower_programs(programs, blob)
     except ExportError as e:
         raise PackageError(f"package {path} cannot be loaded here: {e}") from None
 
@@ -400,12 +479,15 @@ def _import_families(manifest: dict) -> None:
             importlib.import_module(module)
 
 
-def load_package(path) -> PackagedModel:
-    """The model in the package ``path``, ready to call. PackageError for a file that is not
-    an intact Kwker package, or one whose ops this torch lacks."""
+def load_package(path, name: str | None = None):
+    """The model in the package ``path``, ready to call: a ``PackagedModel``; of a package of
+    named programs, the one called ``name``, or a dict of them all, which share their weights in
+    memory. PackageError for a file that is not an intact Kwker package, or one whose ops this
+    torch lacks; ValueError for a name the package does not have."""
     path = Path(path)
     z, manifest = _open(path)
     with z:
+        chosen = _chosen(path, manifest, name)
         digests = manifest["members"]
         blob = bytearray(_read(z, path, WEIGHTS, digests.get(WEIGHTS)))
         entry = _code_for_here(manifest)
@@ -424,8 +506,12 @@ def load_package(path) -> PackagedModel:
                     "ahead of time)", path, host_target().describe(), built)
     for record in manifest.get("tuning") or ():
         tuning.install(tuning.encode(record))
-    program, report, _, any_strides = _lower_stored(path, manifest, blob)
-    return PackagedModel(path, manifest, program, report, any_strides)
+    loaded = {which: PackagedModel(path, which if manifest["named"] else None,
+                                   chosen[which]["graph"], manifest["versions"], program,
+                                   report, any_strides)
+              for which, (program, report, _, any_strides)
+              in _lower_stored(path, chosen, blob).items()}
+    return loaded if manifest["named"] and name is None else next(iter(loaded.values()))
 
 
 def _other_versions(manifest: dict) -> tuple[str, str] | None:
@@ -438,123 +524,3 @@ def _other_versions(manifest: dict) -> tuple[str, str] | None:
         return None
     return (", ".join(f"{k} {built.get(k)}" for k in keys),
             ", ".join(f"{k} {have[k]}" for k in keys))
-
-
-# --------------------------------------------------------------------------- calling
-class PackagedModel:
-    """A loaded package: ``model(*inputs)`` runs its flat program under autograd off.
-
-    The inputs are structured as the exported program took them (tensors, or tuples, lists and
-    dicts of them: a decoder's KV cache as a tuple of (key, value) pairs). They are checked
-    before any kernel runs: their number, type, dtype, device, rank and sizes (fixed ones
-    exactly, dynamic ones in the exported range and equal wherever the export tied them).
-    ``report`` says which nodes run as Kwker kernels.
-    """
-
-    def __init__(self, path: Path, manifest: dict, program, report: Report,
-                 any_strides: set = frozenset()):
-        self.path, self.report, self._program = path, report, program
-        graph = manifest["graph"]
-        self.inputs = graph["inputs"]
-        self.versions = manifest["versions"]
-        self._check = _checker(self.inputs, any_strides)
-        tree = graph.get("in_tree")   # None or a flat tuple: the inputs are taken as they come
-        self._flatten = None if tree is None or tree_is_flat_tuple(tree) else \
-            lambda args: flatten_tree(tree, args, [], "the inputs")
-        tree = graph["out_tree"]
-        if tree_is_flat_tuple(tree):
-            self._wrap = tuple
-        elif isinstance(tree, dict) and "return_type" in tree and \
-                all(c == "leaf" for c in tree["items"]):
-            self._wrap = getattr(torch.return_types, tree["return_type"])
-        elif tree == "leaf":
-            self._wrap = _first
-        else:
-            self._wrap = lambda flat: build_tree(tree, iter(flat))
-
-    def __call__(self, *args):
-        if self._flatten is not None:   # the exported program's nested inputs, as it took them
-            args = self._flatten(args)
-        args = self._check(args)
-        prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            out = self._program(args)
-        finally:
-            torch._C._set_grad_enabled(prev)
-        return self._wrap(out)
-
-    def __repr__(self) -> str:
-        return (f"PackagedModel({str(self.path)!r}, inputs: {_inputs_text(self.inputs)}; "
-                f"{len(self.report.kernels)} Kwker kernels)")
-
-
-def _first(flat):
-    return flat[0]
-
-
-def _checker(inputs: list, any_strides: set = frozenset()):
-    """A function validating a call's inputs (contiguous copies of strided ones, but for those
-    named in ``any_strides``: a KV cache's past); the common case costs a few attribute reads per
-    input, the messages are built only on failure."""
-    names = ", ".join(i["name"] for i in inputs)
-    plan = []
-    for pos, i in enumerate(inputs):
-        fixed = tuple((d, s) for d, s in enumerate(i["shape"]) if isinstance(s, int))
-        syms = tuple((d, s["sym"], s["min"], s["max"]) for d, s in enumerate(i["shape"])
-                     if isinstance(s, dict) and "sym" in s)
-        plan.append((pos, i, dtype_of(i["dtype"]), i["device"] == "cpu",
-                     len(i["shape"]), fixed, syms, i["name"] in any_strides))
-    n = len(plan)
-    tensor = torch.Tensor
-
-    def check(args):
-        if len(args) != n:
-            raise TypeError(f"the packaged model takes {n} input(s) ({names}), "
-                            f"got {len(args)}")
-        out = list(args)
-        seen = {}
-        for pos, spec, dtype, cpu, rank, fixed, syms, strided in plan:
-            a = args[pos]
-            if not isinstance(a, tensor):
-                raise TypeError(f"input {spec['name']!r} must be a Tensor, not "
-                                f"{type(a).__name__}")
-            if a.dtype is not dtype or a.is_cpu is not cpu or a.dim() != rank:
-                _refuse(spec, dtype, a)
-            size = a.shape
-            for d, want in fixed:
-                if size[d] != want:
-                    _refuse(spec, dtype, a)
-            for d, sym, lo, hi in syms:
-                v = size[d]
-                if v < lo or (hi is not None and v > hi):
-                    raise RuntimeError(
-                        f"input {spec['name']!r}: dim {d} ({sym}) must be in {lo}..{hi}, the "
-                        f"range it was exported with, got {v}")
-                first = seen.setdefault(sym, (v, spec["name"]))
-                if first[0] != v:
-                    raise RuntimeError(
-                        f"input {spec['name']!r}: dim {d} ({sym}) is {v}, but input "
-                        f"{first[1]!r} has {first[0]} in the same dim of the export")
-            if not (strided or a.is_contiguous()):
-                out[pos] = a.contiguous()
-        return out
-    return check
-
-
-def _refuse(spec: dict, dtype: torch.dtype, a: torch.Tensor):
-    shape = spec["shape"]
-    want = f"a {spec['device']} {spec['dtype']} tensor of shape {_shape_text(shape)}"
-    got = f"a {a.device.type} {dtype_name(a.dtype)} tensor of shape " \
-          f"{list(a.shape)}"
-    if a.dim() == len(shape) and a.dtype == dtype and \
-            a.device.type == spec["device"]:
-        d = next(d for d, s in enumerate(shape) if isinstance(s, int) and a.shape[d] != s)
-        raise RuntimeError(f"input {spec['name']!r} must have size {shape[d]} in dim {d}: "
-                           f"expected {want}, got {got}")
-    raise RuntimeError(f"input {spec['name']!r}: expected {want} (rank {len(shape)}), got {got}")
-
-
-def _shape_text(shape) -> str:
-    return "[" + ", ".join(str(s) if isinstance(s, int) else s.get("sym", s.get("expr", "?"))
-                           for s in shape) + "]"

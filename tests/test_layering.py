@@ -1,7 +1,7 @@
 """The package's imports run one way, down the README's Layout: spec -> codegen -> runtime ->
-ops / kernels -> lowering -> the entry points (torch_ops, dynamo, packaging). Read from the
-sources (every import, including those inside functions), so a back-edge fails here before it
-becomes an import cycle."""
+ops / kernels -> lowering -> packaged_model -> the entry points (torch_ops, dynamo, packaging).
+Read from the sources (every import, including those inside functions), so a back-edge fails
+here before it becomes an import cycle."""
 import ast
 from pathlib import Path
 
@@ -9,7 +9,8 @@ import kwker
 
 ROOT = Path(kwker.__file__).parent
 LAYERS = {"spec": 0, "eager_specs": 0.5, "codegen": 1, "runtime": 2, "ops": 3, "kernels": 3,
-          "lowering": 4, "torch_ops": 5, "dynamo": 5, "packaging": 5, "__init__": 6}
+          "lowering": 4, "packaged_model": 4.5, "torch_ops": 5, "dynamo": 5, "packaging": 5,
+          "__init__": 6}
 
 
 def _unit(module: str) -> str:

@@ -438,20 +438,23 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
     return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
 
 
-def _unnibble(p: torch.Tensor, shape: list) -> torch.Tensor:
+def unnibble(p: torch.Tensor, shape: list) -> torch.Tensor:
     """``_nibbles``' inverse: the (N, K) int8 values."""
     q = torch.stack((p & 15, p >> 4), dim=2).reshape(p.shape[0], -1)[:, :shape[1]]
     return (q.to(torch.int8) - 8).contiguous()
 
 
+def nibbled(doc: dict) -> dict[str, list]:
+    """The stored tensors held two values a byte (``unnibble`` reads them), by stored name:
+    their (N, K) shape once unpacked."""
+    return {c["lowbit"]["parts"]["qdata"]: c["lowbit"]["qdata"]["nibbles"]
+            for c in doc["constants"] if "nibbles" in c.get("lowbit", {}).get("qdata", {})}
+
+
 def lowbit_parts(c: dict, tensors: dict) -> dict:
-    """A quantised constant's parts (qdata, scale, zero_point) as the package stored them,
-    its values unpacked where they were stored two a byte."""
-    q = c["lowbit"]
-    parts = {k: tensors[v] for k, v in q["parts"].items()}
-    if "nibbles" in q.get("qdata", {}):
-        parts["qdata"] = _unnibble(parts["qdata"], q["qdata"]["nibbles"])
-    return parts
+    """A quantised constant's parts (qdata, scale, zero_point), from the stored tensors as read
+    (int4 values unpacked already: ``nibbled``)."""
+    return {k: tensors[v] for k, v in c["lowbit"]["parts"].items()}
 
 
 def stored_names(doc: dict) -> list[str]:

@@ -143,11 +143,10 @@ def test_corrupted_truncated_and_foreign_files_are_refused(ranker_package, tmp_p
     with zipfile.ZipFile(path) as z:
         members = {n: z.read(n) for n in z.namelist()}
     manifest = json.loads(members["kwker-package.json"])
-    manifest["graph"]["nodes"][0]["target"] = "aten::no_such_op.default"
+    manifest["programs"]["model"]["graph"]["nodes"][0]["target"] = "aten::no_such_op.default"
     edited = json.dumps(manifest).encode()
     bad["edited"] = _zip(tmp_path / "edited.zip", {**members, "kwker-package.json": edited})
     import hashlib
-    manifest["graph"]["nodes"][0]["target"] = "aten::no_such_op.default"
     rehashed = {**members, "kwker-package.json": edited,
                 "INTEGRITY": hashlib.sha256(edited).hexdigest().encode()}
     bad["unknown op"] = _zip(tmp_path / "op.zip", rehashed)
