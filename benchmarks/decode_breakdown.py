@@ -2,13 +2,14 @@
 
 bench_decode.py measures tokens/s against the roofline (the linear weights' bytes read once a
 token, at the speed of a streaming read). This splits one token of its Kwker rows (float32
-activations, int8 and int4 weights, ``inner="eager"``) by timing every step of Kwker's compiled
-program (lowering/runner.py) as it runs: the low-bit linears, attention (which reads the KV
-cache, bytes the roofline does not count), the KV cache appends, the norms, other kernels and the
-program's other steps (views, embedding). "Outside the program" is the rest of the model call:
-dynamo's frame and guards and the model's Python outside the captured graph, which any
-``torch.compile`` backend pays. The clock's own cost is the difference between the token's time
-untimed and the timed model call, both reported.
+activations, int8 and int4 weights; compiled with ``inner="eager"``, and packaged) by timing
+every step of Kwker's program (lowering/runner.py) as it runs: the low-bit linears, attention
+(which reads the KV cache, bytes the roofline does not count), the KV cache appends, the norms,
+other kernels and the program's other steps (views, embedding). "Outside the program" is the
+rest of the model call: compiled, dynamo's frame and guards and the model's Python outside the
+captured graph, which any ``torch.compile`` backend pays; packaged, the input checks and the
+output's structure. The clock's own cost is the difference between the token's time untimed and
+the timed model call, both reported.
 
     python benchmarks/decode_breakdown.py --out benchmarks/results/<cpu>  # .md and .json
     python benchmarks/decode_breakdown.py --quick    # 2-layer model, prints only
@@ -36,6 +37,10 @@ from kwker.lowering.runner import Program
 GROUPS = (("linear", "linears (low-bit: the roofline's bytes)"), ("sdpa", "attention"),
           ("kv_append", "KV cache appends"), ("norm", "norms"), ("", "other kernels"))
 OTHER_STEPS = "other program steps (views, embedding, ...)"
+# bench_decode's ways of running the model -> what runs outside Kwker's program there
+HOWS = {"kwker": "compiled", "package": "packaged"}
+OUTSIDE = {"kwker": "dynamo frame and guards, model code outside the graph",
+           "package": "the package's input checks and output structure, the adapter"}
 ROOFLINE_TARGET = 0.75   # issue 20
 MEMORY_PROBE = 1 << 30   # bytes: a read well past any L3, the memory's own speed
 
@@ -104,9 +109,9 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
     steps = 8 if quick else 64
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT))
     rows = []
-    for quant in ("int8", "int4"):
+    for how, quant in ((h, q) for h in HOWS for q in ("int8", "int4")):
         torch._dynamo.reset()
-        _, model = build(cfg, "f32", quant, "kwker")
+        _, model = build(cfg, "f32", quant, how)
         decode(model, prompt, 4, None)                       # compiles
         plain = min(decode(model, prompt, steps, None) for _ in range(reps))
         best = None
@@ -120,12 +125,13 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
         gbps = probes.read_gbps(threads, nbytes, 1, 5)
         memory = probes.read_gbps(threads, MEMORY_PROBE, 1, 3)
         per_token = {k: v / steps * 1e3 for k, v in best.items()}        # ms
-        rows.append({"weights": quant, "token_ms": plain * 1e3, "parts_ms": per_token,
+        rows.append({"how": how, "weights": quant, "token_ms": plain * 1e3,
+                     "parts_ms": per_token,
                      "weight_mb": nbytes / 1e6, "stream_gbps": gbps,
                      "stream_ms": nbytes / gbps / 1e6, "memory_gbps": memory})
-        print(f"{quant}: {plain * 1e3:.2f} ms a token untimed, {per_token['call']:.2f} timed "
-              f"(program {per_token['program']:.2f}); weights at the stream's speed "
-              f"{rows[-1]['stream_ms']:.2f} ms", flush=True)
+        print(f"{HOWS[how]}, {quant}: {plain * 1e3:.2f} ms a token untimed, "
+              f"{per_token['call']:.2f} timed (program {per_token['program']:.2f}); weights at "
+              f"the stream's speed {rows[-1]['stream_ms']:.2f} ms", flush=True)
     return rows, {**describe(cfg), "new_tokens": steps}
 
 
@@ -140,7 +146,7 @@ def table_rows(row: dict) -> list[list]:
     p = row["parts_ms"]
     call = p["call"]
     order = [g for _, g in GROUPS if g in p] + [OTHER_STEPS]
-    parts = [("outside Kwker's program (dynamo frame and guards, model code outside the graph)",
+    parts = [(f"outside Kwker's program ({OUTSIDE[row.get('how', 'kwker')]})",
               call - p["program"])]
     parts += [(f"program: {g}", p[g]) for g in dict.fromkeys(order) if g in p]
     out = [[name, f"{ms:.3f}", f"{ms / call:.0%}"] for name, ms in parts]
@@ -151,7 +157,8 @@ def table_rows(row: dict) -> list[list]:
 def render(rows: list[dict], model: dict, info: dict) -> str:
     lines = [(f"# Where a decode token's time goes under Kwker ({model['name']}, "
               f"{model['layers']} layers, {model['width']} wide; float32 activations, "
-              f"inner=eager, batch 1)"), "", common.machine_line(info), "",
+              f"batch 1; compiled with inner=eager, and packaged)"), "",
+             common.machine_line(info), "",
              (f"Each step of Kwker's program timed as it runs, over {model['new_tokens']} "
               f"greedy tokens after a {PROMPT}-token prompt (the timed run least disturbed of "
               "several); ms a token. The roofline budget: the linear weights' bytes at the "
@@ -162,7 +169,8 @@ def render(rows: list[dict], model: dict, info: dict) -> str:
               "bytes over their time) against both says where their weights came from."), ""]
     for row in rows:
         budget = row["stream_ms"]
-        lines += [f"## {row['weights']} weights ({row['weight_mb']:.0f} MB)", "",
+        lines += [f"## {HOWS[row.get('how', 'kwker')]}, {row['weights']} weights "
+                  f"({row['weight_mb']:.0f} MB)", "",
                   (f"Token untimed {row['token_ms']:.2f} ms; the weights at "
                    f"{row['stream_gbps']:.1f} GB/s take {budget:.2f} ms: 75% of the roofline "
                    f"is a token in {budget / ROOFLINE_TARGET:.2f} ms (now "
