@@ -18,6 +18,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import views
+from .shapes import TensorMeta
 
 
 @dataclass
@@ -174,7 +175,6 @@ def _method(name: str, self_is_tensor: bool) -> Callable:
 
 
 def _is_tensor_node(node: Node, metas: dict | None) -> bool:
-    from .shapes import TensorMeta
     if metas is not None and node in metas:
         return isinstance(metas[node], TensorMeta)
     return isinstance(node.meta.get("example_value"), torch.Tensor)
@@ -187,6 +187,57 @@ def fetch_attr(gm: GraphModule, target: str):
     return obj
 
 
+def _drop_unread(nodes: list[Node], kernels: list[KernelStep], strided: dict,
+                 no_step: set) -> None:
+    """Add to ``no_step`` the nodes whose results nothing reads, where computing them has no
+    effect: dynamo's leftover size arithmetic, and in an exported graph the functional ATen ops
+    that only fed what a kernel replaced without reading them (a decode step's causal mask for its
+    lone query, which attention drops: 11 ATen calls a token, 0.1 ms with the caches cold after
+    the weights' stream). A made view reads its chain's root, so a root stays while a view of it
+    does."""
+    reads = {}   # a node a kernel replaces -> the nodes that kernel reads
+    for k in kernels:
+        args = {a for a in k.args if isinstance(a, Node)}
+        for c in (*k.covers, k.output):
+            reads[c] = args
+    needed_roots = set()
+    for n in reversed(nodes):
+        if n not in reads and n not in needed_roots and _droppable(n) and all(
+                u in no_step or (u in reads and n not in reads[u]) for u in n.users):
+            no_step.add(n)
+        elif n in strided:
+            needed_roots.add(strided[n].root)
+
+
+def _droppable(n: Node) -> bool:
+    if _pure(n):
+        return True
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
+        not n.is_impure()
+
+
+_TO = {torch.ops.aten.to.dtype_layout, torch.ops.aten.to.dtype, torch.ops.aten.to.device}
+
+
+def _identity(n: Node, metas: dict | None) -> bool:
+    """Whether ``n`` gives back its input tensor itself, as an exported graph's eval-mode dropout
+    does (``aten.dropout(x, p, False)``), and its ``aten.to`` to the dtype, device and layout
+    the input has (GPT-2's position embeddings: 20 us a token, the caches cold)."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], Node):
+        return False
+    if n.target is torch.ops.aten.dropout.default:
+        return len(n.args) == 3 and n.args[2] is False
+    if n.target not in _TO or metas is None:
+        return False
+    meta, kw = metas.get(n.args[0]), {**dict(zip(("dtype",), n.args[1:2])), **n.kwargs}
+    if n.target is torch.ops.aten.to.device:
+        kw = {**dict(zip(("device", "dtype", "non_blocking", "copy"), n.args[1:])), **n.kwargs}
+    return isinstance(meta, TensorMeta) and kw.get("dtype", meta.dtype) == meta.dtype and \
+        torch.device(kw.get("device") or meta.device).type == meta.device and \
+        kw.get("layout") in (None, torch.strided) and not kw.get("copy") and \
+        kw.get("memory_format") in (None, torch.preserve_format)
+
+
 def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
                   metas: dict | None = None) -> Program:
     """The flat program for ``gm`` with the given kernel steps replacing the nodes they cover."""
@@ -195,10 +246,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
     covered = {n for k in kernels for n in k.covers} - set(by_output)
     nodes = list(gm.graph.nodes)
     strided, no_step = views.collapse(nodes, metas, covered, set(by_output))
-    roots = {c.root for c in strided.values()}
-    for n in reversed(nodes):  # unused size arithmetic; a made view reads its chain's root
-        if n not in roots and _pure(n) and all(u in no_step for u in n.users):
-            no_step.add(n)
+    _drop_unread(nodes, kernels, strided, no_step)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     slot_of: dict[Node, int] = {n: i for i, n in enumerate(placeholders)}
     template: list = [None] * len(placeholders)
@@ -206,6 +254,9 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
     output_fn = None
     for n in nodes:
         if n.op == "placeholder" or n in covered or n in no_step:
+            continue
+        if n not in by_output and _identity(n, metas):   # its input's slot is its own
+            slot_of[n] = slot_of[n.args[0]]
             continue
         if n.op == "get_attr":
             slot_of[n] = len(template)

@@ -148,5 +148,32 @@ def test_a_lone_querys_causal_mask_runs_unmasked_only_when_it_masks_nothing(shif
     assert spec.mask == ("none" if shift == 0 else "bool"), spec
     for n in (9, 40):
         k, v = torch.randn(1, 4, n, 16), torch.randn(1, 4, n, 16)
-        torch.testing.assert_close(step(q, k, v), LoneQuery(shift)(q, k, v), rtol=1e-5,
-                                   atol=1e-6)
+        with Calls() as calls:
+            got = step(q, k, v)
+        torch.testing.assert_close(got, LoneQuery(shift)(q, k, v), rtol=1e-5, atol=1e-6)
+        # a mask attention drops is not computed either
+        assert bool({"arange", "le"} & calls.names) == (shift == 1), calls.names
+
+
+def test_ops_giving_back_their_input_are_no_steps(tmp_path):
+    """An exported graph's eval-mode dropout (``aten.dropout(x, p, False)``) and its ``to`` of
+    the device and dtype a tensor already has give back their input: no step of the program
+    calls them. A ``to`` that converts still runs."""
+    class Embedded(torch.nn.Module):   # GPT-2's: the embeddings' sum, then a dropout
+        def __init__(self):
+            super().__init__()
+            self.drop, self.lin = torch.nn.Dropout(0.1), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(self.drop(x + (x * 2).to(x.device)))
+            return h, h.to(torch.float64)
+    model = Embedded().eval()
+    x = torch.randn(3, 8)
+    ep = torch.export.export(model, (x,))
+    targets = {n.target for n in ep.graph.nodes}
+    assert {torch.ops.aten.dropout.default, torch.ops.aten.to.dtype_layout} <= targets
+    packaged = kwker.load_package(kwker.package(ep, tmp_path / "drop.kwk"))
+    torch.testing.assert_close(packaged(x), model(x))
+    called = {c.cell_contents for s, _ in packaged._program.steps for c in s.__closure__ or ()}
+    assert torch.ops.aten.to.dtype in called   # to float64
+    assert not {torch.ops.aten.dropout.default, torch.ops.aten.to.dtype_layout} & called
