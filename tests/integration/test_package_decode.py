@@ -173,7 +173,7 @@ def test_ops_giving_back_their_input_are_no_steps(tmp_path):
     targets = {n.target for n in ep.graph.nodes}
     assert {torch.ops.aten.dropout.default, torch.ops.aten.to.dtype_layout} <= targets
     packaged = kwker.load_package(kwker.package(ep, tmp_path / "drop.kwk"))
-    torch.testing.assert_close(packaged(x), model(x))
+    torch.testing.assert_close(packaged(x), model(x), rtol=1e-4, atol=1e-5)
     called = {c.cell_contents for s, _ in packaged._program.steps for c in s.__closure__ or ()}
     assert torch.ops.aten.to.dtype in called   # to float64
     assert not {torch.ops.aten.dropout.default, torch.ops.aten.to.dtype_layout} & called
