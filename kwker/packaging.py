@@ -90,15 +90,18 @@ class PackageError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- writing
-def package(exported_program, path, targets=None) -> Path:
+def package(exported_program, path, targets=None, keep_exported: bool = True) -> Path:
     """Write ``exported_program`` (a ``torch.export.export`` result, or a dict of them by name:
     programs of one model, such as its prompt forward and decode step) to the package ``path``.
     Tensors of equal content (a weight both programs read) are stored once.
 
     ``targets``: more CPUs to hold object code for, besides this one: CPU names (``"znver3"``,
     their LLVM features implied) or ``"cpu:features"`` strings (``"znver3:+avx2,+fma"``), as in
-    ``KWKER_CPU``/``KWKER_FEATURES``. Returns the path; raises ExportError for a program a
-    package cannot hold (mutated buffers, custom or higher-order ops), naming the node.
+    ``KWKER_CPU``/``KWKER_FEATURES``. ``keep_exported=False`` leaves out the ``torch.export``
+    programs kept for ``exported_program`` (re-lowering elsewhere), which loading never reads:
+    a smaller file to deploy (their graphs, the torchao scales and an example input; 51 of GPT-2
+    int4's 287 MB). Returns the path; raises ExportError for a program a package cannot hold
+    (mutated buffers, custom or higher-order ops), naming the node.
     """
     path = Path(path)
     named = isinstance(exported_program, dict)
@@ -127,7 +130,7 @@ def package(exported_program, path, targets=None) -> Path:
                         "specs": [s.to_json() for s in target_specs], "objects": objects})
         all_specs += target_specs
     for name, ep in eps.items():
-        saved = _save_exported(ep, programs[name]["graph"])
+        saved = _save_exported(ep, programs[name]["graph"]) if keep_exported else None
         member = f"exported/{name}.pt2" if named else EXPORTED
         programs[name]["exported"] = member if saved is not None else None
         if saved is not None:
@@ -421,7 +424,9 @@ def exported_program(path, name: str | None = None):
             member = program.get("exported")
             if not member:
                 raise PackageError(f"package {path} holds no exported program"
-                                   + (f" for {which!r}" if manifest["named"] else ""))
+                                   + (f" for {which!r}" if manifest["named"] else "")
+                                   + " (packaged with keep_exported=False, or torch.export.save"
+                                   " failed then)")
             data[which] = _read(z, path, member, manifest["members"].get(member))
         blob = bytearray(_read(z, path, WEIGHTS, manifest["members"].get(WEIGHTS)))
     eps, made = {}, {}

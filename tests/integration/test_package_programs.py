@@ -130,3 +130,21 @@ def test_a_package_of_the_first_format_still_loads(decoder_files, tmp_path):
         got, want = kwker.load_package(old)(prompt), model(prompt, None)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(kwker.exported_program(old).module()(prompt), tree_leaves(want))
+
+
+def test_a_package_without_its_exported_programs(decoder_files, tmp_path):
+    """``keep_exported=False``: a smaller file that loads and answers the same; asking it for
+    the exported program says why there is none. (Packaged again from the programs the first
+    package kept, whose outputs come flat: the logits first.)"""
+    model, prompt, files = decoder_files
+    eps = kwker.exported_program(files["both"])
+    lean = kwker.package(eps, tmp_path / "lean.kwk", keep_exported=False)
+    with zipfile.ZipFile(lean) as z:
+        assert not [n for n in z.namelist() if n.endswith(".pt2")]
+    assert lean.stat().st_size < files["both"].stat().st_size
+    with torch.no_grad():
+        got = kwker.load_package(lean, "prompt")(prompt)[0]
+        want, _ = model(prompt, None)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(kwker.PackageError, match="no exported program for 'step'.*keep_exported"):
+        kwker.exported_program(lean, "step")
