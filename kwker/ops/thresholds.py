@@ -158,22 +158,25 @@ def calibrate() -> dict:
     """Measure every family on this machine, record the thresholds and switches and apply
     them."""
     result = {}
-    for family in FAMILIES:
-        points = measure(family)
-        if points:
-            result[family] = list(fit(points, (_DEFAULTS[family])))
-    on, off = measure_presort()
+    with tuning.LoadWatch() as watch:
+        for family in FAMILIES:
+            points = measure(family)
+            if points:
+                result[family] = list(fit(points, (_DEFAULTS[family])))
+        on, off = measure_presort()
+        radix = measure_radix_bytes()
     switches = {"presort": on <= off}
-    radix = measure_radix_bytes()
-    body = tuning.store(PROBLEM, host_target(), torch.get_num_threads(),
-                        {"choice": "measured", "op": "drop-in thresholds",
-                         "thresholds": result, "switches": switches,
-                         "radix_bytes_row": pick_radix_bytes_row(radix),
-                         "times_us": {"presort": round(on * 1e6, 1),
-                                      "introsort": round(off * 1e6, 1),
-                                      "radix bytes / 11-bit": {
-                                          str(n): [round(a * 1e6, 1), round(b * 1e6, 1)]
-                                          for n, a, b in radix}}})
+    body = {"choice": "measured", "op": "drop-in thresholds",
+            "thresholds": result, "switches": switches,
+            "radix_bytes_row": pick_radix_bytes_row(radix),
+            "times_us": {"presort": round(on * 1e6, 1), "introsort": round(off * 1e6, 1),
+                         "radix bytes / 11-bit": {
+                             str(n): [round(a * 1e6, 1), round(b * 1e6, 1)]
+                             for n, a, b in radix}}}
+    if watch.disturbed:   # applied here, not recorded (tuning.LoadWatch)
+        tuning.warn_disturbed("the drop-in ops' size thresholds", watch.share)
+    else:
+        body = tuning.store(PROBLEM, host_target(), torch.get_num_threads(), body)
     _set(body["thresholds"], body["switches"], body["radix_bytes_row"])
     return result
 

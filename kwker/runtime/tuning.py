@@ -12,6 +12,13 @@ limit; ``kwker-cache clear --tuning`` removes them.
 ``KWKER_TUNE``: ``on`` (default) measures on first need and reuses records; ``off`` measures
 nothing and uses the built-in choices (tests pin them this way); ``force`` measures again and
 overwrites the records.
+
+Timings taken while another process used the cores are applied to this process only, not
+recorded: this process's threads then wait for a CPU (the scheduler's run-queue time,
+``/proc/self/task/*/schedstat``), 0-1% of the timing's length on an idle 2-core Zen 4 and 100%
+beside two busy processes. A record measured so would have stood for every later process: a
+linear whose 2 threads lost their cores timed 6.4 ms and stayed on ATen. ``KWKER_TUNE_LOAD``
+sets that share (default 0.1; ``inf`` records every timing, as on a host that is never idle).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ MIN_ROUNDS = 5          # interleaved timings of each candidate at least
 MAX_ROUNDS = 200
 BUDGET_S = 0.15         # time spent timing one problem at most (after the first rounds)
 WARMUP_S = 0.02         # each candidate runs this long first (caches, page faults, the AMX unit)
+DISTURBED = 0.1         # this process's threads waited for a CPU this share of a timing: not kept
 
 FORMAT = "kwker-tuning-1"
 DIR = "tuning"
@@ -89,6 +97,67 @@ def best_times(fns: list, args: list, budget: float = BUDGET_S) -> list[float]:
     return best
 
 
+class LoadWatch:
+    """``with LoadWatch() as w: ...``; then ``w.disturbed``: whether this process's threads
+    waited for a CPU more than ``load_limit()`` of the time inside (other processes using the
+    cores), and ``w.share`` that time over the wall time (None where the kernel does not say)."""
+
+    def __enter__(self):
+        self.share, self._waited, self._start = None, waiting_s(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall, after = time.perf_counter() - self._start, waiting_s()
+        if self._waited is not None and after is not None and wall > 0:
+            self.share = max(0.0, after - self._waited) / wall
+
+    @property
+    def disturbed(self) -> bool:
+        return self.share is not None and self.share > load_limit()
+
+
+def load_limit() -> float:
+    """``KWKER_TUNE_LOAD``: the share of a timing this process may wait for a CPU and still
+    record it (``DISTURBED`` by default); anything but a number >= 0 is an error to see."""
+    value = os.environ.get("KWKER_TUNE_LOAD", "").strip()
+    if not value:
+        return DISTURBED
+    try:
+        limit = float(value)
+    except ValueError:
+        limit = -1.0
+    if not limit >= 0:
+        raise ValueError(f"KWKER_TUNE_LOAD must be a share of the time >= 0 (e.g. 0.1, or inf "
+                         f"to record every timing), not {value!r}")
+    return limit
+
+
+def waiting_s() -> float | None:
+    """Seconds this process's threads have spent waiting for a CPU, or None where
+    ``/proc/self/task/*/schedstat`` is not there (not Linux, schedstats off)."""
+    total, seen = 0, False
+    try:
+        tasks = list(os.scandir("/proc/self/task"))
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(os.path.join(task.path, "schedstat")) as f:
+                total += int(f.read().split()[1])
+            seen = True
+        except (OSError, ValueError, IndexError):
+            continue   # a thread that has ended meanwhile
+    return total / 1e9 if seen else None
+
+
+def warn_disturbed(what: str, share: float) -> None:
+    cache.warn_once(
+        f"kwker: {what} were timed while other processes used the CPUs (this process waited "
+        f"for a core {share:.0%} of the time): they apply to this process only and are measured "
+        "again in the next; run kwker-cache prewarm on an otherwise idle machine to record them",
+        topic="tuning-disturbed")
+
+
 def choose(times_us: dict, handicap: dict | None = None) -> str:
     """The winner of measured times: the fastest once each candidate's time has its handicap
     applied (none if absent); ties go to the earlier candidate. A handicap ``(factor, extra us,
@@ -123,11 +192,15 @@ def decide(problem: str, op: str, candidates: dict, inputs,
     if not measure:
         return None, {}
     built = {name: build() for name, build in candidates.items()}
-    with torch.no_grad():
-        times = best_times(list(built.values()), inputs())
+    args = inputs()
+    with torch.no_grad(), LoadWatch() as watch:
+        times = best_times(list(built.values()), args)
     times_us = {name: round(t * 1e6, 2) for name, t in zip(built, times)}
-    return store(problem, target, threads, {
-        "choice": choose(times_us, handicap), "op": op, "times_us": times_us}), built
+    result = {"choice": choose(times_us, handicap), "op": op, "times_us": times_us}
+    if watch.disturbed:
+        warn_disturbed("the tuner's choices", watch.share)
+        return {"problem": problem, **result, "disturbed": round(watch.share, 3)}, built
+    return store(problem, target, threads, result), built
 
 
 @functools.cache

@@ -40,6 +40,9 @@ def tuned(tmp_path, monkeypatch):
     from kwker.runtime import kernel
     monkeypatch.setenv("KWKER_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KWKER_TUNE", "on")
+    # the suite runs beside another worker: its timings are recorded however loaded the cores
+    # (the load guard has its own test)
+    monkeypatch.setenv("KWKER_TUNE_LOAD", "inf")
     monkeypatch.setattr(kernel, "_provided", {})  # object code a loaded package handed over
     monkeypatch.delenv("KWKER_CPU", raising=False)
     if host_target().tiles == "emulated":
@@ -585,3 +588,49 @@ def test_install_takes_whole_records_of_this_version_only(tuned):
     assert not path.exists()
     assert tuning.install(tuning.encode(body))
     assert tuning.load(problem, target, threads)["choice"] == "aten"
+
+
+def test_timings_taken_under_load_apply_but_are_not_recorded(tuned, monkeypatch):
+    """A timing during which this process waited for a CPU (other processes on the cores) is
+    used for this call and not recorded; the next, quiet one is."""
+    monkeypatch.delenv("KWKER_TUNE_LOAD")
+    candidates = {"fast": lambda: (lambda: None), "slow": lambda: (lambda: time.sleep(2e-4))}
+    waited = iter([0.0, 60.0])   # a minute of waiting inside a sub-second timing
+    monkeypatch.setattr(tuning, "waiting_s", lambda: next(waited))
+    with pytest.MonkeyPatch.context() as m:
+        warned = []
+        m.setattr(tuning.cache, "warn_once", lambda msg, topic=None: warned.append(msg))
+        record, built = tuning.decide("load guard", "test op", candidates, lambda: [])
+    assert record["choice"] == "fast" and record["disturbed"] > 1 and set(built) == {"fast",
+                                                                                     "slow"}
+    assert not _records() and "apply to this process only" in warned[0]
+    monkeypatch.setattr(tuning, "waiting_s", lambda: 0.0)
+    record, _ = tuning.decide("load guard", "test op", candidates, lambda: [])
+    assert "disturbed" not in record and [r["problem"] for r in _records()] == ["load guard"]
+    monkeypatch.setenv("KWKER_TUNE_LOAD", "lots")
+    with pytest.raises(ValueError, match="KWKER_TUNE_LOAD"):
+        tuning.load_limit()
+
+
+def test_waiting_for_a_cpu_is_seen_when_the_cores_are_busy():
+    """The load signal itself: with more busy processes than cores, this process's own busy
+    thread waits for a CPU a large share of the time."""
+    import os
+    import subprocess
+    import sys
+    if tuning.waiting_s() is None:
+        pytest.skip("no /proc/self/task/*/schedstat here")
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 5: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin])
+            for _ in range(len(os.sched_getaffinity(0)) + 1)]
+    try:
+        time.sleep(0.3)   # the spinners are running
+        with tuning.LoadWatch() as watch:
+            start = time.perf_counter()
+            while time.perf_counter() - start < 0.5:
+                pass
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert watch.share > tuning.DISTURBED and watch.disturbed
