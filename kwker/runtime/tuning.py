@@ -73,9 +73,12 @@ def mode() -> str:
 
 def measuring() -> bool:
     """Whether choices are measured: tuning is on, and the target is this CPU's own (timings
-    under ``KWKER_CPU`` or emulated tiles would be recorded for a CPU they say nothing about)."""
-    return mode() != "off" and not os.environ.get("KWKER_CPU") and \
-        host_target().tiles != "emulated"
+    under ``KWKER_CPU`` or emulated tiles would be recorded for a CPU they say nothing about).
+    A bad ``KWKER_TUNE`` or ``KWKER_TUNE_LOAD`` is refused here, before anything is timed."""
+    if mode() == "off":
+        return False
+    load_limit()
+    return not os.environ.get("KWKER_CPU") and host_target().tiles != "emulated"
 
 
 def best_times(fns: list, args: list, budget: float = BUDGET_S) -> list[float]:
@@ -155,7 +158,7 @@ def warn_disturbed(what: str, share: float) -> None:
         f"kwker: {what} were timed while other processes used the CPUs (this process waited "
         f"for a core {share:.0%} of the time): they apply to this process only and are measured "
         "again in the next; run kwker-cache prewarm on an otherwise idle machine to record them",
-        topic="tuning-disturbed")
+        topic=f"tuning-disturbed: {what}")
 
 
 def choose(times_us: dict, handicap: dict | None = None) -> str:

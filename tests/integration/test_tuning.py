@@ -608,8 +608,8 @@ def test_timings_taken_under_load_apply_but_are_not_recorded(tuned, monkeypatch)
     record, _ = tuning.decide("load guard", "test op", candidates, lambda: [])
     assert "disturbed" not in record and [r["problem"] for r in _records()] == ["load guard"]
     monkeypatch.setenv("KWKER_TUNE_LOAD", "lots")
-    with pytest.raises(ValueError, match="KWKER_TUNE_LOAD"):
-        tuning.load_limit()
+    with pytest.raises(ValueError, match="KWKER_TUNE_LOAD must be a share"):
+        tuning.measuring()   # where the lowering asks, before anything is timed
 
 
 def test_waiting_for_a_cpu_is_seen_when_the_cores_are_busy():
