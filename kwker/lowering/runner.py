@@ -229,9 +229,9 @@ def _identity(n: Node, metas: dict | None) -> bool:
         return len(n.args) == 3 and n.args[2] is False
     if n.target not in _TO or metas is None:
         return False
-    meta, kw = metas.get(n.args[0]), {**dict(zip(("dtype",), n.args[1:2])), **n.kwargs}
-    if n.target is torch.ops.aten.to.device:
-        kw = {**dict(zip(("device", "dtype", "non_blocking", "copy"), n.args[1:])), **n.kwargs}
+    meta = metas.get(n.args[0])
+    params = n.target._schema.arguments[1:]   # positional ones named (``copy`` may be one)
+    kw = {**{a.name: v for a, v in zip(params, n.args[1:])}, **n.kwargs}
     return isinstance(meta, TensorMeta) and kw.get("dtype", meta.dtype) == meta.dtype and \
         torch.device(kw.get("device") or meta.device).type == meta.device and \
         kw.get("layout") in (None, torch.strided) and not kw.get("copy") and \

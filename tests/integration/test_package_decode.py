@@ -158,7 +158,7 @@ def test_a_lone_querys_causal_mask_runs_unmasked_only_when_it_masks_nothing(shif
 def test_ops_giving_back_their_input_are_no_steps(tmp_path):
     """An exported graph's eval-mode dropout (``aten.dropout(x, p, False)``) and its ``to`` of
     the device and dtype a tensor already has give back their input: no step of the program
-    calls them. A ``to`` that converts still runs."""
+    calls them. A ``to`` that converts, or is asked to copy, still runs."""
     class Embedded(torch.nn.Module):   # GPT-2's: the embeddings' sum, then a dropout
         def __init__(self):
             super().__init__()
@@ -166,14 +166,17 @@ def test_ops_giving_back_their_input_are_no_steps(tmp_path):
 
         def forward(self, x):
             h = self.lin(self.drop(x + (x * 2).to(x.device)))
-            return h, h.to(torch.float64)
+            return h, h.to(torch.float64), h.to(torch.float32, copy=True)
     model = Embedded().eval()
     x = torch.randn(3, 8)
     ep = torch.export.export(model, (x,))
     targets = {n.target for n in ep.graph.nodes}
     assert {torch.ops.aten.dropout.default, torch.ops.aten.to.dtype_layout} <= targets
     packaged = kwker.load_package(kwker.package(ep, tmp_path / "drop.kwk"))
-    torch.testing.assert_close(packaged(x), model(x), rtol=1e-4, atol=1e-5)
+    got = packaged(x)
+    torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-5)
+    # a ``to`` asked to copy (``copy`` passed positionally in the graph) copies
+    assert got[2].data_ptr() != got[0].data_ptr()
     called = {c.cell_contents for s, _ in packaged._program.steps for c in s.__closure__ or ()}
     assert torch.ops.aten.to.dtype in called   # to float64
     assert not {torch.ops.aten.dropout.default, torch.ops.aten.to.dtype_layout} & called
