@@ -112,7 +112,7 @@ def package(exported_program, path, targets=None, keep_exported: bool = True) ->
                 for name, (doc, _) in described.items()}
     host = host_target()
     with tuning.recording() as records:
-        specs = _all_specs(_lower_programs(programs, bytearray(blob)))
+        specs = _all_specs(_lower_programs(programs, blob))
     per_target = [(host, specs)]
     for t in targets or ():
         target = _parse_target(t)
