@@ -34,6 +34,7 @@ from bench_decode import PROMPT, build, config, describe, linear_shapes, weight_
 from kwker.lowering.runner import Program
 
 # a kernel step's pattern name (KernelStep.name) -> its group: the first whose word it holds
+# (a decoder's KV appends are inside attention's step where one step does both: sdpa_kv_append)
 GROUPS = (("linear", "linears (low-bit: the roofline's bytes)"), ("sdpa", "attention"),
           ("kv_append", "KV cache appends"), ("norm", "norms"), ("", "other kernels"))
 OTHER_STEPS = "other program steps (views, embedding, ...)"

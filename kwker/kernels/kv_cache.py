@@ -18,10 +18,20 @@ so it lives and dies with the buffer.
 
 The views have strides of the buffer's capacity, not contiguous ones; only consumers that read
 any strides (ATen, Kwker's attention kernels) may be given them (see lowering/kv_append.py).
+
+``make_append_attend``: a layer's two appends and the attention over their results as one step,
+the new rows written by a small copy kernel (codegen/row_copy.py) under the same rules.
 """
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+
+from ._call import entry
+from .specs import RowCopySpec
 
 # the attribute on a buffer's UntypedStorage: [the shape of the latest view handed out (its rows
 # along dim are the rows committed), the buffer's strides, its rows along dim, dim, the shape a
@@ -86,3 +96,106 @@ def make_kv_append(dim: int):
         return as_strided(past, size, stride)
 
     return append
+
+
+@dataclass(frozen=True)
+class FixedView:
+    """A view worked out when the program was built: ``size`` and ``stride`` at ``offset``
+    elements into a root tensor of ``root_shape`` and ``root_stride`` (checked per call).
+    ``make(root)`` builds it by the ops that made it, for calls that differ."""
+    root_shape: tuple
+    root_stride: tuple
+    size: tuple
+    stride: tuple
+    offset: int
+    make: Callable
+
+
+def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple):
+    """``step(q, past_k, new_k, past_v, new_v) -> (out, keys, values)``: what
+    ``keys = append(past_k, new_k); values = append(past_v, new_v); out = attend(q, keys,
+    values)`` gives with two ``make_kv_append(2)`` appends along the rows of (B, H, T, D) caches
+    and ``attend`` a generic attention kernel without a mask (kernels/sdpa.py), in one step.
+
+    A decoder's layer runs these three steps back to back, and with the caches cold after the
+    weights' stream each torch call among them costs several times its warm price: this step
+    writes the new rows into both buffers with one copy kernel each and hands the kernel
+    pointers, so q and the new rows, views of the q/k/v projection, are read in place
+    (``views``: for q, new_k, new_v, a ``FixedView`` where the step is given the view's root,
+    else None). ``out_shape`` and ``out_stride``: the attention output's, as the graph recorded
+    it. Any call the in-place path does not take (see ``make_kv_append``), or of other sizes,
+    runs the three steps as written: the same values."""
+    heads, kvh, e, ev, dtype = attend.dims
+    raw = attend.raw
+    size = torch.empty((), dtype=dtype).element_size()
+    copy_k, copy_v = (entry(RowCopySpec(d * size), 3, 0) for d in (e, ev))
+    append_k, append_v = make_kv_append(2), make_kv_append(2)
+    table = struct.Struct("9q").pack
+    as_strided, empty_strided = torch.Tensor.as_strided, torch.empty_strided
+    inference_mode = torch.is_inference_mode_enabled
+    plain = (torch.Tensor, torch.nn.Parameter)
+    b, _, lq, _ = out_shape
+    qv, kv, vv = views
+    specs = [RowCopySpec(d * size) for d in dict.fromkeys((e, ev))]
+
+    def tensor(x, view):
+        if view is None:
+            return x
+        if x.shape == view.root_shape and x.stride() == view.root_stride and type(x) in plain:
+            return as_strided(x, view.size, view.stride, x.storage_offset() + view.offset)
+        return view.make(x)
+
+    def operand(x, view):
+        """(data pointer, shape, strides) of an operand read in place, or None."""
+        if type(x) not in plain or x.dtype is not dtype or x.requires_grad:
+            return None
+        if view is None:
+            st = x.stride()
+            return (x.data_ptr(), x.shape, st) if x.dim() == 4 and st[3] == 1 else None
+        if x.shape != view.root_shape or x.stride() != view.root_stride:
+            return None
+        return x.data_ptr() + view.offset * size, view.size, view.stride
+
+    def grow(past, new, heads_in, d):
+        """(the buffer's state, its rows so far, the grown view's size) where ``past`` takes
+        the rows of ``new`` (an operand) in place, else None."""
+        state = getattr(past.untyped_storage(), STATE, None)
+        if state is None or state[3] != 2 or new is None:
+            return None
+        shape, stride, rows_max, _, one = state
+        ns = new[1]
+        n = 1 if ns == one else ns[2] if len(ns) == 4 and ns[:2] == shape[:2] and \
+            ns[3] == shape[3] else 0
+        rows = shape[2]
+        if not n or rows + n > rows_max or past.shape != shape or past.stride() != stride or \
+                past.storage_offset() or past.dtype is not dtype or past.requires_grad or \
+                (past.is_inference() and not inference_mode()) or shape[0] != b or \
+                shape[1] != heads_in or shape[3] != d:
+            return None
+        return state, rows, (shape[0], shape[1], rows + n, shape[3])
+
+    def write(copy, new, past, state, rows):
+        st = state[1]
+        copy(new[0], past.data_ptr() + rows * st[2] * size,
+             table(*new[1][:3], *(x * size for x in new[2][:3]), *(x * size for x in st[:3])))
+
+    def step(q, past_k, new_k, past_v, new_v):
+        qo, ko, vo = operand(q, qv), operand(new_k, kv), operand(new_v, vv)
+        gk, gv = grow(past_k, ko, kvh, e), grow(past_v, vo, kvh, ev)
+        if qo is None or gk is None or gv is None or gk[2][2] != gv[2][2] or \
+                tuple(qo[1]) != (b, heads, lq, e) or qo[2][3] != 1:
+            keys = append_k(past_k, tensor(new_k, kv))
+            values = append_v(past_v, tensor(new_v, vv))
+            return attend(tensor(q, qv), keys, values), keys, values
+        (sk, rk, size_k), (sv, rv, size_v) = gk, gv
+        write(copy_k, ko, past_k, sk, rk)
+        write(copy_v, vo, past_v, sv, rv)
+        sk[0], sv[0] = size_k, size_v
+        keys, values = as_strided(past_k, size_k, sk[1]), as_strided(past_v, size_v, sv[1])
+        out = empty_strided(out_shape, out_stride, dtype=dtype)
+        raw(qo[0], qo[2], keys.data_ptr(), sk[1], values.data_ptr(), sv[1], out.data_ptr(),
+            out_stride, b, lq, size_k[2])
+        return out, keys, values
+
+    step.specs = specs + [attend.spec]
+    return step

@@ -1,4 +1,5 @@
-"""Specs of the compute-kernel families (GEMM, elementwise, attention, fused top-k, LayerNorm).
+"""Specs of the compute-kernel families (GEMM, elementwise, attention, fused top-k, LayerNorm,
+KV rows).
 
 A spec holds every choice that changes the emitted code: shapes, flags and the blocking the
 factory picked for this CPU (so two CPUs with different caches get different specs, and the
@@ -36,6 +37,15 @@ class RopeSpec(Spec):
     # float32 cos, which promotes), with ``dtype`` "f32"
     x: str = ""
     family = "rope"
+
+
+@register_spec
+@dataclass(frozen=True)
+class RowCopySpec(Spec):
+    """Rows of ``row_bytes`` copied between two strided 3-D layouts (codegen/row_copy.py): a KV
+    cache's new rows written into its buffer; sizes and strides are read per call."""
+    row_bytes: int
+    family = "row_copy"
 
 
 @register_spec

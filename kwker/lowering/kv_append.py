@@ -17,11 +17,13 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ..kernels.kv_cache import make_kv_append
+from ..kernels.kv_cache import FixedView, make_kv_append
+from . import views
 from .gqa import repeated_kv
-from .make import mark_generic
+from .make import make_kernel, mark_generic
 from .ops import bind, canon
 from .patterns import Match
+from .runner import KernelStep
 from .shapes import TensorMeta
 
 
@@ -114,3 +116,95 @@ def any_stride_inputs(nodes: list, kernels: list) -> set[str]:
                for u in n.users):
             out.add(n.name)
     return out
+
+
+def attend_appends(steps: list[KernelStep], nodes: list, metas: dict) -> list[KernelStep]:
+    """``steps`` with each generic attention (no mask) whose keys and values come straight from
+    two appends along the rows of 4-D caches made one step with them
+    (``kernels/kv_cache.make_append_attend``): a decoder layer's three steps, and the views of
+    the q/k/v projection that q and the new rows are, which that step reads in place from
+    their root. The appends' results stay the graph's outputs, given by the same step."""
+    by_output = {s.output: s for s in steps}
+    order = {n: i for i, n in enumerate(nodes)}
+    covered = {c for s in steps for c in s.covers} - set(by_output)
+    found = views.chains(nodes, metas, covered, set(by_output))
+    fused, gone = [], set()
+    for s in steps:
+        step = _fused(s, by_output, order, found, metas) if s.name == "sdpa" else None
+        if step is not None:
+            fused.append(step)
+            gone.update(id(by_output[x]) for x in step.extra)
+            gone.add(id(s))
+    return [s for s in steps if id(s) not in gone] + fused
+
+
+def _append_of(node, by_output: dict, metas: dict):
+    """The append step whose result ``node`` is, along the rows of a 4-D cache, or None."""
+    step = by_output.get(node)
+    if step is None or step.name != "kv_append":
+        return None
+    meta, b = metas.get(node), bind(node)
+    return step if isinstance(meta, TensorMeta) and len(meta.shape) == 4 and b is not None \
+        and b["dim"] % 4 == 2 else None
+
+
+def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict):
+    if len(s.args) != 3 or getattr(s.fn, "raw", None) is None:
+        return None
+    q, k, v = s.args
+    ak, av = _append_of(k, by_output, metas), _append_of(v, by_output, metas)
+    om = metas.get(s.output)
+    if ak is None or av is None or ak is av or not views._static(om) or om.stride[-1] != 1 \
+            or len(om.shape) != 4:
+        return None
+    covers = set(s.covers) | {s.output, k, v}
+    # the appends' results: read by the attention and, after it, by anything (the output)
+    if any(u not in covers and order[u] < order[s.output] for x in (k, v) for u in x.users):
+        return None
+    operands = [q, ak.args[1], av.args[1]]
+    paths = [_path(x, found) for x in operands]
+    while True:   # views whose every node only this step reads
+        inside = covers | {n for p in paths if p for n in p}
+        keep = [p if p and all(u in inside for n in p for u in n.users) else None
+                for p in paths]
+        if keep == paths:
+            break
+        paths = keep
+    fixed, args = [], []
+    for x, path in zip(operands, paths):
+        if path is None:
+            fixed.append(None)
+            args.append(x)
+            continue
+        chain = found[x]
+        meta = chain.meta
+        fixed.append(FixedView(tuple(chain.root_meta.shape), chain.root_meta.stride(),
+                               tuple(meta.shape), meta.stride(), meta.storage_offset(),
+                               _replay(chain.ops)))
+        args.append(chain.root)
+        covers.update(path)
+    fn, _ = make_kernel("make_append_attend", s.fn, tuple(fixed), tuple(om.shape),
+                        tuple(om.stride))
+    if fn is None:
+        return None
+    return KernelStep(fn, [args[0], ak.args[0], args[1], av.args[0], args[2]], s.output,
+                      [n for n in order if n in covers], "sdpa_kv_append", [k, v])
+
+
+def _path(node, found: dict) -> list | None:
+    """The view nodes from ``node`` back to its chain's root (root excluded), or None."""
+    chain = found.get(node)
+    if chain is None or not isinstance(chain.meta, torch.Tensor):
+        return None
+    path = [node]
+    while path[-1].args[0] is not chain.root:
+        path.append(path[-1].args[0])
+    return path
+
+
+def _replay(ops: tuple):
+    def make(x):
+        for op in ops:
+            x = op(x)
+        return x
+    return make

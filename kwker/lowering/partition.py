@@ -22,7 +22,7 @@ from . import sorting as S
 from . import tune
 from .autocast import make_explicit
 from .fold import fold_constants
-from .kv_append import append_matches, build_append
+from .kv_append import append_matches, attend_appends, build_append
 from .make import collecting, discard, generic
 from .ops import is_inplace, is_view
 from .patterns import Matcher, why_not
@@ -179,7 +179,7 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
     for n in nodes:
         if n not in failures and n not in covered:
             failures[n] = why_not(n, metas)
-    program = build_program(gm, steps, metas)
+    program = build_program(gm, attend_appends(steps, nodes, metas), metas)
     fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas), generic(s.fn))
                          for s in steps], failures)
     return program, used

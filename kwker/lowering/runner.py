@@ -29,6 +29,9 @@ class KernelStep:
     output: Node
     covers: list = field(default_factory=list)  # every node the kernel makes redundant
     name: str = ""
+    # nodes whose values the kernel also gives (fn then returns a tuple: output's, then theirs);
+    # each is read only after ``output``
+    extra: list = field(default_factory=list)
 
 
 class Program:
@@ -134,6 +137,17 @@ def make_step(fn: Callable, args: tuple, kwargs: dict, out: int, slot_of: dict) 
 
     def step(env):
         env[out] = fn(*get_args(env), **get_kwargs(env))
+    return step
+
+
+def _multi_step(fn: Callable, args: list, outs: list[int], slot_of: dict) -> Callable:
+    """A closure ``step(env)`` writing the values ``fn`` returns into the slots ``outs``."""
+    _, get_args = _getter(tuple(args), slot_of)
+    get_args = get_args if callable(get_args) else (lambda env, v=get_args: v)
+
+    def step(env):
+        for slot, value in zip(outs, fn(*get_args(env))):
+            env[slot] = value
     return step
 
 
@@ -243,9 +257,10 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
     """The flat program for ``gm`` with the given kernel steps replacing the nodes they cover."""
     kernels = kernels or []
     by_output = {k.output: k for k in kernels}
-    covered = {n for k in kernels for n in k.covers} - set(by_output)
+    given = {x for k in kernels for x in k.extra}   # a slot, filled by their kernel's step
+    covered = {n for k in kernels for n in k.covers} - set(by_output) - given
     nodes = list(gm.graph.nodes)
-    strided, no_step = views.collapse(nodes, metas, covered, set(by_output))
+    strided, no_step = views.collapse(nodes, metas, covered, set(by_output) | given)
     _drop_unread(nodes, kernels, strided, no_step)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     slot_of: dict[Node, int] = {n: i for i, n in enumerate(placeholders)}
@@ -269,6 +284,8 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             continue
         slot_of[n] = len(template)
         template.append(None)
+        if n in given:
+            continue
         k = by_output.get(n)
         if n in strided:
             chain = strided[n]
@@ -276,9 +293,12 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             reads = [chain.root]
         elif k is not None:
             for c in k.covers:
-                if c is not n and any(u not in k.covers for u in c.users):
+                if c is not n and c not in k.extra and any(u not in k.covers for u in c.users):
                     raise ValueError(f"kernel {k.name} covers {c.name}, which is used outside it")
-            step = make_step(k.fn, tuple(k.args), {}, slot_of[n], slot_of)
+            if k.extra:
+                step = _multi_step(k.fn, k.args, [slot_of[x] for x in (n, *k.extra)], slot_of)
+            else:
+                step = make_step(k.fn, tuple(k.args), {}, slot_of[n], slot_of)
             step.kernel = k.name
             reads = [a for a in k.args if isinstance(a, Node)]
         elif n.op == "call_function":

@@ -33,6 +33,7 @@ EMITTERS = {
     "topk_gemm": "kwker.codegen.fused_topk",
     "layernorm": "kwker.codegen.layernorm",
     "rope": "kwker.codegen.rope",
+    "row_copy": "kwker.codegen.row_copy",
     "gemm_lowbit": "kwker.codegen.gemm_lowbit",
     "lowbit_planes": "kwker.codegen.gemm_lowbit_planes",
     "lowbit_panels": "kwker.codegen.gemm_lowbit_planes",

@@ -104,3 +104,91 @@ def test_bad_shapes_raise_what_cat_raises():
         with pytest.raises(RuntimeError) as aten:
             torch.cat([past, new], 2)
         assert str(ours.value) == str(aten.value)
+
+
+def _qkv_view(i: int, heads: int, d: int):
+    """q, k or v (``i``) of a (1, 1, 3 H D) projection row, as a FixedView of it."""
+    from kwker.kernels.kv_cache import FixedView
+
+    def make(x):
+        return x.split(heads * d, -1)[i].view(1, 1, heads, d).transpose(1, 2)
+    meta = make(torch.empty(1, 1, 3 * heads * d, device="meta"))
+    return FixedView((1, 1, 3 * heads * d), (3 * heads * d, 3 * heads * d, 1),
+                     tuple(meta.shape), meta.stride(), meta.storage_offset(), make)
+
+
+def _append_attend(heads, kvh, d, dtype, views):
+    from kwker.kernels.kv_cache import make_append_attend
+    from kwker.kernels.sdpa import make_sdpa
+    attend = make_sdpa(None, heads, None, None, d, d, dtype=dtype, kv_heads=kvh)
+    fixed = tuple(_qkv_view(i, heads, d) for i in range(3)) if views else (None,) * 3
+    return attend, make_append_attend(attend, fixed, (1, heads, 1, d), (heads * d, d, d, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kvh, views", [(4, 4, True), (4, 4, False), (6, 2, False)])
+def test_append_attend_equals_the_three_steps(dtype, heads, kvh, views):
+    """The append-and-attend step against ``cat`` and the attention kernel on the cat's result
+    (bit for bit) and ATen's SDPA, over enough decode steps to outgrow a buffer; q and the new
+    rows read in place from the projection's row (``views``) or given as tensors. Every step but
+    the buffer's regrowth writes in place."""
+    torch.manual_seed(3)
+    d = 16
+    attend, step = _append_attend(heads, kvh, d, dtype, views)
+    ref_k = torch.randn(1, kvh, 5, d, dtype=dtype)
+    ref_v = torch.randn(1, kvh, 5, d, dtype=dtype)
+    append = make_kv_append(2)
+    past_k, past_v = append(torch.empty(0, dtype=dtype), ref_k), \
+        append(torch.empty(0, dtype=dtype), ref_v)
+    in_place = []
+    for _ in range(70):
+        if views:
+            row = torch.randn(1, 1, 3 * heads * d, dtype=dtype)
+            args = (row, past_k, row, past_v, row)
+            q, new_k, new_v = (_qkv_view(i, heads, d).make(row) for i in range(3))
+        else:
+            q = torch.randn(1, heads, 1, d, dtype=dtype)
+            new_k, new_v = (torch.randn(1, kvh, 1, d, dtype=dtype) for _ in range(2))
+            args = (q, past_k, new_k, past_v, new_v)
+        out, keys, values = step(*args)
+        ref_k, ref_v = torch.cat([ref_k, new_k], 2), torch.cat([ref_v, new_v], 2)
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+        assert torch.equal(out, attend(q, ref_k, ref_v))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), ref_k.float(), ref_v.float(), enable_gqa=kvh != heads)
+        torch.testing.assert_close(out.float(), want, atol=2e-2 if dtype != torch.float32
+                                   else 1e-5, rtol=1e-2 if dtype != torch.float32 else 1e-5)
+        in_place.append(keys.data_ptr() == past_k.data_ptr() and
+                        values.data_ptr() == past_v.data_ptr())
+        past_k, past_v = keys, values
+    assert in_place.count(False) == 1 and in_place.index(False) == capacity(5) - 5
+
+
+def test_append_attend_leaves_what_callers_hold_alone():
+    """The cases the step does not take in place, as the appends: an older view appended to
+    again (each result as cat gives it, no tensor handed out changes), a past that is no
+    buffer's, and a projection row of another layout (its views made by their ops)."""
+    torch.manual_seed(4)
+    heads, d = 4, 8
+    attend, step = _append_attend(heads, heads, d, torch.float32, True)
+    append = make_kv_append(2)
+    base_k = append(torch.empty(0), torch.randn(1, heads, 3, d))
+    base_v = make_kv_append(2)(torch.empty(0), torch.randn(1, heads, 3, d))
+    rows = [torch.randn(1, 1, 3 * heads * d) for _ in range(3)]
+
+    def check(row, past_k, past_v, got):
+        q, k, v = (_qkv_view(i, heads, d).make(row) for i in range(3))
+        ref_k, ref_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        assert torch.equal(got[1], ref_k) and torch.equal(got[2], ref_v)
+        assert torch.equal(got[0], attend(q, ref_k, ref_v))
+
+    first = step(rows[0], base_k, rows[0], base_v, rows[0])
+    kept = [t.clone() for t in first]
+    check(rows[0], base_k, base_v, first)
+    second = step(rows[1], base_k, rows[1], base_v, rows[1])     # base is behind its buffer now
+    check(rows[1], base_k, base_v, second)
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))
+    plain = torch.randn(1, heads, 4, d)                            # no buffer's view
+    check(rows[2], plain, first[2], step(rows[2], plain, rows[2], first[2], rows[2]))
+    wide = torch.randn(1, 2, 3 * heads * d)[:, 1:]                 # another layout of the row
+    check(wide, base_k, base_v, step(wide, base_k, wide, base_v, wide))
