@@ -125,6 +125,8 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
     else None). ``out_shape`` and ``out_stride``: the attention output's, as the graph recorded
     it. Any call the in-place path does not take (see ``make_kv_append``), or of other sizes,
     runs the three steps as written: the same values."""
+    if any(v is not None and (len(v.size) != 4 or v.stride[3] != 1) for v in views):
+        raise ValueError(f"make_append_attend: views must be 4-D with rows contiguous: {views}")
     heads, kvh, e, ev, dtype = attend.dims
     raw = attend.raw
     size = torch.empty((), dtype=dtype).element_size()

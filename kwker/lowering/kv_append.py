@@ -194,7 +194,8 @@ def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict
 def _path(node, found: dict) -> list | None:
     """The view nodes from ``node`` back to its chain's root (root excluded), or None."""
     chain = found.get(node)
-    if chain is None or not isinstance(chain.meta, torch.Tensor):
+    if chain is None or not isinstance(chain.meta, torch.Tensor) or chain.meta.dim() != 4 or \
+            chain.meta.stride(3) != 1:    # rows read (and copied) as contiguous runs
         return None
     path = [node]
     while path[-1].args[0] is not chain.root:
