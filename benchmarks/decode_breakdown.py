@@ -12,7 +12,8 @@ output's structure. The clock's own cost is the difference between the token's t
 the timed model call, both reported.
 
     python benchmarks/decode_breakdown.py --out benchmarks/results/<cpu>  # .md and .json
-    python benchmarks/decode_breakdown.py --quick    # 2-layer model, prints only
+    python benchmarks/decode_breakdown.py --models llama   # decode_breakdown_llama.md only
+    python benchmarks/decode_breakdown.py --quick    # 2-layer models, prints only
 """
 from __future__ import annotations
 
@@ -187,21 +188,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
+    ap.add_argument("--models", nargs="+", choices=("gpt2", "llama"), default=["gpt2", "llama"])
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     common.set_threads()
     info = common.machine_info()
-    rows, model = run(args.model, args.quick, 1 if args.quick else args.reps)
-    text = render(rows, model, info)
-    print(text)
-    if args.quick:
-        return 0
-    out = args.out or common.RESULTS
-    common.write_json(out / "decode_breakdown.json", {"script": "decode_breakdown.py",
-                                                      "machine": info, "model": model,
-                                                      "rows": rows})
-    (out / "decode_breakdown.md").write_text(text)
+    for name in args.models:
+        rows, model = run(name, args.quick, 1 if args.quick else args.reps)
+        text = render(rows, model, info)
+        print(text)
+        if args.quick:
+            continue
+        out = args.out or common.RESULTS
+        stem = "decode_breakdown" + ("" if name == "gpt2" else f"_{name}")
+        common.write_json(out / f"{stem}.json", {"script": "decode_breakdown.py",
+                                                 "machine": info, "model": model,
+                                                 "rows": rows})
+        (out / f"{stem}.md").write_text(text)
     return 0
 
 
