@@ -312,8 +312,12 @@ def plot(rows: list[dict], path: Path, info: dict) -> bool:
     return common.save_plot(fig, path, f"{path.stem}: {info['cpu']}, {info['threads']} threads")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main_over_models(argv, doc: str, script: str, stem: str, run, render, headline=None,
+                     plot=None) -> int:
+    """The decode scripts' command line (this one and decode_breakdown.py): each model of
+    ``--models`` run, its table printed and written as ``<stem>.md`` / ``.json`` (GPT-2) or
+    ``<stem>_<model>`` (the others), with ``plot`` a ``.png`` beside them."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
@@ -328,13 +332,20 @@ def main(argv=None) -> int:
         if args.quick:
             continue
         out = args.out or common.RESULTS
-        stem = "decode" if name == "gpt2" else f"decode_{name}"
-        common.write_json(out / f"{stem}.json", {"script": "bench_decode.py", "machine": info,
-                                                 "model": model, "rows": rows,
-                                                 "headline": headline(rows)})
-        (out / f"{stem}.md").write_text(text)
-        plot(rows, out / f"{stem}.png", info)
+        path = out / (stem if name == "gpt2" else f"{stem}_{name}")
+        data = {"script": script, "machine": info, "model": model, "rows": rows}
+        if headline is not None:
+            data["headline"] = headline(rows)
+        common.write_json(path.with_suffix(".json"), data)
+        path.with_suffix(".md").write_text(text)
+        if plot is not None:
+            plot(rows, path.with_suffix(".png"), info)
     return 0
+
+
+def main(argv=None) -> int:
+    return main_over_models(argv, __doc__, "bench_decode.py", "decode", run, render, headline,
+                            plot)
 
 
 if __name__ == "__main__":

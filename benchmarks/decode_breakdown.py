@@ -17,7 +17,6 @@ the timed model call, both reported.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import warnings
@@ -30,7 +29,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import probes
-from bench_decode import PROMPT, build, config, describe, linear_shapes, weight_bytes
+from bench_decode import (
+    PROMPT,
+    build,
+    config,
+    describe,
+    linear_shapes,
+    main_over_models,
+    weight_bytes,
+)
 
 from kwker.lowering.runner import Program
 
@@ -185,27 +192,8 @@ def render(rows: list[dict], model: dict, info: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--models", nargs="+", choices=("gpt2", "llama"), default=["gpt2", "llama"])
-    common.add_out_argument(ap)
-    args = ap.parse_args(argv)
-    common.set_threads()
-    info = common.machine_info()
-    for name in args.models:
-        rows, model = run(name, args.quick, 1 if args.quick else args.reps)
-        text = render(rows, model, info)
-        print(text)
-        if args.quick:
-            continue
-        out = args.out or common.RESULTS
-        stem = "decode_breakdown" + ("" if name == "gpt2" else f"_{name}")
-        common.write_json(out / f"{stem}.json", {"script": "decode_breakdown.py",
-                                                 "machine": info, "model": model,
-                                                 "rows": rows})
-        (out / f"{stem}.md").write_text(text)
-    return 0
+    return main_over_models(argv, __doc__, "decode_breakdown.py", "decode_breakdown", run,
+                            render)
 
 
 if __name__ == "__main__":
