@@ -102,7 +102,8 @@ def make_kv_append(dim: int):
 class FixedView:
     """A view worked out when the program was built: ``size`` and ``stride`` at ``offset``
     elements into a root tensor of ``root_shape`` and ``root_stride`` (checked per call).
-    ``make(root)`` builds it by the ops that made it, for calls that differ."""
+    ``make(root)`` builds it as a tensor, for the calls not read in place (lowering/views.py:
+    by one ``as_strided`` where the root's layout allows, else by the ops that made it)."""
     root_shape: tuple
     root_stride: tuple
     size: tuple
@@ -130,7 +131,9 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
     heads, kvh, e, ev, dtype = attend.dims
     raw = attend.raw
     size = torch.empty((), dtype=dtype).element_size()
-    copy_k, copy_v = (entry(RowCopySpec(d * size), 3, 0) for d in (e, ev))
+    spec_k, spec_v = RowCopySpec(e * size), RowCopySpec(ev * size)
+    copy_k = entry(spec_k, 3, 0)
+    copy_v = copy_k if spec_v == spec_k else entry(spec_v, 3, 0)
     append_k, append_v = make_kv_append(2), make_kv_append(2)
     table = struct.Struct("9q").pack
     as_strided, empty_strided = torch.Tensor.as_strided, torch.empty_strided
@@ -138,14 +141,9 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
     plain = (torch.Tensor, torch.nn.Parameter)
     b, _, lq, _ = out_shape
     qv, kv, vv = views
-    specs = [RowCopySpec(d * size) for d in dict.fromkeys((e, ev))]
 
     def tensor(x, view):
-        if view is None:
-            return x
-        if x.shape == view.root_shape and x.stride() == view.root_stride and type(x) in plain:
-            return as_strided(x, view.size, view.stride, x.storage_offset() + view.offset)
-        return view.make(x)
+        return x if view is None else view.make(x)
 
     def operand(x, view):
         """(data pointer, shape, strides) of an operand read in place, or None."""
@@ -199,5 +197,5 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
             out_stride, b, lq, size_k[2])
         return out, keys, values
 
-    step.specs = specs + [attend.spec]
+    step.specs = list(dict.fromkeys((spec_k, spec_v))) + [attend.spec]
     return step

@@ -154,7 +154,7 @@ def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict
     q, k, v = s.args
     ak, av = _append_of(k, by_output, metas), _append_of(v, by_output, metas)
     om = metas.get(s.output)
-    if ak is None or av is None or ak is av or not views._static(om) or om.stride[-1] != 1 \
+    if ak is None or av is None or ak is av or not views.is_static(om) or om.stride[-1] != 1 \
             or len(om.shape) != 4:
         return None
     covers = set(s.covers) | {s.output, k, v}
@@ -180,7 +180,7 @@ def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict
         meta = chain.meta
         fixed.append(FixedView(tuple(chain.root_meta.shape), chain.root_meta.stride(),
                                tuple(meta.shape), meta.stride(), meta.storage_offset(),
-                               _replay(chain.ops)))
+                               views.maker(chain)))
         args.append(chain.root)
         covers.update(path)
     fn, _ = make_kernel("make_append_attend", s.fn, tuple(fixed), tuple(om.shape),
@@ -201,11 +201,3 @@ def _path(node, found: dict) -> list | None:
     while path[-1].args[0] is not chain.root:
         path.append(path[-1].args[0])
     return path
-
-
-def _replay(ops: tuple):
-    def make(x):
-        for op in ops:
-            x = op(x)
-        return x
-    return make

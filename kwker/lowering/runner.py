@@ -29,8 +29,8 @@ class KernelStep:
     output: Node
     covers: list = field(default_factory=list)  # every node the kernel makes redundant
     name: str = ""
-    # nodes whose values the kernel also gives (fn then returns a tuple: output's, then theirs);
-    # each is read only after ``output``
+    # nodes whose values the kernel also gives (fn then returns a tuple: output's, then theirs),
+    # read only after ``output``'s step, wherever they sit in the graph
     extra: list = field(default_factory=list)
 
 
@@ -89,8 +89,7 @@ def _output(value, slot_of: dict) -> Callable:
             i = idx[0]
             return lambda env: (env[i],)
         return operator.itemgetter(*idx)
-    dyn, get = _getter(value, slot_of)
-    return get if dyn else (lambda env, v=get: v)
+    return _reader(value, slot_of)
 
 
 def make_step(fn: Callable, args: tuple, kwargs: dict, out: int, slot_of: dict) -> Callable:
@@ -130,20 +129,22 @@ def make_step(fn: Callable, args: tuple, kwargs: dict, out: int, slot_of: dict) 
             def step(env):
                 env[out] = fn(env[a0], *consts)
         return step
-    _, get_args = _getter(tuple(args), slot_of)
-    _, get_kwargs = _getter(dict(kwargs), slot_of)
-    get_args = get_args if callable(get_args) else (lambda env, v=get_args: v)
-    get_kwargs = get_kwargs if callable(get_kwargs) else (lambda env, v=get_kwargs: v)
+    get_args, get_kwargs = _reader(tuple(args), slot_of), _reader(dict(kwargs), slot_of)
 
     def step(env):
         env[out] = fn(*get_args(env), **get_kwargs(env))
     return step
 
 
+def _reader(value, slot_of: dict) -> Callable:
+    """``read(env)``: ``value`` (args or kwargs) with its nodes' values from the slots."""
+    dyn, get = _getter(value, slot_of)
+    return get if dyn else (lambda env, v=get: v)
+
+
 def _multi_step(fn: Callable, args: list, outs: list[int], slot_of: dict) -> Callable:
     """A closure ``step(env)`` writing the values ``fn`` returns into the slots ``outs``."""
-    _, get_args = _getter(tuple(args), slot_of)
-    get_args = get_args if callable(get_args) else (lambda env, v=get_args: v)
+    get_args = _reader(tuple(args), slot_of)
 
     def step(env):
         for slot, value in zip(outs, fn(*get_args(env))):
@@ -282,10 +283,11 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             reads = n.all_input_nodes
             planned.append((None, reads))
             continue
+        if n in given:   # its kernel's step fills it, before or after this point
+            _slot(n, slot_of, template)
+            continue
         slot_of[n] = len(template)
         template.append(None)
-        if n in given:
-            continue
         k = by_output.get(n)
         if n in strided:
             chain = strided[n]
@@ -296,7 +298,8 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
                 if c is not n and c not in k.extra and any(u not in k.covers for u in c.users):
                     raise ValueError(f"kernel {k.name} covers {c.name}, which is used outside it")
             if k.extra:
-                step = _multi_step(k.fn, k.args, [slot_of[x] for x in (n, *k.extra)], slot_of)
+                outs = [slot_of[n]] + [_slot(x, slot_of, template) for x in k.extra]
+                step = _multi_step(k.fn, k.args, outs, slot_of)
             else:
                 step = make_step(k.fn, tuple(k.args), {}, slot_of[n], slot_of)
             step.kernel = k.name
@@ -330,6 +333,14 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
     steps = [(step, tuple(dead_at.get(i, ()))) for i, (step, _) in enumerate(planned)
              if step is not None]
     return Program(n_in, template, steps, output_fn or (lambda env: None))
+
+
+def _slot(n: Node, slot_of: dict, template: list) -> int:
+    """``n``'s slot, made on first asking."""
+    if n not in slot_of:
+        slot_of[n] = len(template)
+        template.append(None)
+    return slot_of[n]
 
 
 def getitem_node(node: Node) -> bool:

@@ -81,7 +81,7 @@ def _op(n: Node) -> Callable | None:
     return None
 
 
-def _static(meta) -> bool:
+def is_static(meta) -> bool:
     return isinstance(meta, TensorMeta) and all(type(s) is int for s in meta.shape) and \
         all(type(s) is int for s in meta.stride)
 
@@ -108,7 +108,7 @@ def chains(nodes: list[Node], metas: dict, no_slot: set, kernel_out: set) -> dic
         parent = found.get(src)
         if parent is None:
             meta = metas.get(src)
-            if src in no_slot or not _static(meta):
+            if src in no_slot or not is_static(meta):
                 continue
             root_meta = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype,
                                             device="meta")
@@ -142,11 +142,10 @@ def collapse(nodes: list[Node], metas: dict | None, no_slot: set,
     return {n: c for n, c in found.items() if n not in skipped}, skipped
 
 
-def make_step(chain: Chain, root_slot: int, out: int) -> Callable:
-    """``step(env)``: the view of ``chain`` from the root's slot, by one ``as_strided`` when the
-    root is a plain tensor of its recorded shape and layout (the root itself where the chain
-    changes nothing, as ``contiguous`` of a contiguous tensor gives it back), else by the
-    chain's ops."""
+def maker(chain: Chain) -> Callable:
+    """``make(root)``: the view of ``chain`` from ``root``, by one ``as_strided`` when the root
+    is a plain tensor of its recorded shape and layout (the root itself where the chain changes
+    nothing, as ``contiguous`` of a contiguous tensor gives it back), else by the chain's ops."""
     meta = chain.meta
     shape, stride = tuple(chain.root_meta.shape), chain.root_meta.stride()
     size, vstride, offset = tuple(meta.shape), meta.stride(), meta.storage_offset()
@@ -154,16 +153,23 @@ def make_step(chain: Chain, root_slot: int, out: int) -> Callable:
     plain = (torch.Tensor, torch.nn.Parameter)  # not a subclass (torchao's weights)
     seen = [stride]  # the last strides met at run time differing only on size-1 dims
 
-    def step(env):
-        x = env[root_slot]
+    def make(x):
         st = x.stride()
         if x.shape == shape and type(x) in plain and (
                 st == seen[0] or st == stride or
                 same_layout(shape, st, stride) and not seen.__setitem__(0, st)):
-            env[out] = x if itself else as_strided(x, size, vstride, x.storage_offset() + offset)
-        else:
-            for op in ops:
-                x = op(x)
-            env[out] = x
+            return x if itself else as_strided(x, size, vstride, x.storage_offset() + offset)
+        for op in ops:
+            x = op(x)
+        return x
+    return make
+
+
+def make_step(chain: Chain, root_slot: int, out: int) -> Callable:
+    """``step(env)``: the view of ``chain`` (``maker``) from the root's slot."""
+    make = maker(chain)
+
+    def step(env):
+        env[out] = make(env[root_slot])
     step.strided = True
     return step
