@@ -42,8 +42,10 @@ from bench_decode import (
 from kwker.lowering.runner import Program
 
 # a kernel step's pattern name (KernelStep.name) -> its group: the first whose word it holds
-# (a decoder's KV appends are inside attention's step where one step does both: sdpa_kv_append)
-GROUPS = (("linear", "linears (low-bit: the roofline's bytes)"), ("sdpa", "attention"),
+# (a decoder's KV appends are inside attention's step where one step does both: sdpa_kv_append;
+# the norms between two attentions inside the step that chains them to the linears)
+LINEARS = "linears, with the norms chained to them (low-bit: the roofline's bytes)"
+GROUPS = (("chain", LINEARS), ("linear", LINEARS), ("sdpa", "attention"),
           ("kv_append", "KV cache appends"), ("norm", "norms"), ("", "other kernels"))
 OTHER_STEPS = "other program steps (views, embedding, ...)"
 # bench_decode's ways of running the model -> what runs outside Kwker's program there

@@ -271,8 +271,10 @@ def test_decode_breakdown_times_every_step_of_the_program(dbk):
     the program's steps."""
     from kwker.lowering.runner import Program
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 96),
-                                torch.nn.ReLU(), torch.nn.Linear(96, 64)).eval()
+    # the norm a step of its own (softmax on ATen after it), the linears one chained step
+    model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Softmax(-1),
+                                torch.nn.Linear(64, 96), torch.nn.ReLU(),
+                                torch.nn.Linear(96, 64)).eval()
     x = torch.randn(8, 64)
     compiled = torch.compile(model, backend="kwker", options={"inner": "eager"})
     plain_call = Program.__call__

@@ -42,6 +42,15 @@ class NamedType(ir.types.Type):
         return hash(self.name)
 
 
+class FunctionPointer(ir.PointerType):
+    """An opaque ``ptr`` (as it prints) that knows the type of the function it points to, which
+    ``IRBuilder.call`` reads from its callee's type: a call through an address held as data."""
+
+    def __init__(self, fnty: ir.FunctionType):
+        super().__init__()
+        self.pointee = fnty
+
+
 def const(ty: ir.Type, value) -> ir.Constant:
     return ir.Constant(ty, value)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,37 @@ def entry(spec, n_ptrs: int, n_ints: int = 1):
     """ctypes function for ``void sym(ptr * n_ptrs, i64 * n_ints)``, compiled or cached."""
     proto = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * n_ptrs + [ctypes.c_int64] * n_ints))
     return proto(get_kernel(spec))
+
+
+ANY_ROWS = 1 << 62   # Native.max_rows of a kernel with no row limit
+
+
+@dataclass(frozen=True)
+class Native:
+    """A factory callable's common call as ABI words, so a chain (kernels/chain.py) can make it
+    from native code with no Python between kernels. ``words`` gives each argument of the
+    kernel's entry point: ``("in", i)`` the data pointer of the callable's tensor argument i,
+    ``("out",)`` the output's, ``("word", v)`` a constant (a weight's address; None for null),
+    ``("rows",)`` the row count, ``("threads",)`` the thread count.
+
+    The common call is the one the callable itself makes without leaving its frame: tensor
+    argument i contiguous, of ``dtypes[i]``, shaped ``(*lead, widths[i])``, the output
+    ``(*lead, n)`` of ``out_dtype``; ``lead`` is fixed, or None for any leading dims whose product
+    (the rows) is ``rows`` (0: any from 1 to ``max_rows``)."""
+    addr: int
+    words: tuple
+    widths: tuple
+    dtypes: tuple
+    n: int
+    out_dtype: torch.dtype
+    lead: tuple | None = None
+    rows: int = 0
+    max_rows: int = 0
+
+    def accepts(self, lead: tuple, rows: int) -> bool:
+        if self.lead is not None:
+            return lead == self.lead
+        return rows == self.rows if self.rows else 0 < rows <= self.max_rows
 
 
 def float32_precision() -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime.calling import row_stride
-from ._call import _profiler_enabled, checked, entry, record_function
+from ..runtime.kernel import get_kernel
+from ._call import Native, _profiler_enabled, checked, entry, record_function
 from .specs import EltwiseSpec
 
 _GELU_OPS = {"none": "gelu", "tanh": "gelu_tanh"}
@@ -73,10 +74,12 @@ def make_gelu(numel: int | None, approximate: str = "none", dtype: torch.dtype =
     return make_eltwise(_GELU_OPS[approximate], numel, dtype)
 
 
-def make_silu_mul(numel: int | None, dtype: torch.dtype = torch.float32):
+def make_silu_mul(numel: int | None, dtype: torch.dtype = torch.float32,
+                  width: int | None = None):
     """``callable(x, y) -> F.silu(x) * y`` (SwiGLU's gate) for contiguous ``x`` and ``y`` of one
     shape and ``dtype``; ``numel=None``: any size. bf16 rounds the SiLU before the product, as
-    eager runs the two ops."""
+    eager runs the two ops. ``width``: their last dim, where known with ``numel``, which gives
+    the callable a native form on rows of it (``_call.Native``, for chains)."""
     if dtype not in _DTYPES:
         raise NotImplementedError(f"kwker silu_mul: float32 or bfloat16 only, got {dtype}")
     if numel is not None and int(numel) < 1:
@@ -107,6 +110,9 @@ def make_silu_mul(numel: int | None, dtype: torch.dtype = torch.float32):
         return out
 
     run.spec = spec
+    if numel and width and numel % width == 0:
+        run.native = Native(get_kernel(spec), (("in", 0), ("in", 1), ("out",), ("threads",)),
+                            (width, width), (dtype, dtype), width, dtype, rows=numel // width)
     return run
 
 

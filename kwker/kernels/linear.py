@@ -8,8 +8,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ..runtime.kernel import get_kernel
 from . import blocking, variants
 from ._call import (
+    ANY_ROWS,
+    Native,
     _profiler_enabled,
     checked,
     entry,
@@ -323,7 +326,20 @@ def _build(blk: blocking.Blocking, weight, bias_c, m, n, k, kk, epilogue, residu
             return out
 
     run.spec, run.packed_weight, run.bias = spec, packed, bias_c  # keep the buffers alive
+    if not pad:
+        run.native = _native(spec, w_ptr, b_ptr, dtype, out_dtype, (("out",), ("threads",)),
+                             lead=lead)
     return run
+
+
+def _native(spec: GemmSpec, w_ptr: int, b_ptr: int | None, dtype, out_dtype, words: tuple,
+            **rows) -> Native:
+    """The kernel's call as a chain makes it: ``sym(x, w, bias, res, out, ...words)``."""
+    res = ("in", 1) if spec.residual else ("word", None)
+    widths, dtypes = ((spec.k, spec.n), (dtype, out_dtype)) if spec.residual else \
+        ((spec.k,), (dtype,))
+    return Native(get_kernel(spec), (("in", 0), ("word", w_ptr), ("word", b_ptr), res, *words),
+                  widths, dtypes, spec.n, out_dtype, **rows)
 
 
 def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype, out_dtype):
@@ -386,4 +402,7 @@ def _generic_run(fn, spec, packed, bias_c, n: int, k: int, pad: bool, dtype, out
             return out
 
     run.spec, run.packed_weight, run.bias = spec, packed, bias_c  # keep the buffers alive
+    if not pad:
+        run.native = _native(spec, w_ptr, b_ptr, dtype, out_dtype,
+                             (("out",), ("rows",), ("threads",)), max_rows=ANY_ROWS)
     return run

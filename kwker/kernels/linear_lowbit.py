@@ -23,9 +23,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..codegen import gemm_lowbit, gemm_lowbit_fold, gemm_lowbit_vnni4, simd
+from ..runtime.kernel import get_kernel
 from ..runtime.target import host_target
 from . import variants
-from ._call import _profiler_enabled, checked, entry, kernel_dtype, on_rows, record_function
+from ._call import (
+    Native,
+    _profiler_enabled,
+    checked,
+    entry,
+    kernel_dtype,
+    on_rows,
+    record_function,
+)
 from .linear import EPILOGUES
 from .linear_lowbit_prefill import Buffers, gemv_run, prefill_run
 from .specs import (
@@ -377,7 +386,18 @@ def _any_rows(spec: LowbitGemmSpec, buf: Buffers, dtype, checked_run):
             return on_rows(checked_run, x, None, n, False)
 
     run.specs, run.buffers, run.weight_bytes = checked_run.specs, buf, buf.nbytes
+    run.native = _native(spec, buf, dtype, words=(("out",), ("rows",), ("threads",)),
+                         max_rows=PREFILL_ROWS - 1)
     return run
+
+
+def _native(spec: LowbitGemmSpec, buf: Buffers, dtype, words: tuple, **rows) -> Native:
+    """The decode kernel's call as a chain makes it: ``sym(x, w, scale, zp, bias, res, out,
+    ...words)``."""
+    res = ("in", 1) if spec.residual else ("word", None)
+    widths = (spec.k, spec.n) if spec.residual else (spec.k,)
+    return Native(get_kernel(spec), (("in", 0), *(("word", p) for p in buf.ptrs()), res, *words),
+                  widths, (dtype,) * len(widths), spec.n, dtype, **rows)
 
 
 def _decode_run(spec: LowbitGemmSpec, buf: Buffers, dtype, lead: tuple):
@@ -413,6 +433,7 @@ def _decode_run(spec: LowbitGemmSpec, buf: Buffers, dtype, lead: tuple):
             return out
 
     run.specs, run.buffers, run.weight_bytes = slow.specs, buf, buf.nbytes
+    run.native = _native(spec, buf, dtype, words=(("out",), ("threads",)), lead=lead)
     return run
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ._call import _profiler_enabled, entry, kernel_dtype, record_function
+from ..runtime.kernel import get_kernel
+from ._call import ANY_ROWS, Native, _profiler_enabled, entry, kernel_dtype, record_function
 from .specs import LayerNormSpec
 
 
@@ -111,4 +112,8 @@ def make_layer_norm(d: int, weight: torch.Tensor | None, bias: torch.Tensor | No
             return out
 
     run.spec, run.weight, run.bias = spec, w_c, b_c  # keep the float32 copies alive
+    words = (("in", 0), ("word", w_ptr), ("word", b_ptr), ("out",),
+             *((("rows",),) if rows is None else ()), ("threads",))
+    run.native = Native(get_kernel(spec), words, (d,), (dtype,), d, out_dtype,
+                        rows=int(rows or 0), max_rows=0 if rows else ANY_ROWS)
     return run

@@ -7,6 +7,7 @@ packed weight layout always matches the kernel). The ISA comes from the target a
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -46,6 +47,27 @@ class RowCopySpec(Spec):
     cache's new rows written into its buffer; sizes and strides are read per call."""
     row_bytes: int
     family = "row_copy"
+
+
+@register_spec
+@dataclass(frozen=True)
+class ChainSpec(Spec):
+    """Kernels called one after another by one native function (codegen/chain.py): a decode
+    step's linears and norms between two attentions with no Python between them. Addresses are
+    not part of it (they are data, in its word table), so every layer of a model shares one.
+
+    ``calls``: per kernel, its ABI words as space-separated tokens, the first its entry point:
+    ``w<i>`` word i of the table, ``t<j>`` tensor argument j, ``s<i>`` scratch buffer i, ``r``
+    the rows, ``n`` the threads, ``z`` null. ``scratch``: the bytes a row of each scratch buffer
+    takes (the intermediates no one outside reads); ``tensors``: tensor arguments."""
+    calls: tuple
+    scratch: tuple = ()
+    tensors: int = 0
+    family = "chain"
+
+    @property
+    def symbol(self) -> str:
+        return "kw_chain_" + hashlib.sha1(self.id.encode()).hexdigest()[:16]
 
 
 @register_spec

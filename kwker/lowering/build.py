@@ -371,7 +371,8 @@ def _silu_mul(m: Match, metas, consts):
         return mark_generic(run, True), None
     if xm.numel == 0:
         return None, "empty input"
-    return make_kernel("make_silu_mul", xm.numel, dtype=xm.dtype)
+    return make_kernel("make_silu_mul", xm.numel, dtype=xm.dtype,
+                       width=xm.shape[-1] if xm.shape else None)
 
 
 def norm_aten(norm: str, d: int, w, b, eps: float, out_dtype=None):

@@ -21,6 +21,7 @@ from . import build as B
 from . import sorting as S
 from . import tune
 from .autocast import make_explicit
+from .chain import chain_kernels
 from .fold import fold_constants
 from .kv_append import append_matches, attend_appends, build_append
 from .make import collecting, discard, generic
@@ -179,7 +180,8 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
     for n in nodes:
         if n not in failures and n not in covered:
             failures[n] = why_not(n, metas)
-    program = build_program(gm, attend_appends(steps, nodes, metas), metas)
+    program = build_program(gm, chain_kernels(attend_appends(steps, nodes, metas), nodes, metas),
+                            metas)
     fill(report, nodes, [(s.name, s.covers, kernel_dtype(s.args, metas), generic(s.fn))
                          for s in steps], failures)
     return program, used

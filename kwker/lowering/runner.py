@@ -32,13 +32,15 @@ class KernelStep:
     # nodes whose values the kernel also gives (fn then returns a tuple: output's, then theirs),
     # read only after ``output``'s step, wherever they sit in the graph
     extra: list = field(default_factory=list)
+    parts: list = field(default_factory=list)  # a chain's kernels by name (lowering/chain.py)
 
 
 class Program:
     """``program(args)`` runs the steps on a fresh slot list and returns the graph's outputs.
 
-    ``steps`` holds ``(step, slots freed after it)``; a step that calls a Kwker kernel carries the
-    kernel's name as ``step.kernel``, so a benchmark can time the kernels apart from the rest.
+    ``steps`` holds ``(step, slots freed after it)``; a step that calls Kwker kernels carries its
+    name as ``step.kernel`` and theirs as ``step.kernels`` (several for a chain), so a benchmark
+    can time the kernels apart from the rest.
     """
 
     __slots__ = ("n_inputs", "output", "steps", "template")
@@ -302,7 +304,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
                 step = _multi_step(k.fn, k.args, outs, slot_of)
             else:
                 step = make_step(k.fn, tuple(k.args), {}, slot_of[n], slot_of)
-            step.kernel = k.name
+            step.kernel, step.kernels = k.name, k.parts or [k.name]
             reads = [a for a in k.args if isinstance(a, Node)]
         elif n.op == "call_function":
             step = make_step(_concrete(n.target), n.args, n.kwargs, slot_of[n], slot_of)

@@ -1,4 +1,4 @@
-"""The eager runner's program marks the steps that call Kwker kernels (``step.kernel``)."""
+"""The eager runner's program marks the steps that call Kwker kernels (``step.kernels``)."""
 import torch
 
 import kwker.dynamo as kd
@@ -20,6 +20,76 @@ def test_kernel_steps_carry_their_kernel_name():
         torch.compile(model, backend=keep)(x)
     (graph,) = graphs
     steps = [s for s, _ in graph.plan.program.steps]
-    tagged = [s.kernel for s in steps if getattr(s, "kernel", None)]
+    tagged = [name for s in steps for name in getattr(s, "kernels", ())]
     assert tagged == graph.report.kernel_names and tagged  # in program order
-    assert len(steps) > len(tagged)  # softmax runs on ATen, untagged
+    # both linears one chained step (lowering/chain.py); softmax on ATen, untagged
+    assert [s.kernel for s in steps if hasattr(s, "kernel")] == ["chain(linear_gelu, linear)"]
+    assert len(steps) == 2
+
+
+class _Block(torch.nn.Module):
+    """A decoder layer's kernels between two attentions: projection + residual, norm, MLP
+    (+ residual), the next norm and q/k/v projection; ``mutate``: the input ``a`` written in
+    place after the first kernel read it."""
+
+    def __init__(self, d=32, mutate=False):
+        super().__init__()
+        self.proj, self.ln1 = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.ln2, self.qkv = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d)
+        self.mutate = mutate
+
+    def forward(self, a, x):
+        x = x + self.proj(a)
+        if self.mutate:
+            a.mul_(2)
+        h = self.ln1(x)
+        x = x + self.out(torch.nn.functional.gelu(self.fc(h), approximate="tanh"))
+        return self.qkv(self.ln2(x)), x
+
+
+def _compiled(model, *args):
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(kd.backend(gm, example_inputs, options={"inner": "eager"}))
+        return graphs[-1]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=keep)(*args)
+    (graph,) = graphs
+    return out, [s for s, _ in graph.plan.program.steps]
+
+
+def test_chained_steps_give_what_the_kernels_give_one_by_one(monkeypatch):
+    """The layer's six kernels are one chained step, its residual stream (read outside) one of
+    its values; bit for bit what the same kernels give as six steps."""
+    torch.manual_seed(0)
+    model = _Block().eval()
+    args = (torch.randn(1, 1, 32), torch.randn(1, 1, 32))
+    out, steps = _compiled(model, *args)
+    assert [getattr(s, "kernels", None) for s in steps] == [
+        ["linear_residual", "layer_norm", "linear_gelu_tanh", "linear_residual", "layer_norm",
+         "linear"]]
+    import kwker.lowering.partition as partition
+    monkeypatch.setattr(partition, "chain_kernels", lambda steps, nodes, metas: steps)
+    plain, steps = _compiled(model, *args)
+    assert len(steps) == 6
+    assert all(torch.equal(a, b) for a, b in zip(out, plain))
+    with torch.no_grad():
+        want = model(*args)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(out, want))
+
+
+def test_no_chain_across_a_write():
+    """A kernel reading a tensor written in place after it keeps its own step: in a chain
+    placed after the write, it would read the written values."""
+    torch.manual_seed(0)
+    model = _Block(mutate=True).eval()
+    args = (torch.randn(1, 1, 32), torch.randn(1, 1, 32))
+    with torch.no_grad():
+        want = model(*[a.clone() for a in args])
+    out, steps = _compiled(model, *[a.clone() for a in args])
+    kernels = [s.kernels for s in steps if hasattr(s, "kernels")]
+    assert kernels[0] == ["linear_residual"] and len(kernels[1]) == 5, kernels
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(out, want))
