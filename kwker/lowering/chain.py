@@ -1,11 +1,14 @@
 """Runs of kernel steps made one native call (kernels/chain.py): a decoder layer's projection,
-norm, MLP and the next layer's norm and q/k/v projection between two attentions.
+norm, MLP and the next layer's norm and q/k/v projections between two attentions.
 
-Steps join a run in graph order while each kernel has a native form (``fn.native``), takes
-tensors of the run's leading dims only, and nothing outside the run reads a member's output
-before the run's last kernel, nor writes anything in between: the run's one step, placed where
-its last kernel was, then computes what the members would have. Outputs read outside the run
-become the step's extra values (``KernelStep.extra``); the rest live in the chain's scratch.
+Steps join a run in graph order while each kernel has a native form (``fn.native``) and takes
+tensors of the run's leading dims only. The run's one step sits where its last kernel was, so
+what reads a member's output must run after that: a reader whose own step comes later (a
+kernel's node is computed at its kernel's output) is fine, as is a view of it, which is moved
+after the run (views have no effects; a Llama's q projection is viewed to heads before k and v
+are projected), and the identity ``to`` a Llama's norm starts with takes no step at all. Nothing
+between the run's first and last kernel may write in place. Outputs read outside the run become
+the step's extra values (``KernelStep.extra``); the rest live in the chain's scratch.
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ from torch.fx import Node
 
 from ..kernels.chain import Member
 from .make import make_kernel
-from .ops import is_inplace
-from .runner import KernelStep
+from .ops import is_inplace, is_view
+from .runner import KernelStep, is_identity
 from .shapes import TensorMeta
 
 log = logging.getLogger("kwker")
@@ -24,21 +27,32 @@ MIN_RUN = 2
 
 
 def chain_kernels(steps: list[KernelStep], nodes: list[Node], metas: dict) -> list[KernelStep]:
-    """``steps`` with each run of two or more chainable kernels replaced by one step."""
-    pos = {n: i for i, n in enumerate(nodes)}
-    out, run = [], []
+    """``steps`` with each run of two or more chainable kernels replaced by one step; the
+    views moved after their run are moved in ``nodes``' graph."""
+    order = _Order(steps, nodes, metas)
+    out, run, moved = [], [], []
 
     def close():
-        out.extend(_chained(run, metas) if len(run) >= MIN_RUN else run)
+        if len(run) >= MIN_RUN:
+            chained = _chained(run, order)
+            if len(chained) == 1:
+                order.move_after(run[-1].output, moved)
+            out.extend(chained)
+        else:
+            out.extend(run)
         run.clear()
+        moved.clear()
 
-    for s in sorted(steps, key=lambda s: pos[s.output]):
+    for s in sorted(steps, key=lambda s: order.pos[s.output]):
         if not _chainable(s, metas):
             close()
             out.append(s)
             continue
-        if run and not _extends(run, s, nodes, pos, metas):
+        later = order.extends(run, s) if run else []
+        if later is None:
             close()
+        else:
+            moved.extend(n for n in later if n not in moved)
         run.append(s)
     close()
     return out
@@ -55,23 +69,82 @@ def _lead(meta: TensorMeta) -> tuple:
     return tuple(d if type(d) is int else str(d) for d in meta.shape[:-1])
 
 
-def _extends(run: list[KernelStep], s: KernelStep, nodes: list[Node], pos: dict,
-             metas: dict) -> bool:
-    """Whether ``s`` can join ``run`` (module doc)."""
-    lead = _lead(metas[run[0].output])
-    if any(_lead(metas[n]) != lead for n in (*s.args, s.output)):
-        return False
-    inside = {n for k in (*run, s) for n in (k.output, *k.covers)}
-    end = pos[s.output]
-    for k in run:
-        if any(u not in inside and pos[u] < end for u in k.output.users):
+class _Order:
+    """Where each node's value is made in the program, and who reads it."""
+
+    def __init__(self, steps: list[KernelStep], nodes: list[Node], metas: dict):
+        self.nodes, self.metas = nodes, metas
+        self.graph = nodes[0].graph if nodes else None
+        self.kernel_of = {c: s for s in steps for c in (s.output, *s.covers, *s.extra)}
+        self.index()
+
+    def index(self) -> None:
+        self.nodes[:] = list(self.graph.nodes) if self.graph is not None else []
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+
+    def made_at(self, n: Node) -> int:
+        """The place of the step that computes ``n``: its kernel's output, or its own."""
+        k = self.kernel_of.get(n)
+        return self.pos[n if k is None else k.output]
+
+    def identity(self, n: Node) -> bool:
+        return n not in self.kernel_of and is_identity(n, self.metas)
+
+    def readers(self, n: Node):
+        """The nodes that read ``n``'s value, through identity nodes (which take no step)."""
+        for u in n.users:
+            if self.identity(u):
+                yield from self.readers(u)
+            else:
+                yield u
+
+    def source(self, n: Node) -> Node:
+        while self.identity(n):
+            n = n.args[0]
+        return n
+
+    def extends(self, run: list[KernelStep], s: KernelStep) -> list[Node] | None:
+        """The views to move after the run for ``s`` to join it, or None where it cannot."""
+        lead = _lead(self.metas[run[0].output])
+        if any(_lead(self.metas[n]) != lead for n in (*s.args, s.output)):
+            return None
+        inside = {n for k in (*run, s) for n in (k.output, *k.covers)}
+        end = self.pos[s.output]
+        later: list[Node] = []
+        for k in run:
+            for u in self.readers(k.output):
+                if u not in inside and self.made_at(u) < end and \
+                        not self._movable(u, inside, end, later):
+                    return None
+        start = min(self.pos[n] for k in run for n in (k.output, *k.covers))
+        if any(is_inplace(n) or (n.op == "call_function" and n.is_impure())
+               for n in self.nodes[start:end] if n not in inside):
+            return None
+        return later
+
+    def _movable(self, u: Node, inside: set, end: int, later: list) -> bool:
+        """Whether ``u`` and whatever reads it before ``end`` are views no kernel of the run
+        reads; they are added to ``later``."""
+        if u in later:
+            return True
+        if u in self.kernel_of or not is_view(u) or is_inplace(u):
             return False
-    start = min(pos[n] for k in run for n in (k.output, *k.covers))
-    return not any(is_inplace(n) or (n.op == "call_function" and n.is_impure())
-                   for n in nodes[start:end] if n not in inside)
+        later.append(u)
+        return all(w not in inside and (self.made_at(w) >= end or
+                                        self._movable(w, inside, end, later))
+                   for w in self.readers(u))
+
+    def move_after(self, last: Node, moved: list[Node]) -> None:
+        """Move ``moved`` (in their graph order) right after ``last``."""
+        at = last
+        for n in sorted(moved, key=self.pos.__getitem__):
+            at.append(n)
+            at = n
+        if moved:
+            self.index()
 
 
-def _chained(run: list[KernelStep], metas: dict) -> list[KernelStep]:
+def _chained(run: list[KernelStep], order: _Order) -> list[KernelStep]:
     """The run as one step, or as it was where the chain cannot be built."""
     outputs = {k.output: i for i, k in enumerate(run)}
     inside = {n for k in run for n in (k.output, *k.covers)}
@@ -80,13 +153,13 @@ def _chained(run: list[KernelStep], metas: dict) -> list[KernelStep]:
     for k in run:
         inputs = []
         for a in k.args:
-            if a in outputs:
-                inputs.append(("mid", outputs[a]))
-            else:
+            if order.source(a) in outputs:
+                inputs.append(("mid", outputs[order.source(a)]))
+            else:   # read from its own slot (an identity node's is its input's)
                 if a not in ext:
                     ext.append(a)
                 inputs.append(("ext", ext.index(a)))
-        escapes = any(u not in inside for u in k.output.users)
+        escapes = any(u not in inside for u in order.readers(k.output))
         members.append(Member(k.fn, k.fn.native, tuple(inputs), escapes))
     try:
         fn, why = make_kernel("make_chain", members)
@@ -96,7 +169,10 @@ def _chained(run: list[KernelStep], metas: dict) -> list[KernelStep]:
         log.warning("kwker: chaining %s failed, they run one by one: %s",
                     ", ".join(k.name for k in run), why)
         return list(run)
-    extra = [k.output for k in run[:-1] if any(u not in inside for u in k.output.users)]
-    covers = list(dict.fromkeys(n for k in run for n in (k.output, *k.covers)))
+    extra = [k.output for k in run[:-1] if members[outputs[k.output]].escapes]
+    # identity nodes (no step) on an output only the run reads are its too
+    aliases = [u for k in run for u in k.output.users if order.identity(u) and
+               all(r in inside for r in order.readers(u))]
+    covers = list(dict.fromkeys(n for k in run for n in (k.output, *k.covers))) + aliases
     name = "chain(" + ", ".join(k.name for k in run) + ")"
     return [KernelStep(fn, ext, run[-1].output, covers, name, extra, [k.name for k in run])]

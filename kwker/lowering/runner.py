@@ -236,7 +236,7 @@ def _droppable(n: Node) -> bool:
 _TO = {torch.ops.aten.to.dtype_layout, torch.ops.aten.to.dtype, torch.ops.aten.to.device}
 
 
-def _identity(n: Node, metas: dict | None) -> bool:
+def is_identity(n: Node, metas: dict | None) -> bool:
     """Whether ``n`` gives back its input tensor itself, as an exported graph's eval-mode dropout
     does (``aten.dropout(x, p, False)``), and its ``aten.to`` to the dtype, device and layout
     the input has (GPT-2's position embeddings: 20 us a token, the caches cold)."""
@@ -273,7 +273,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
     for n in nodes:
         if n.op == "placeholder" or n in covered or n in no_step:
             continue
-        if n not in by_output and _identity(n, metas):   # its input's slot is its own
+        if n not in by_output and is_identity(n, metas):   # its input's slot is its own
             slot_of[n] = slot_of[n.args[0]]
             continue
         if n.op == "get_attr":

@@ -93,3 +93,54 @@ def test_no_chain_across_a_write():
     kernels = [s.kernels for s in steps if hasattr(s, "kernels")]
     assert kernels[0] == ["linear_residual"] and len(kernels[1]) == 5, kernels
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(out, want))
+
+
+class _LlamaBlock(torch.nn.Module):
+    """A Llama layer's kernels between two attentions, written as transformers writes them:
+    each RMSNorm starts with an identity ``to(float32)``, and the q projection is viewed to
+    heads before k and v are projected."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        self.o, self.gate, self.up, self.down = lin(d, d), lin(d, 3 * d), lin(d, 3 * d), \
+            lin(3 * d, d)
+        self.q, self.k, self.v = lin(d, d), lin(d, d // 2), lin(d, d // 2)
+        self.w1, self.w2 = (torch.nn.Parameter(torch.rand(d) + 0.5) for _ in range(2))
+        self.heads = heads
+
+    @staticmethod
+    def rms(x, w):
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * x.to(torch.float32)
+
+    def forward(self, a, x):
+        x = x + self.o(a)
+        h = self.rms(x, self.w1)
+        x = x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+        h = self.rms(x, self.w2)
+        q = self.q(h).view(1, 1, -1, 8).transpose(1, 2)
+        k = self.k(h).view(1, 1, -1, 8).transpose(1, 2)
+        v = self.v(h).view(1, 1, -1, 8).transpose(1, 2)
+        return q, k, v, x
+
+
+def test_llama_layer_is_one_chained_step(monkeypatch):
+    """Through the norms' identity ``to`` and past q's views to heads (moved after the chain):
+    the layer's ten kernels in one step, bit for bit what they give one by one."""
+    torch.manual_seed(0)
+    model = _LlamaBlock().eval()
+    args = (torch.randn(1, 1, 32), torch.randn(1, 1, 32))
+    out, steps = _compiled(model, *args)
+    chained = [s.kernels for s in steps if hasattr(s, "kernels")]
+    assert chained == [["linear_residual", "rms_norm", "linear", "linear", "silu_mul",
+                        "linear_residual", "rms_norm", "linear", "linear", "linear"]], chained
+    import kwker.lowering.partition as partition
+    monkeypatch.setattr(partition, "chain_kernels", lambda steps, nodes, metas: steps)
+    plain, _ = _compiled(model, *args)
+    assert all(a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+               for a, b in zip(out, plain))
+    with torch.no_grad():
+        want = model(*args)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(out, want))
