@@ -38,6 +38,8 @@ def emit(spec, target):
             return b.ptrtoint(tensors[index], i64)
         if kind == "s":
             return b.ptrtoint(starts[index], i64)
+        if kind == "e":
+            return b.mul(rows, const(i64, index))
         return {"r": rows, "n": threads, "z": const(i64, 0)}[kind]
 
     for call in spec.calls:

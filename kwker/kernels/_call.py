@@ -39,7 +39,8 @@ class Native:
     from native code with no Python between kernels. ``words`` gives each argument of the
     kernel's entry point: ``("in", i)`` the data pointer of the callable's tensor argument i,
     ``("out",)`` the output's, ``("word", v)`` a constant (a weight's address; None for null),
-    ``("rows",)`` the row count, ``("threads",)`` the thread count.
+    ``("rows",)`` the row count, ``("numel",)`` the output's elements, ``("threads",)`` the
+    thread count.
 
     The common call is the one the callable itself makes without leaving its frame: tensor
     argument i contiguous, of ``dtypes[i]``, shaped ``(*lead, widths[i])``, the output

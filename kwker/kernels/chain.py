@@ -9,7 +9,9 @@ makes them all, the rows no one else reads living in one scratch buffer.
 
 A member is a factory callable with a ``native`` form (``_call.Native``). The chain's call
 checks its outside inputs as each member's own common call would (shape, dtype, contiguity, no
-profiler) and otherwise calls the members in Python, so every call gets the members' answer.
+profiler) and otherwise calls the members in Python, so every call gets the members' answer
+(under the profiler inside a ``record_function`` of the chain's symbol, each member naming
+itself within it).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._call import Native, _profiler_enabled, entry
+from ._call import Native, _profiler_enabled, entry, record_function
 from .specs import ChainSpec
 
 ALIGN = 64
@@ -77,6 +79,8 @@ def make_chain(members: list[Member]):
                 tokens.append(out_token[i])
             elif kind == "word":
                 tokens.append("z" if w[1] is None else _word(words, w[1]))
+            elif kind == "numel":
+                tokens.append(f"e{m.native.n}")
             else:
                 tokens.append({"rows": "r", "threads": "n"}[kind])
         calls.append(" ".join(tokens))
@@ -126,7 +130,10 @@ def _run(spec: ChainSpec, table: torch.Tensor, members: list[Member], escaping: 
         x = args[0]
         lead = x.shape[:-1]
         rows = x.numel() // width0
-        if _profiler_enabled() or not ok_rows(lead, rows):
+        if _profiler_enabled():   # each kernel named in the trace, inside the chain's name
+            with record_function(spec.symbol):
+                return fallback(*args)
+        if not ok_rows(lead, rows):
             return fallback(*args)
         for t, (width, dtype) in zip(args, ext):
             if not (t.dim() and t.shape[-1] == width and t.shape[:-1] == lead and

@@ -5,7 +5,7 @@ import torch
 
 from ..runtime.calling import row_stride
 from ..runtime.kernel import get_kernel
-from ._call import Native, _profiler_enabled, checked, entry, record_function
+from ._call import ANY_ROWS, Native, _profiler_enabled, checked, entry, record_function
 from .specs import EltwiseSpec
 
 _GELU_OPS = {"none": "gelu", "tanh": "gelu_tanh"}
@@ -78,8 +78,8 @@ def make_silu_mul(numel: int | None, dtype: torch.dtype = torch.float32,
                   width: int | None = None):
     """``callable(x, y) -> F.silu(x) * y`` (SwiGLU's gate) for contiguous ``x`` and ``y`` of one
     shape and ``dtype``; ``numel=None``: any size. bf16 rounds the SiLU before the product, as
-    eager runs the two ops. ``width``: their last dim, where known with ``numel``, which gives
-    the callable a native form on rows of it (``_call.Native``, for chains)."""
+    eager runs the two ops. ``width``: their last dim, where known, which gives the callable a
+    native form on rows of it (``_call.Native``, for chains)."""
     if dtype not in _DTYPES:
         raise NotImplementedError(f"kwker silu_mul: float32 or bfloat16 only, got {dtype}")
     if numel is not None and int(numel) < 1:
@@ -110,9 +110,12 @@ def make_silu_mul(numel: int | None, dtype: torch.dtype = torch.float32,
         return out
 
     run.spec = spec
-    if numel and width and numel % width == 0:
-        run.native = Native(get_kernel(spec), (("in", 0), ("in", 1), ("out",), ("threads",)),
-                            (width, width), (dtype, dtype), width, dtype, rows=numel // width)
+    if width and (not numel or numel % width == 0):
+        size = (("numel",),) if not numel else ()
+        run.native = Native(get_kernel(spec), (("in", 0), ("in", 1), ("out",), *size,
+                                               ("threads",)),
+                            (width, width), (dtype, dtype), width, dtype,
+                            rows=(numel or 0) // width, max_rows=0 if numel else ANY_ROWS)
     return run
 
 

@@ -58,8 +58,9 @@ class ChainSpec(Spec):
 
     ``calls``: per kernel, its ABI words as space-separated tokens, the first its entry point:
     ``w<i>`` word i of the table, ``t<j>`` tensor argument j, ``s<i>`` scratch buffer i, ``r``
-    the rows, ``n`` the threads, ``z`` null. ``scratch``: the bytes a row of each scratch buffer
-    takes (the intermediates no one outside reads); ``tensors``: tensor arguments."""
+    the rows, ``e<k>`` the rows times k, ``n`` the threads, ``z`` null. ``scratch``: the bytes
+    a row of each scratch buffer takes (the intermediates no one outside reads); ``tensors``:
+    tensor arguments."""
     calls: tuple
     scratch: tuple = ()
     tensors: int = 0

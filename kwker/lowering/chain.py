@@ -108,6 +108,12 @@ class _Order:
         lead = _lead(self.metas[run[0].output])
         if any(_lead(self.metas[n]) != lead for n in (*s.args, s.output)):
             return None
+        made = {k.output: k.fn.native for k in run}
+        native = s.fn.native
+        for a, width, dtype in zip(s.args, native.widths, native.dtypes):
+            got = made.get(self.source(a))
+            if got is not None and (got.n, got.out_dtype) != (width, dtype):
+                return None
         inside = {n for k in (*run, s) for n in (k.output, *k.covers)}
         end = self.pos[s.output]
         later: list[Node] = []
@@ -166,8 +172,8 @@ def _chained(run: list[KernelStep], order: _Order) -> list[KernelStep]:
     except Exception as e:  # noqa: BLE001 - the members still run, one step each
         fn, why = None, f"{type(e).__name__}: {e}"
     if fn is None:
-        log.warning("kwker: chaining %s failed, they run one by one: %s",
-                    ", ".join(k.name for k in run), why)
+        log.debug("kwker: chaining %s failed, they run one by one: %s",
+                  ", ".join(k.name for k in run), why)
         return list(run)
     extra = [k.output for k in run[:-1] if members[outputs[k.output]].escapes]
     # identity nodes (no step) on an output only the run reads are its too

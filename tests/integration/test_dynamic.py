@@ -164,7 +164,9 @@ def test_manifest_of_a_dynamic_model_prewarms_every_size(tmp_path):
     with torch.no_grad():
         compiled(torch.randn(5, 40))
     specs = [s for r in kd.all_reports() for s in r.specs]
-    assert specs and all(getattr(s, "m", None) == 0 for s in specs), specs
+    # the linears generic over rows (m 0), and the chain that calls both, which holds no size
+    assert specs and all(getattr(s, "m", None) == 0 for s in specs if s.family != "chain")
+    assert [s.family for s in specs].count("chain") == 1, specs
     path = write_manifest(tmp_path / "mlp.kwm.json", specs)
     env = dict(os.environ, KWKER_CACHE_DIR=str(tmp_path / "cache"))
     subprocess.run([sys.executable, "-m", "cache_tools", "prewarm", "--manifest", str(path)],
