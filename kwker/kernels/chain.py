@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codegen.chain import ALIGN
 from ._call import Native, _profiler_enabled, entry, record_function
 from .specs import ChainSpec
-
-ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -109,14 +108,10 @@ def _run(spec: ChainSpec, table: torch.Tensor, members: list[Member], escaping: 
                                                        if escaping[k] != len(members) - 1]
     ok_rows = _rows_check(members)
     width0 = ext[0][0]
-    sizes: dict[int, int] = {}
     empty, threads = torch.empty, torch.get_num_threads
 
-    def scratch_bytes(rows: int) -> int:
-        size = sizes.get(rows)
-        if size is None:
-            size = sizes[rows] = sum(-(-rows * b // ALIGN) * ALIGN for b in spec.scratch)
-        return size
+    def scratch_bytes(rows: int) -> int:   # as codegen/chain.py lays the buffers out
+        return sum(-(-rows * b // ALIGN) * ALIGN for b in spec.scratch)
 
     def fallback(*args):
         values = []
