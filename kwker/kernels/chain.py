@@ -15,6 +15,7 @@ itself within it).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,8 +46,10 @@ def make_chain(members: list[Member]):
                for i, m in enumerate(members)]
     n_ext = 1 + max((j for m in members for kind, j in m.inputs if kind == "ext"), default=-1)
     ext_kind: dict[int, tuple] = {}     # ext j -> (width, dtype), from its first reader
-    for m in members:
+    for i, m in enumerate(members):
         for (kind, j), width, dtype in zip(m.inputs, m.native.widths, m.native.dtypes):
+            if kind == "mid" and not 0 <= j < i:
+                raise ValueError(f"make_chain: member {i} reads member {j}'s output")
             if kind == "ext":
                 seen = ext_kind.setdefault(j, (width, dtype))
                 if seen != (width, dtype):
@@ -71,8 +74,6 @@ def make_chain(members: list[Member]):
             kind = w[0]
             if kind == "in":
                 src, j = m.inputs[w[1]]
-                if src == "mid" and not j < i:
-                    raise ValueError(f"make_chain: member {i} reads member {j}'s output")
                 tokens.append(f"t{j}" if src == "ext" else out_token[j])
             elif kind == "out":
                 tokens.append(out_token[i])
@@ -94,9 +95,25 @@ def _word(words: list, value: int) -> str:
 
 
 def _rows_check(members: list[Member]) -> Callable[[tuple, int], bool]:
-    """``ok(lead, rows)``: whether every member's common call takes these leading dims."""
+    """``ok(lead, rows)``: whether every member's common call takes these leading dims, as one
+    comparison (a chain's call makes it every time)."""
     natives = [m.native for m in members]
-    return lambda lead, rows: all(n.accepts(lead, rows) for n in natives)
+    leads = {n.lead for n in natives if n.lead is not None}
+    fixed = {n.rows for n in natives if n.lead is None and n.rows}
+    if len(leads) > 1 or len(fixed) > 1:
+        raise ValueError(f"make_chain: members built for different rows ({leads or fixed})")
+    if leads:
+        (lead,) = leads
+        if not all(n.accepts(lead, math.prod(lead)) for n in natives):
+            raise ValueError(f"make_chain: not every member takes leading dims {lead}")
+        return lambda got, rows: got == lead
+    most = min((n.max_rows for n in natives if not n.rows), default=0)
+    if fixed:
+        (count,) = fixed
+        if most and count > most:
+            raise ValueError(f"make_chain: {count} rows is more than a member takes ({most})")
+        return lambda got, rows: rows == count
+    return lambda got, rows: 0 < rows <= most
 
 
 def _run(spec: ChainSpec, table: torch.Tensor, members: list[Member], escaping: list[int],

@@ -133,3 +133,18 @@ def test_swiglu_chain():
     x, res = torch.randn(1, 1, D), torch.randn(1, 1, D)
     assert torch.equal(chained(x, res), down(act(gate(x), up(x)), res))
     assert make_silu_mul(H).__dict__.get("native") is None   # no width: no native form
+
+
+def test_rows_a_chain_takes_are_those_every_member_takes():
+    """A member fixed to (1, 1) rows and generic ones: the chain runs natively on (1, 1) only;
+    members built for different rows do not make a chain."""
+    fixed_norm = block(lead=(1, 1))[0]
+    _, fc, proj = block(lead=None)
+    chained = mlp_chain(fixed_norm, fc, proj)
+    x = torch.randn(1, 1, D)
+    assert torch.equal(chained(x), by_members(fixed_norm, fc, proj, x)[0])
+    assert chained.spec.calls    # built, and the fixed norm's own check for other rows:
+    with pytest.raises(ValueError):
+        chained(torch.randn(1, 2, D))
+    with pytest.raises(ValueError, match="make_chain: .*(rows|leading dims)"):
+        mlp_chain(fixed_norm, *block(lead=(2,))[1:])
