@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch.fx import Node
 
 from ..kernels.chain import Member
@@ -24,6 +25,11 @@ from .shapes import TensorMeta
 
 log = logging.getLogger("kwker")
 MIN_RUN = 2
+# ops whose result, given the shape and strides of their input, is their input's memory from its
+# first element (``as_strided`` and slices may start elsewhere)
+SAME_LAYOUT_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.alias.default,
+                     torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+                     "view", "reshape"}
 
 
 def chain_kernels(steps: list[KernelStep], nodes: list[Node], metas: dict) -> list[KernelStep]:
@@ -88,7 +94,23 @@ class _Order:
         return self.pos[n if k is None else k.output]
 
     def identity(self, n: Node) -> bool:
-        return n not in self.kernel_of and is_identity(n, self.metas)
+        """Whether ``n``'s value is its input's memory as it lies: the runner's identity nodes,
+        and views that keep the shape and strides (GPT-2's ``view`` and ``alias`` of the final
+        norm before the head)."""
+        if n in self.kernel_of:
+            return False
+        if is_identity(n, self.metas):
+            return True
+        target = n.target if n.op in ("call_function", "call_method") else None
+        try:
+            if target not in SAME_LAYOUT_VIEWS or not n.args or not isinstance(n.args[0], Node):
+                return False
+        except TypeError:  # an unhashable target
+            return False
+        a, b = self.metas.get(n.args[0]), self.metas.get(n)
+        return isinstance(a, TensorMeta) and isinstance(b, TensorMeta) and \
+            tuple(a.shape) == tuple(b.shape) and tuple(a.stride) == tuple(b.stride) and \
+            a.dtype == b.dtype
 
     def readers(self, n: Node):
         """The nodes that read ``n``'s value, through identity nodes (which take no step)."""
@@ -97,6 +119,13 @@ class _Order:
                 yield from self.readers(u)
             else:
                 yield u
+
+    def aliases(self, n: Node):
+        """The identity nodes on ``n``, through one another."""
+        for u in n.users:
+            if self.identity(u):
+                yield u
+                yield from self.aliases(u)
 
     def source(self, n: Node) -> Node:
         while self.identity(n):
@@ -177,8 +206,8 @@ def _chained(run: list[KernelStep], order: _Order) -> list[KernelStep]:
         return list(run)
     extra = [k.output for k in run[:-1] if members[outputs[k.output]].escapes]
     # identity nodes (no step) on an output only the run reads are its too
-    aliases = [u for k in run for u in k.output.users if order.identity(u) and
-               all(r in inside for r in order.readers(u))]
+    aliases = [u for k in run for u in order.aliases(k.output)
+               if all(r in inside for r in order.readers(u))]
     covers = list(dict.fromkeys(n for k in run for n in (k.output, *k.covers))) + aliases
     name = "chain(" + ", ".join(k.name for k in run) + ")"
     return [KernelStep(fn, ext, run[-1].output, covers, name, extra, [k.name for k in run])]

@@ -144,3 +144,30 @@ def test_llama_layer_is_one_chained_step(monkeypatch):
     with torch.no_grad():
         want = model(*args)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(out, want))
+
+
+class _Tail(torch.nn.Module):
+    """GPT-2's last steps: the residual, the final norm, a view of it keeping its shape, the
+    head."""
+
+    def __init__(self, d=32, vocab=56):
+        super().__init__()
+        self.proj, self.ln = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, a, x):
+        x = x + self.proj(a)
+        return self.head(self.ln(x).view(1, 1, -1))
+
+
+def test_a_view_keeping_the_layout_does_not_end_a_chain(monkeypatch):
+    torch.manual_seed(0)
+    model = _Tail().eval()
+    args = (torch.randn(1, 1, 32), torch.randn(1, 1, 32))
+    out, steps = _compiled(model, *args)
+    assert [getattr(s, "kernels", None) for s in steps] == [
+        ["linear_residual", "layer_norm", "linear"]]
+    import kwker.lowering.partition as partition
+    monkeypatch.setattr(partition, "chain_kernels", lambda steps, nodes, metas: steps)
+    plain, steps = _compiled(model, *args)
+    assert len(steps) == 4 and torch.equal(out, plain)   # three kernels and the view
