@@ -39,13 +39,14 @@ class Native:
     from native code with no Python between kernels. ``words`` gives each argument of the
     kernel's entry point: ``("in", i)`` the data pointer of the callable's tensor argument i,
     ``("out",)`` the output's, ``("word", v)`` a constant (a weight's address; None for null),
-    ``("rows",)`` the row count, ``("numel",)`` the output's elements, ``("threads",)`` the
-    thread count.
+    ``("rows",)`` the row count, ``("numel",)`` the output's elements, ``("width",)`` the first
+    argument's last dim, ``("threads",)`` the thread count.
 
     The common call is the one the callable itself makes without leaving its frame: tensor
     argument i contiguous, of ``dtypes[i]``, shaped ``(*lead, widths[i])``, the output
     ``(*lead, n)`` of ``out_dtype``; ``lead`` is fixed, or None for any leading dims whose product
-    (the rows) is ``rows`` (0: any from 1 to ``max_rows``)."""
+    (the rows) is ``rows`` (0: any from 1 to ``max_rows``). A width of 0 is any: in a chain, that
+    of the member whose output the argument is; an ``n`` of 0 is its first argument's width."""
     addr: int
     words: tuple
     widths: tuple

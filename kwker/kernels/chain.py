@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,6 +44,7 @@ def make_chain(members: list[Member]):
         raise ValueError(f"make_chain: a chain has at least two kernels, got {len(members)}")
     members = [m if i < len(members) - 1 else Member(m.fn, m.native, m.inputs, True)
                for i, m in enumerate(members)]
+    members = _widths_resolved(members)
     n_ext = 1 + max((j for m in members for kind, j in m.inputs if kind == "ext"), default=-1)
     ext_kind: dict[int, tuple] = {}     # ext j -> (width, dtype), from its first reader
     for i, m in enumerate(members):
@@ -81,12 +82,31 @@ def make_chain(members: list[Member]):
                 tokens.append("z" if w[1] is None else _word(words, w[1]))
             elif kind == "numel":
                 tokens.append(f"e{m.native.n}")
+            elif kind == "width":
+                tokens.append(_word(words, m.native.widths[0]))
             else:
                 tokens.append({"rows": "r", "threads": "n"}[kind])
         calls.append(" ".join(tokens))
     spec = ChainSpec(tuple(calls), tuple(scratch), n_ext + len(escaping))
     table = torch.tensor(words, dtype=torch.int64)
     return _run(spec, table, members, escaping, [ext_kind[j] for j in range(n_ext)])
+
+
+def _widths_resolved(members: list[Member]) -> list[Member]:
+    """The members with every width of 0 (any, ``Native``) made the width its producer gives."""
+    out: list[Member] = []
+    for i, m in enumerate(members):
+        widths = []
+        for (kind, j), width in zip(m.inputs, m.native.widths):
+            if width == 0:
+                if kind != "mid" or not 0 <= j < i:
+                    raise ValueError(f"make_chain: member {i} takes rows of any width, which only "
+                                     "an earlier member's output gives")
+                width = out[j].native.n
+            widths.append(width)
+        native = replace(m.native, widths=tuple(widths), n=m.native.n or widths[0])
+        out.append(replace(m, native=native))
+    return out
 
 
 def _word(words: list, value: int) -> str:

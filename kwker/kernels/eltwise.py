@@ -78,8 +78,8 @@ def make_silu_mul(numel: int | None, dtype: torch.dtype = torch.float32,
                   width: int | None = None):
     """``callable(x, y) -> F.silu(x) * y`` (SwiGLU's gate) for contiguous ``x`` and ``y`` of one
     shape and ``dtype``; ``numel=None``: any size. bf16 rounds the SiLU before the product, as
-    eager runs the two ops. ``width``: their last dim, where known, which gives the callable a
-    native form on rows of it (``_call.Native``, for chains)."""
+    eager runs the two ops. The callable has a native form (``_call.Native``, for chains) on
+    rows: of ``width`` (their last dim) with ``numel``, of any width without."""
     if dtype not in _DTYPES:
         raise NotImplementedError(f"kwker silu_mul: float32 or bfloat16 only, got {dtype}")
     if numel is not None and int(numel) < 1:
@@ -110,12 +110,13 @@ def make_silu_mul(numel: int | None, dtype: torch.dtype = torch.float32,
         return out
 
     run.spec = spec
-    if width and (not numel or numel % width == 0):
-        size = (("numel",),) if not numel else ()
-        run.native = Native(get_kernel(spec), (("in", 0), ("in", 1), ("out",), *size,
+    if not numel:   # rows of whatever width its inputs' producers give (kernels/chain.py)
+        run.native = Native(get_kernel(spec), (("in", 0), ("in", 1), ("out",), ("numel",),
                                                ("threads",)),
-                            (width, width), (dtype, dtype), width, dtype,
-                            rows=(numel or 0) // width, max_rows=0 if numel else ANY_ROWS)
+                            (0, 0), (dtype, dtype), 0, dtype, max_rows=ANY_ROWS)
+    elif width and numel % width == 0:
+        run.native = Native(get_kernel(spec), (("in", 0), ("in", 1), ("out",), ("threads",)),
+                            (width, width), (dtype, dtype), width, dtype, rows=numel // width)
     return run
 
 
@@ -175,4 +176,8 @@ def make_silu_mul_rows(dtype: torch.dtype = torch.float32):
         return out
 
     run.spec = spec
+    # the contiguous call, on rows of whatever width its inputs' producers give (kernels/chain.py)
+    run.native = Native(get_kernel(spec), (("in", 0), ("in", 1), ("out",), ("rows",),
+                                           ("width",), ("width",), ("width",), ("threads",)),
+                        (0, 0), (dtype, dtype), 0, dtype, max_rows=ANY_ROWS)
     return run

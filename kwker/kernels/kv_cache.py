@@ -112,7 +112,8 @@ class FixedView:
     make: Callable
 
 
-def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple):
+def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple,
+                       result: FixedView | None = None):
     """``step(q, past_k, new_k, past_v, new_v) -> (out, keys, values)``: what
     ``keys = append(past_k, new_k); values = append(past_v, new_v); out = attend(q, keys,
     values)`` gives with two ``make_kv_append(2)`` appends along the rows of (B, H, T, D) caches
@@ -125,7 +126,9 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
     (``views``: for q, new_k, new_v, a ``FixedView`` where the step is given the view's root,
     else None). ``out_shape`` and ``out_stride``: the attention output's, as the graph recorded
     it. Any call the in-place path does not take (see ``make_kv_append``), or of other sizes,
-    runs the three steps as written: the same values."""
+    runs the three steps as written: the same values. ``result``: the view of attention's
+    output the step gives instead, contiguous from its first element over exactly its memory
+    (allocated as that view, written through the output's strides)."""
     if any(v is not None and (len(v.size) != 4 or v.stride[3] != 1) for v in views):
         raise ValueError(f"make_append_attend: views must be 4-D with rows contiguous: {views}")
     heads, kvh, e, ev, dtype = attend.dims
@@ -186,13 +189,14 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
                 tuple(qo[1]) != (b, heads, lq, e) or qo[2][3] != 1:
             keys = append_k(past_k, tensor(new_k, kv))
             values = append_v(past_v, tensor(new_v, vv))
-            return attend(tensor(q, qv), keys, values), keys, values
+            return tensor(attend(tensor(q, qv), keys, values), result), keys, values
         (sk, rk, size_k), (sv, rv, size_v) = gk, gv
         write(copy_k, ko, past_k, sk, rk)
         write(copy_v, vo, past_v, sv, rv)
         sk[0], sv[0] = size_k, size_v
         keys, values = as_strided(past_k, size_k, sk[1]), as_strided(past_v, size_v, sv[1])
-        out = empty_strided(out_shape, out_stride, dtype=dtype)
+        out = empty_strided(out_shape, out_stride, dtype=dtype) if result is None else \
+            empty_strided(result.size, result.stride, dtype=dtype)
         raw(qo[0], qo[2], keys.data_ptr(), sk[1], values.data_ptr(), sv[1], out.data_ptr(),
             out_stride, b, lq, size_k[2])
         return out, keys, values

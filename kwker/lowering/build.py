@@ -359,9 +359,8 @@ def _silu_mul(m: Match, metas, consts):
         # row kernel, one for every size (inputs that are not rows of a stride go to ATen)
         fn, why = make_kernel("make_silu_mul_rows", dtype=xm.dtype)
         return (mark_generic(fn, True), None) if fn is not None else (None, why)
-    width = xm.shape[-1] if xm.shape and known(xm.shape[-1]) else None
     if not known(*xm.shape):
-        fn, why = make_kernel("make_silu_mul", None, dtype=xm.dtype, width=width)
+        fn, why = make_kernel("make_silu_mul", None, dtype=xm.dtype)
         if fn is None:
             return None, why
 
@@ -373,7 +372,8 @@ def _silu_mul(m: Match, metas, consts):
         return mark_generic(run, True), None
     if xm.numel == 0:
         return None, "empty input"
-    return make_kernel("make_silu_mul", xm.numel, dtype=xm.dtype, width=width)
+    return make_kernel("make_silu_mul", xm.numel, dtype=xm.dtype,
+                       width=xm.shape[-1] if xm.shape else None)
 
 
 def norm_aten(norm: str, d: int, w, b, eps: float, out_dtype=None):

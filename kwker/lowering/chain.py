@@ -141,7 +141,9 @@ class _Order:
         native = s.fn.native
         for a, width, dtype in zip(s.args, native.widths, native.dtypes):
             got = made.get(self.source(a))
-            if got is not None and (got.n, got.out_dtype) != (width, dtype):
+            if got is None and not width:   # rows of any width: only a member's are known
+                return None
+            if got is not None and (got.out_dtype != dtype or width and got.n and got.n != width):
                 return None
         inside = {n for k in (*run, s) for n in (k.output, *k.covers)}
         end = self.pos[s.output]

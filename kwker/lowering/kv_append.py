@@ -14,6 +14,8 @@ it was compiled for.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.fx import Node
 
@@ -158,8 +160,12 @@ def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict
             or len(om.shape) != 4:
         return None
     covers = set(s.covers) | {s.output, k, v}
+    result, output = _result_view(s.output, found, om), s.output
+    if result is not None:   # the step gives the view, its own output's memory
+        output, path = result
+        covers.update(path)
     # the appends' results: read by the attention and, after it, by anything (the output)
-    if any(u not in covers and order[u] < order[s.output] for x in (k, v) for u in x.users):
+    if any(u not in covers and order[u] < order[output] for x in (k, v) for u in x.users):
         return None
     operands = [q, ak.args[1], av.args[1]]
     paths = [_path(x, found) for x in operands]
@@ -183,12 +189,44 @@ def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict
                                views.maker(chain)))
         args.append(chain.root)
         covers.update(path)
+    made = None
+    if result is not None:
+        chain = found[output]
+        made = FixedView(tuple(om.shape), tuple(om.stride), tuple(chain.meta.shape),
+                         chain.meta.stride(), 0, views.maker(chain))
     fn, _ = make_kernel("make_append_attend", s.fn, tuple(fixed), tuple(om.shape),
-                        tuple(om.stride))
+                        tuple(om.stride), made)
     if fn is None:
         return None
-    return KernelStep(fn, [args[0], ak.args[0], args[1], av.args[0], args[2]], s.output,
-                      [n for n in order if n in covers], "sdpa_kv_append", [k, v])
+    return KernelStep(fn, [args[0], ak.args[0], args[1], av.args[0], args[2]], output,
+                      [n for n in order if n in covers], "sdpa_kv_append",
+                      [k, v])
+
+
+def _result_view(out: Node, found: dict, om: TensorMeta) -> tuple | None:
+    """(the last node, every node) of the chain of views that alone reads attention's output
+    and makes of its memory one contiguous tensor from its first element (after a decode
+    step's attention, ``transpose`` and ``reshape`` to the (B, 1, H * E) row the output
+    projection reads), or None: the step then gives that row itself, one step and one view fewer
+    a layer."""
+    numel = math.prod(om.shape)
+    if not numel or 1 + sum((d - 1) * st for d, st in zip(om.shape, om.stride)) != numel:
+        return None   # the output's memory is not exactly its elements
+    best = None
+    for end, chain in found.items():
+        meta = chain.meta
+        if chain.root is not out or not isinstance(meta, torch.Tensor) or \
+                not meta.is_contiguous() or meta.storage_offset() or meta.numel() != numel:
+            continue
+        path = [end]
+        while path[-1].args[0] is not out:
+            path.append(path[-1].args[0])
+        inner = set(path) - {end}
+        if all(u in inner or u is end for u in out.users) and \
+                all(u in path for n in inner for u in n.users) and \
+                (best is None or len(path) > len(best[1])):
+            best = (end, path)
+    return best
 
 
 def _path(node, found: dict) -> list | None:

@@ -132,7 +132,22 @@ def test_swiglu_chain():
                           Member(down, down.native, (("mid", 2), ("ext", 1)), True)])
     x, res = torch.randn(1, 1, D), torch.randn(1, 1, D)
     assert torch.equal(chained(x, res), down(act(gate(x), up(x)), res))
-    assert make_silu_mul(H).__dict__.get("native") is None   # no width: no native form
+    # the kernel for any size takes its rows' width from the members whose outputs it reads
+    anywide = make_silu_mul(None)
+    chained = make_chain([Member(gate, gate.native, (("ext", 0),), False),
+                          Member(up, up.native, (("ext", 0),), False),
+                          Member(anywide, anywide.native, (("mid", 0), ("mid", 1)), True)])
+    assert torch.equal(chained(x), act(gate(x), up(x)))
+    from kwker.kernels.eltwise import make_silu_mul_rows   # the rows kernel: its width a word
+    rows = make_silu_mul_rows()
+    chained = make_chain([Member(gate, gate.native, (("ext", 0),), False),
+                          Member(up, up.native, (("ext", 0),), False),
+                          Member(rows, rows.native, (("mid", 0), ("mid", 1)), False),
+                          Member(down, down.native, (("mid", 2), ("ext", 1)), True)])
+    assert torch.equal(chained(x, res), down(act(gate(x), up(x)), res))
+    with pytest.raises(ValueError, match="any width"):
+        make_chain([Member(anywide, anywide.native, (("ext", 0), ("ext", 1)), False),
+                    Member(down, down.native, (("mid", 0), ("ext", 2)), True)])
 
 
 def test_rows_a_chain_takes_are_those_every_member_takes():

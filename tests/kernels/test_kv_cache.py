@@ -192,3 +192,33 @@ def test_append_attend_leaves_what_callers_hold_alone():
     check(rows[2], plain, first[2], step(rows[2], plain, rows[2], first[2], rows[2]))
     wide = torch.randn(1, 2, 3 * heads * d)[:, 1:]                 # another layout of the row
     check(wide, base_k, base_v, step(wide, base_k, wide, base_v, wide))
+
+
+def test_append_attend_gives_the_rows_the_projection_reads():
+    """With ``result``, the step gives attention's output as the (1, 1, H D) row a decoder's
+    output projection reads (transposed back and reshaped), in place and on the calls it does
+    not take in place: the values the view of the attention kernel's output has."""
+    from kwker.kernels.kv_cache import FixedView, make_append_attend
+    torch.manual_seed(5)
+    heads, d = 4, 8
+    attend, _ = _append_attend(heads, heads, d, torch.float32, True)
+
+    def rows(out):
+        return out.transpose(1, 2).reshape(1, 1, heads * d)
+    meta = rows(torch.empty(1, heads, 1, d, device="meta"))
+    result = FixedView((1, heads, 1, d), (heads * d, d, d, 1), tuple(meta.shape),
+                       meta.stride(), 0, rows)
+    step = make_append_attend(attend, tuple(_qkv_view(i, heads, d) for i in range(3)),
+                              (1, heads, 1, d), (heads * d, d, d, 1), result)
+    append = make_kv_append(2)
+    past_k = append(torch.empty(0), torch.randn(1, heads, 3, d))
+    past_v = make_kv_append(2)(torch.empty(0), torch.randn(1, heads, 3, d))
+    for i in range(3):   # in place twice, then the first's result appended to again
+        row = torch.randn(1, 1, 3 * heads * d)
+        q, k, v = (_qkv_view(i, heads, d).make(row) for i in range(3))
+        out, keys, values = step(row, past_k, row, past_v, row)
+        want = rows(attend(q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)))
+        assert out.shape == (1, 1, heads * d) and out.is_contiguous()
+        assert torch.equal(out, want)
+        if i == 0:
+            past_k, past_v = keys, values
