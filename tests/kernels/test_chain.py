@@ -6,6 +6,7 @@ import torch
 
 from kwker.codegen import chain as chain_codegen
 from kwker.kernels.chain import Member, make_chain
+from kwker.kernels.eltwise import make_silu_mul, make_silu_mul_rows
 from kwker.kernels.linear import make_linear
 from kwker.kernels.norm import make_layer_norm
 from kwker.runtime.kernel import ir_text
@@ -120,7 +121,6 @@ def test_chain_ir_calls_each_entry_point_with_its_words():
 def test_swiglu_chain():
     """A Llama MLP's gate and up projections, SiLU times up, and the down projection with its
     residual: a member reading two others' outputs."""
-    from kwker.kernels.eltwise import make_silu_mul
     torch.manual_seed(2)
     lead = (1, 1)
     gate, up = (make_linear(torch.randn(H, D) / 7, None, m=1, lead=lead) for _ in range(2))
@@ -138,8 +138,7 @@ def test_swiglu_chain():
                           Member(up, up.native, (("ext", 0),), False),
                           Member(anywide, anywide.native, (("mid", 0), ("mid", 1)), True)])
     assert torch.equal(chained(x), act(gate(x), up(x)))
-    from kwker.kernels.eltwise import make_silu_mul_rows   # the rows kernel: its width a word
-    rows = make_silu_mul_rows()
+    rows = make_silu_mul_rows()   # the rows kernel: its width a word of the chain's table
     chained = make_chain([Member(gate, gate.native, (("ext", 0),), False),
                           Member(up, up.native, (("ext", 0),), False),
                           Member(rows, rows.native, (("mid", 0), ("mid", 1)), False),
