@@ -6,7 +6,8 @@ tensors of the run's leading dims only. The run's one step sits where its last k
 what reads a member's output must run after that: a reader whose own step comes later (a
 kernel's node is computed at its kernel's output) is fine, as is a view of it, which is moved
 after the run (views have no effects; a Llama's q projection is viewed to heads before k and v
-are projected), and the identity ``to`` a Llama's norm starts with takes no step at all. Nothing
+are projected), and what takes no step at all, its value its input (the identity ``to`` a
+Llama's norm starts with, GPT-2's view of its final norm), is seen through. Nothing
 between the run's first and last kernel may write in place. Outputs read outside the run become
 the step's extra values (``KernelStep.extra``); the rest live in the chain's scratch.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch.fx import Node
 
 from ..kernels.chain import Member
@@ -25,11 +25,6 @@ from .shapes import TensorMeta
 
 log = logging.getLogger("kwker")
 MIN_RUN = 2
-# ops whose result, given the shape and strides of their input, is their input's memory from its
-# first element (``as_strided`` and slices may start elsewhere)
-SAME_LAYOUT_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.alias.default,
-                     torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-                     "view", "reshape"}
 
 
 def chain_kernels(steps: list[KernelStep], nodes: list[Node], metas: dict) -> list[KernelStep]:
@@ -94,23 +89,8 @@ class _Order:
         return self.pos[n if k is None else k.output]
 
     def identity(self, n: Node) -> bool:
-        """Whether ``n``'s value is its input's memory as it lies: the runner's identity nodes,
-        and views that keep the shape and strides (GPT-2's ``view`` and ``alias`` of the final
-        norm before the head)."""
-        if n in self.kernel_of:
-            return False
-        if is_identity(n, self.metas):
-            return True
-        target = n.target if n.op in ("call_function", "call_method") else None
-        try:
-            if target not in SAME_LAYOUT_VIEWS or not n.args or not isinstance(n.args[0], Node):
-                return False
-        except TypeError:  # an unhashable target
-            return False
-        a, b = self.metas.get(n.args[0]), self.metas.get(n)
-        return isinstance(a, TensorMeta) and isinstance(b, TensorMeta) and \
-            tuple(a.shape) == tuple(b.shape) and tuple(a.stride) == tuple(b.stride) and \
-            a.dtype == b.dtype
+        """Whether ``n`` takes no step, its value its input's (runner.is_identity)."""
+        return n not in self.kernel_of and is_identity(n, self.metas)
 
     def readers(self, n: Node):
         """The nodes that read ``n``'s value, through identity nodes (which take no step)."""

@@ -18,6 +18,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import views
+from .ops import is_inplace
 from .shapes import TensorMeta
 
 
@@ -239,8 +240,16 @@ _TO = {torch.ops.aten.to.dtype_layout, torch.ops.aten.to.dtype, torch.ops.aten.t
 def is_identity(n: Node, metas: dict | None) -> bool:
     """Whether ``n`` gives back its input tensor itself, as an exported graph's eval-mode dropout
     does (``aten.dropout(x, p, False)``), and its ``aten.to`` to the dtype, device and layout
-    the input has (GPT-2's position embeddings: 20 us a token, the caches cold)."""
-    if n.op != "call_function" or not n.args or not isinstance(n.args[0], Node):
+    the input has (GPT-2's position embeddings: 20 us a token, the caches cold); or may be taken
+    to, as a view keeping the input's shape and strides that is not an output of the graph and
+    whose input and result nothing changes in place (GPT-2's ``view`` and ``alias`` of the final
+    norm: a chain then reaches through them, lowering/chain.py)."""
+    if n.op not in ("call_function", "call_method") or not n.args or \
+            not isinstance(n.args[0], Node):
+        return False
+    if _same_layout_view(n, metas):
+        return True
+    if n.op != "call_function":
         return False
     if n.target is torch.ops.aten.dropout.default:
         return len(n.args) == 3 and n.args[2] is False
@@ -253,6 +262,26 @@ def is_identity(n: Node, metas: dict | None) -> bool:
         torch.device(kw.get("device") or meta.device).type == meta.device and \
         kw.get("layout") in (None, torch.strided) and not kw.get("copy") and \
         kw.get("memory_format") in (None, torch.preserve_format)
+
+
+# views whose result, where it keeps the input's shape and strides, is the input's memory from
+# its first element (``as_strided`` and slices may start elsewhere)
+SAME_LAYOUT_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.alias.default,
+                     torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+                     "view", "reshape"}
+
+
+def _same_layout_view(n: Node, metas: dict | None) -> bool:
+    try:
+        if n.target not in SAME_LAYOUT_VIEWS or metas is None:
+            return False
+    except TypeError:  # an unhashable target
+        return False
+    a, b = metas.get(n.args[0]), metas.get(n)
+    return isinstance(a, TensorMeta) and isinstance(b, TensorMeta) and \
+        tuple(a.shape) == tuple(b.shape) and tuple(a.stride) == tuple(b.stride) and \
+        a.dtype == b.dtype and not any(u.op == "output" or is_inplace(u)
+                                       for u in (*n.users, *n.args[0].users))
 
 
 def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
@@ -271,10 +300,13 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
     planned: list[tuple[Callable, list[Node]]] = []  # (step, nodes it reads)
     output_fn = None
     for n in nodes:
-        if n.op == "placeholder" or n in covered or n in no_step:
+        if n.op == "placeholder" or n in covered:
             continue
         if n not in by_output and is_identity(n, metas):   # its input's slot is its own
-            slot_of[n] = slot_of[n.args[0]]
+            if n.args[0] in slot_of:   # (none where nothing reads either)
+                slot_of[n] = slot_of[n.args[0]]
+            continue
+        if n in no_step:
             continue
         if n.op == "get_attr":
             slot_of[n] = len(template)
