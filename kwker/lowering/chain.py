@@ -13,11 +13,13 @@ the step's extra values (``KernelStep.extra``); the rest live in the chain's scr
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from torch.fx import Node
 
 from ..kernels.chain import Member
+from ..runtime import kernel
 from .make import make_kernel
 from .ops import is_inplace, is_view
 from .runner import KernelStep, is_identity
@@ -178,8 +180,12 @@ def _chained(run: list[KernelStep], order: _Order) -> list[KernelStep]:
                 inputs.append(("ext", ext.index(a)))
         escapes = any(u not in inside for u in order.readers(k.output))
         members.append(Member(k.fn, k.fn.native, tuple(inputs), escapes))
+    # a graph served by stand-ins (build.py's no-stall rule) does not wait on the chain's compile
+    # either: where it is not built yet, the members run one by one
+    stand_in = any(getattr(k.fn, "kwker_stand_in", False) for k in run)
     try:
-        fn, why = make_kernel("make_chain", members)
+        with kernel.compiling(False) if stand_in else contextlib.nullcontext():
+            fn, why = make_kernel("make_chain", members)
     except Exception as e:  # noqa: BLE001 - the members still run, one step each
         fn, why = None, f"{type(e).__name__}: {e}"
     if fn is None:

@@ -171,3 +171,42 @@ def test_a_view_keeping_the_layout_does_not_end_a_chain(monkeypatch):
     monkeypatch.setattr(partition, "chain_kernels", lambda steps, nodes, metas: steps)
     plain, steps = _compiled(model, *args)
     assert len(steps) == 3 and torch.equal(out, plain)   # the view takes no step either
+
+
+def test_a_stand_ins_chain_is_not_compiled_on_the_call(monkeypatch):
+    """Kernels standing in for a size they were not built for (build.py's no-stall rule) are
+    chained only where the chain is built already: the call never waits on its compile."""
+    import kwker.lowering.build as build
+    from kwker.runtime import kernel
+    real = build._build_without_stall
+
+    def stand_in(m, metas, consts):
+        fn, why = real(m, metas, consts)
+        if fn is not None:
+            fn.kwker_stand_in = True
+        return fn, why
+    monkeypatch.setattr(build, "_build_without_stall", stand_in)
+    monkeypatch.setattr(kernel, "_kernels", {})      # nothing built in this process
+    monkeypatch.setattr(kernel, "object_for", _refuse_chains(kernel.object_for))
+    torch.manual_seed(0)
+    model = _Block().eval()
+    args = (torch.randn(1, 1, 32), torch.randn(1, 1, 32))
+    out, steps = _compiled(model, *args)
+    assert [s.kernels for s in steps if hasattr(s, "kernels")] == [
+        ["linear_residual"], ["layer_norm"], ["linear_gelu_tanh"], ["linear_residual"],
+        ["layer_norm"], ["linear"]]
+    with torch.no_grad():
+        want = model(*args)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(out, want))
+
+
+def _refuse_chains(object_for):
+    """``object_for`` as if no chain were in the cache: compiling one raises NotCompiled where
+    compiles are not allowed."""
+    from kwker.runtime import kernel
+
+    def get(spec, target):
+        if spec.family == "chain" and not getattr(kernel._policy, "allowed", True):
+            raise kernel.NotCompiled(spec.symbol)
+        return object_for(spec, target)
+    return get
