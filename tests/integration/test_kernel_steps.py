@@ -49,13 +49,16 @@ class _Block(torch.nn.Module):
 
 
 def _compiled(model, *args):
+    """(outputs, program steps) of ``model`` compiled with kernels built for its sizes: no
+    stand-ins, whose chains depend on what the cache holds (see the stand-in test)."""
+    from kwker.lowering.build import specialising
     graphs = []
 
     def keep(gm, example_inputs):
         graphs.append(kd.backend(gm, example_inputs, options={"inner": "eager"}))
         return graphs[-1]
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.no_grad(), specialising():
         out = torch.compile(model, backend=keep)(*args)
     (graph,) = graphs
     return out, [s for s, _ in graph.plan.program.steps]
