@@ -136,13 +136,18 @@ def _rows_check(members: list[Member]) -> Callable[[tuple, int], bool]:
     return lambda got, rows: 0 < rows <= most
 
 
+def _returned(outs: list):
+    """The escaping outputs, in member order, as the chain gives them: the last member's, then
+    the others'."""
+    return outs[0] if len(outs) == 1 else (outs[-1], *outs[:-1])
+
+
 def _run(spec: ChainSpec, table: torch.Tensor, members: list[Member], escaping: list[int],
          ext: list[tuple]):
     fn = entry(spec, 2 + spec.tensors, 2)
     words = table.data_ptr()
+    # the last member escapes and comes last in ``escaping``: it is returned first
     outs = [(members[i].native.n, members[i].native.out_dtype) for i in escaping]
-    last, others = escaping.index(len(members) - 1), [k for k in range(len(escaping))
-                                                       if escaping[k] != len(members) - 1]
     ok_rows = _rows_check(members)
     width0 = ext[0][0]
     empty, threads = torch.empty, torch.get_num_threads
@@ -155,8 +160,7 @@ def _run(spec: ChainSpec, table: torch.Tensor, members: list[Member], escaping: 
         for m in members:
             values.append(m.fn(*[args[j] if kind == "ext" else values[j]
                                  for kind, j in m.inputs]))
-        got = [values[i] for i in escaping]
-        return got[last] if not others else (got[last], *[got[k] for k in others])
+        return _returned([values[i] for i in escaping])
 
     def run(*args):
         x = args[0]
@@ -175,7 +179,7 @@ def _run(spec: ChainSpec, table: torch.Tensor, members: list[Member], escaping: 
         buf = empty(scratch_bytes(rows), dtype=torch.uint8) if spec.scratch else None
         fn(words, None if buf is None else buf.data_ptr(), *[t.data_ptr() for t in args],
            *[t.data_ptr() for t in made], rows, threads())
-        return made[last] if not others else (made[last], *[made[k] for k in others])
+        return _returned(made)
 
     run.spec, run.table, run.members, run.fallback = spec, table, members, fallback
     return run
