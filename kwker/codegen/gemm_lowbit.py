@@ -14,7 +14,7 @@ Weights, by ``bits``:
   ``8 * lanes`` weights in ``lanes`` 32-bit words, weight ``k = chunk * 8L + j * L + l`` in
   nibble ``j`` of word ``l`` as ``u = q + 8``; K padded to whole chunks and groups with ``u = 8``;
   the chunks of a block of ``rr`` rows interleaved (chunk 0 of each row, then chunk 1...), so a
-  thread reads its rows as one sequential stream, prefetched ``AHEAD`` bytes ahead. A
+  thread reads its rows as one sequential stream, prefetched ``spec.ahead`` bytes on. A
   nibble becomes its weight through a 16-entry table per row and group,
   ``table[u] = (u - 8 - zp) * scale``, looked up with one ``vpermps`` (AVX-512: the index is
   the word's low 4 bits, so a shift exposes each nibble): exactly torchao's float32 dequantised
@@ -47,6 +47,10 @@ L1 alone and the 16 fill buffers bound a thread's stream (Emerald Rapids-class X
 int8 in groups of 32, weights in L3: 2304 x 768 14.3 -> 39.8 GB/s); on Zen 4 non-temporal
 prefetches of the decode streams did not keep the rest of a token faster either (GPT-2 decode,
 alternating processes: int8 100-105 against 111-113 tokens/s, int4 155-160 against 176-186).
+How far ahead, or whether at all, is ``spec.ahead``, measured per machine on AVX-512
+(kernels/lowbit_stream.py): the Xeon's streams needed the software prefetch (int4 GPT-2's 49
+GEMVs 6.1-6.6 -> 3.7-3.8 ms), while on Zen 4 the hardware prefetchers alone kept them faster
+(the same 49 GEMVs, 2 threads, one process: int8 5.7 -> 4.7 ms, int4 3.9 -> 3.3 ms).
 Each (x row, W row) sum is reduced across lanes into a float32 scratch row, then the epilogue
 runs as vectors over the thread's columns: ``act(sum + bias) + residual``, rounded once to bf16
 for a bf16 model.
@@ -78,10 +82,6 @@ from .irutil import (
 
 GRAIN = 1 << 16     # weights per thread before a second thread pays for its fork (~2 us)
 LINE = 64           # bytes
-# bytes of weights a thread's reads are prefetched ahead: an int8 W row read in place is only a
-# few lines long, too short a stream for the hardware prefetchers to follow (int8 GPT-2 decode:
-# 63 -> 73 tokens/s on Emerald Rapids)
-AHEAD = simd.STREAM_AHEAD
 CHAINS = 4          # accumulators of one x row and W row (8 measured 1-8% slower, Zen 3)
 
 
@@ -242,7 +242,7 @@ class _Tile:
 
     def _int8_rows(self, f: Fn, rr: int) -> None:
         """One x row: the block's W rows one after another, each read as one sequential stream
-        into ``CHAINS`` accumulators, prefetched ``AHEAD`` bytes on. The thread's rows are
+        into ``CHAINS`` accumulators, prefetched ``spec.ahead`` bytes on. The thread's rows are
         contiguous, so its reads are a single stream. Reading a line of each of the block's
         rows in turn (as several x rows must, to reuse each line) is ``rr`` streams a thread,
         which the prefetchers followed at half the memory's speed. Zen 3, 2 threads, in one process:
@@ -279,9 +279,9 @@ class _Tile:
                 if vectors // u:
                     with f.for_range(0, vectors // u, name="v") as v:
                         at = b.add(base, b.mul(v, const(i64, u * L)))
-                        for line in range(0, u * L, LINE):
+                        for line in range(0, u * L, LINE) if s.ahead else ():
                             simd.prefetch(b, simd.gep(b, row, b.add(at, const(
-                                i64, AHEAD + line)), i8), keep=self.avx512)
+                                i64, s.ahead + line)), i8), keep=self.avx512)
                         for j in range(u):
                             step(b.add(at, const(i64, j * L)), L, j % chains)
                 for j in range(vectors // u * u, vectors):
@@ -364,16 +364,17 @@ class _Tile:
         self._store_sums(f, total, sums, mr, rr)
 
     def prefetch_int4(self, f: Fn, w, scale, ci, chunk_bytes: int, keep: bool = True) -> None:
-        """Ask for the weights and scales ``AHEAD`` bytes of weights past chunk ``ci`` of the
-        block. The thread's blocks are one sequential stream, but the hardware prefetchers alone
-        left its reads waiting on memory: GPT-2's 49 int4 linears (groups of 32, Emerald
-        Rapids, 2 threads) 6.1-6.6 -> 3.7-3.8 ms, in the same process."""
+        """Ask for the weights and scales ``spec.ahead`` bytes of weights past chunk ``ci`` of
+        the block (with ``ahead`` 0, nothing: the machine's hardware prefetchers alone keep the
+        thread's stream faster, ``kernels/lowbit_stream``)."""
         b, s = f.b, self.s
-        wat = b.add(b.mul(ci, const(i64, chunk_bytes)), const(i64, AHEAD))
+        if not s.ahead:
+            return
+        wat = b.add(b.mul(ci, const(i64, chunk_bytes)), const(i64, s.ahead))
         for line in range(0, chunk_bytes, LINE):
             simd.prefetch(b, simd.gep(b, w, b.add(wat, const(i64, line)), i8), keep)
         scale_bytes = chunk_bytes * 2 // s.group * 4     # the chunk's scales (4 B per group)
-        sat = b.add(b.mul(ci, const(i64, scale_bytes)), const(i64, AHEAD * 8 // s.group))
+        sat = b.add(b.mul(ci, const(i64, scale_bytes)), const(i64, s.ahead * 8 // s.group))
         for line in range(0, scale_bytes, LINE):
             simd.prefetch(b, simd.gep(b, scale, b.add(sat, const(i64, line)), i8))
 

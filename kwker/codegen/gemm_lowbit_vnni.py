@@ -195,14 +195,14 @@ def load_factor(b: ir.IRBuilder, head, lanes: int) -> ir.Value:
     return simd.broadcast(b, b.fptrunc(b.load(head, typ=F64), f32), lanes)
 
 
-def emit_tile(module, spec, rr: int, streamed: bool = False,
-              ahead: int = simd.STREAM_AHEAD) -> ir.Function:
+def emit_tile(module, spec, rr: int, streamed: bool = False) -> ir.Function:
     """``tile(row, head, w, scale, wsum, sums)``: ``sums[r]`` = x row . dequantised W row
     ``r`` for ``r < rr``, from the x row's planes and head and the W rows' sums of q.
 
     The block's W rows are read a 64-byte step of each in turn, so each plane load serves ``rr``
     rows (fastest where the weights come from cache), or with ``streamed`` one row after another,
-    prefetched ``ahead`` bytes on: the thread's rows are contiguous, so its reads are one stream.
+    prefetched ``spec.ahead`` bytes on (0: not at all): the thread's rows are contiguous, so
+    its reads are one stream.
     A lone x row (decode) reads its weights from memory, where ``rr`` streams a thread left them
     waiting: GPT-2's 49 int8 linears in a token's order, Zen 5, 2 threads, in one process,
     28.7-30.6 -> 35.1-37.7 GB/s against a plain read of the same buffers' 40-45. The stream is
@@ -251,7 +251,8 @@ def emit_tile(module, spec, rr: int, streamed: bool = False,
                 for p in range(3):
                     acc[p].set(dot(acc[p].get(), plane(at, p), q))
             k_loop(step, lambda at: simd.prefetch(
-                b, simd.gep(b, wrow, b.add(at, const(i64, ahead)), i8)))
+                b, simd.gep(b, wrow, b.add(at, const(i64, spec.ahead)), i8))
+                if spec.ahead else None)
             _finish_row(f, [a.get() for a in acc], factor, wsum, scale, sums, r)
     else:
         acc = [[f.var(I32x16, zero, f"s{r}_{p}") for p in range(3)] for r in range(rr)]

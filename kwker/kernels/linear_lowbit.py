@@ -25,7 +25,7 @@ import torch
 from ..codegen import gemm_lowbit, gemm_lowbit_fold, gemm_lowbit_vnni4, simd
 from ..runtime.kernel import get_kernel
 from ..runtime.target import host_target
-from . import variants
+from . import lowbit_stream, variants
 from ._call import (
     Native,
     _profiler_enabled,
@@ -186,14 +186,18 @@ def pack_int4(q: torch.Tensor, lanes: int, kp: int, rr: int) -> torch.Tensor:
 
 def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None = None,
                        epilogue: str = "none", residual: bool = False,
-                       dtype: torch.dtype | None = None, lead: tuple | None = None):
+                       dtype: torch.dtype | None = None, lead: tuple | None = None,
+                       ahead: int | None = None):
     """``callable(x (m, K)[, residual (m, N)]) -> (m, N)`` for a torchao quantised ``weight``.
 
     ``m=None``: any row count, x of any leading dims (``(..., K) -> (..., N)``). ``dtype``
     (default: the weight's) is the type of x, the residual and the output (float32 or
     bfloat16; sums, bias and epilogue in float32, one rounding).
     ``lead``: the leading dims of x, the residual and the output in place of ``(m,)`` (their
-    product ``m``), e.g. a decoder's (1, 1, K) token taken as it is."""
+    product ``m``), e.g. a decoder's (1, 1, K) token taken as it is. ``ahead``: bytes the
+    decode kernel prefetches its weight stream ahead, 0 for none (default: as measured on this
+    machine, ``lowbit_stream``); given, the kernel is built on the default path, nothing timed
+    (that measurement's own kernels)."""
     lead = tuple(int(d) for d in lead) if lead else None if m is None else (m,)
     if lead is not None and (m is None or math.prod(lead) != m):
         raise ValueError(f"make_linear_lowbit: leading dims {lead} for m={m}")
@@ -215,11 +219,15 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     # which takes one W row at a time, blocks of one row, read in order
     folded = gemm_lowbit_fold.folds(lw.bits, lanes)
     block = 1 if folded else ROWS_PER_BLOCK[1 if lw.bits == 4 else rows]
+    pinned = ahead is not None
+    if not pinned:
+        ahead = lowbit_stream.ahead(lw.bits, _stream_probe)
     spec = LowbitGemmSpec(m or 0, n, k, lw.bits, group, lw.zero_point is not None,
-                          bias is not None, epilogue, residual, dt, lanes, rows, block)
+                          bias is not None, epilogue, residual, dt, lanes, rows, block,
+                          ahead=ahead)
     args = (spec, lw, bias, m, dtype, lead, lanes, folded)
     vnni = _vnni(spec, lanes) and (lw.bits == 8 or _digit_sums_fit(lw))
-    if not vnni or lw.bits == 8:
+    if not vnni or lw.bits == 8 or pinned:
         return _build(*args, vnni)
     # int4 for a lone x row: vpdpbusd or the float path's lookups, measured (Emerald Rapids:
     # vpdpbusd 1.3-1.45x; their rates differ by CPU), the weights packed once for both
@@ -234,6 +242,12 @@ def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int |
     return variants.pick("low-bit decode", problem, {
         "vpdpbusd": lambda: _build(*args, True), "float": lambda: _build(*args, False)},
         inputs)[1]
+
+
+def _stream_probe(q: torch.Tensor, scale: torch.Tensor, bits: int, ahead: int):
+    """The decode callable of a synthetic weight (``lowbit_stream``'s measurement)."""
+    weight = LowbitTensor(q, scale, None, q.shape[1], bits, torch.float32)
+    return make_linear_lowbit(weight, None, m=1, ahead=ahead)
 
 
 def _build(spec: LowbitGemmSpec, lw: LowbitWeight, bias, m: int | None, dtype, lead, lanes: int,

@@ -304,6 +304,7 @@ class LowbitGemmSpec(Spec):
     mr: int = 1
     rr: int = 8
     vnni: bool = False     # on vpdpbusd over x's byte planes (gemm_lowbit_vnni, _vnni4)
+    ahead: int = 4096      # bytes the decode's weight stream is prefetched ahead; 0: not at all
     family = "gemm_lowbit"
 
 

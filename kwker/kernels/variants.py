@@ -23,13 +23,24 @@ def pick(family: str, problem: dict, candidates: dict[str, Callable[[], Callable
          inputs: Callable[[], list]) -> tuple[str, Callable]:
     """(name, built kernel) of the fastest of ``candidates`` (name -> builder) for ``problem``
     (plain data naming the sizes and flags); ``inputs()`` makes arguments for a call."""
+    choice, built = _decide(family, problem, candidates, inputs)
+    return choice, built.get(choice) or candidates[choice]()
+
+
+def winner(family: str, problem: dict, candidates: dict[str, Callable[[], Callable]],
+           inputs: Callable[[], list]) -> str:
+    """The name alone of ``pick``'s choice, nothing built once it is recorded: for a choice
+    that shapes other kernels (a field of their specs) rather than being the kernel itself."""
+    return _decide(family, problem, candidates, inputs)[0]
+
+
+def _decide(family: str, problem: dict, candidates: dict, inputs) -> tuple[str, dict]:
     names = list(candidates)
     if len(names) == 1 or not tuning.measuring():
-        return names[0], candidates[names[0]]()
+        return names[0], {}
     key = json.dumps({"family": family, "variants": names, **problem}, sort_keys=True)
     record, built = tuning.decide(key, family + " variant", candidates, inputs)
-    choice = record["choice"]
     if built:
         log.info("kwker: %s %s: %s", family, problem, ", ".join(
             f"{n} {t:g} us" for n, t in record["times_us"].items()))
-    return choice, built.get(choice) or candidates[choice]()
+    return record["choice"], built

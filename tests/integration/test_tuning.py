@@ -458,6 +458,32 @@ def test_a_family_variant_is_measured_once_and_the_winner_recorded(tuned, monkey
     assert built == ["default"]
 
 
+def test_the_weight_stream_prefetch_is_measured_once_per_machine(tuned, monkeypatch):
+    """On AVX-512, whether the low-bit decode kernels prefetch their weight streams is measured
+    once per machine and bit width, on a weight twice the L3 (every call from memory), and
+    recorded: a later process reads the record and builds nothing; with tuning off the default
+    holds, nothing built."""
+    from kwker.codegen import simd
+    from kwker.kernels import linear_lowbit, lowbit_stream
+    if simd.float_lanes(host_target()) != 16:
+        pytest.skip("AVX2 prefetches its weight streams non-temporally, not measured")
+    built = []
+
+    def build(q, scale, bits, distance):
+        built.append(distance)
+        assert q.numel() * bits // 8 >= lowbit_stream.MIN_BYTES
+        return linear_lowbit._stream_probe(q, scale, bits, distance)
+    ahead = lowbit_stream.ahead(8, build)
+    (record,) = [r for r in _records() if r["op"] == "low-bit weight stream variant"]
+    assert set(record["times_us"]) == {"4096", "0"} and record["choice"] == str(ahead)
+    assert sorted(built) == [0, 4096]
+    lowbit_stream._measured.cache_clear()   # as a new process
+    built.clear()
+    assert lowbit_stream.ahead(8, build) == ahead and built == []
+    monkeypatch.setenv("KWKER_TUNE", "off")
+    assert lowbit_stream.ahead(4, build) == simd.STREAM_AHEAD and built == []
+
+
 def test_bf16_decode_sizes_measure_the_tile_and_the_vector_path(tuned, native_tiles):
     """On a CPU with AMX, a bf16 linear of few rows is built on the path that measured faster;
     both paths give the same answer as ATen's arithmetic."""

@@ -408,6 +408,51 @@ def test_decode_kernels_compile_for_each_isa(cpu, lanes):
     assert "prefetchnta" in asm or lanes == 16
 
 
+SPECS_BY_PATH = {  # a decode spec (one x row) of each weight stream
+    "int8 float": dict(m=1, n=100, k=320, bits=8, group=32, zero_point=True, bias=True),
+    "int8 vpdpbusd": dict(m=1, n=100, k=300, bits=8, group=300, bias=True, vnni=True),
+    "int4 float": dict(m=1, n=100, k=320, bits=4, group=32, zero_point=True),
+    "int4 vpdpbusd": dict(m=1, n=100, k=320, bits=4, group=32, bias=True, vnni=True),
+}
+
+
+@pytest.mark.parametrize("path", sorted(SPECS_BY_PATH))
+def test_decode_streams_prefetched_ahead_or_not_at_all(path):
+    """``spec.ahead``: the decode kernels prefetch their weight stream that many bytes on
+    (into every cache level, AVX-512), or with 0 (what Zen 4 measured faster: lowbit_stream)
+    hold no prefetch at all."""
+    from kwker.kernels.specs import LowbitGemmSpec
+    from kwker.runtime.compiler import compile_assembly
+    from kwker.runtime.kernel import ir_text
+    from kwker.runtime.target import make_target
+    target = make_target("znver4", "")
+    for ahead in (4096, 0):
+        spec = LowbitGemmSpec(**SPECS_BY_PATH[path], ahead=ahead)
+        _, asm = compile_assembly(ir_text(spec, target), target)
+        assert ("prefetch" in asm) == bool(ahead), ahead
+
+
+@pytest.mark.parametrize("fmt", ["int8-channel", "int8-group32", "int4-group32",
+                                 "int4-group64-asym"])
+def test_decode_answers_alike_whatever_the_prefetch(fmt, monkeypatch):
+    """The decode kernels built with and without prefetches give the same sums (the prefetch
+    moves no data), as the dequantised reference, on vpdpbusd (where the CPU has it) and on
+    the float path."""
+    import kwker.kernels.linear_lowbit as lowbit
+    lin = quantized(fmt, 45, 832)
+    x = torch.randn(1, 832)
+    ref = reference(lin, x)
+    for vnni in (True, False) if _vnni_host() else (False,):
+        monkeypatch.setattr(lowbit, "_vnni", lambda spec, lanes, v=vnni: v and
+                            lowbit.gemm_lowbit_vnni4.either_usable(spec, lanes))
+        fns = [make_linear_lowbit(lin.weight, lin.bias.detach(), 1, ahead=a) for a in (4096, 0)]
+        assert [f.specs[0].ahead for f in fns] == [4096, 0]
+        assert fns[0].specs[0].vnni == (vnni and fmt != "int8-group32")
+        y = fns[1](x)
+        assert torch.equal(fns[0](x), y)
+        assert_close(y, ref, torch.float32, f"{fmt} vnni={vnni}")
+
+
 # the rows the byte planes hand back to the float path (zero, tiny, NaN, inf, huge) among
 # ordinary ones, through GELU and a residual, against the float64 reference
 CHECK_ROWS = """
