@@ -68,7 +68,7 @@ from .lowering.kv_append import any_stride_inputs
 from .lowering.partition import const_nodes, lower_graph
 from .lowering.report import Report, new_graph_id
 from .packaged_model import PackagedModel, inputs_text
-from .runtime import cache, kernel, tuning
+from .runtime import cache, huge_pages, kernel, tuning
 from .runtime.target import Target, host_target, make_target
 from .spec import spec_from_json
 
@@ -214,8 +214,9 @@ def _tensor_at(w: dict, blob: bytearray, nibbles: list | None) -> torch.Tensor:
     if nibbles is not None:
         return unnibble(t, nibbles)
     # a storage of its own: what only kernels read (packed into them) is freed after lowering,
-    # instead of the whole file's weights staying alive through one buffer
-    return t.clone()
+    # instead of the whole file's weights staying alive through one buffer. int8 values are a
+    # low-bit weight's, which its decode kernel streams in place each token: on huge pages
+    return huge_pages.copy(t) if dtype == torch.int8 else t.clone()
 
 
 def _save_exported(ep, doc: dict) -> bytes | None:

@@ -8,6 +8,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ..runtime import huge_pages
 from ..runtime.kernel import get_kernel
 from . import blocking, variants
 from ._call import (
@@ -33,7 +34,7 @@ def pack_panels(w: torch.Tensor, nr: int) -> torch.Tensor:
     n, k = w.shape
     full, rem = divmod(n, nr)
     w = w.detach().to(torch.float32)
-    out = torch.empty(full + (rem > 0), k, nr)
+    out = huge_pages.empty((full + (rem > 0), k, nr), torch.float32)  # streamed per token
     out[:full].copy_(w[:full * nr].view(full, nr, k).transpose(1, 2))
     if rem:
         out[full].zero_()
@@ -52,7 +53,8 @@ def pack_bf16_panels(w: torch.Tensor, nr: int, k_step: int = 1) -> torch.Tensor:
     wb = w.detach().to(torch.bfloat16)
     if k % 2:
         wb = F.pad(wb, (0, 1))
-    out = torch.zeros(full + (rem > 0), -(-kp // k_step) * k_step, nr, dtype=torch.int32)
+    out = huge_pages.empty((full + (rem > 0), -(-kp // k_step) * k_step, nr),
+                           torch.int32).zero_()
     halves = out.view(torch.int16).view(full + (rem > 0), -1, nr, 2)[:, :kp]
     halves[:full].copy_(wb[:full * nr].view(torch.int16).view(full, nr, kp, 2)
                         .permute(0, 2, 1, 3))

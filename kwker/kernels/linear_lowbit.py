@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..codegen import gemm_lowbit, gemm_lowbit_fold, gemm_lowbit_vnni4, simd
+from ..runtime import huge_pages
 from ..runtime.kernel import get_kernel
 from ..runtime.target import host_target
 from . import lowbit_stream, variants
@@ -169,7 +170,7 @@ def pack_int4(q: torch.Tensor, lanes: int, kp: int, rr: int) -> torch.Tensor:
         raise NotImplementedError("int4 weights outside [-8, 7]")
     rows = -(-n // rr) * rr
     chunks = kp // (8 * lanes)
-    out = torch.empty(rows // rr, chunks, rr, lanes, dtype=torch.int32)
+    out = huge_pages.empty((rows // rr, chunks, rr, lanes), torch.int32)   # streamed per token
     step = max(rr, PACK_ROWS // rr * rr)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
@@ -304,11 +305,11 @@ def _operands(lw: LowbitWeight, lanes: int, kp: int, rr: int, groups: int) -> tu
         return hit[2]
     n = q.shape[0]
     # int8 values are q itself: cached, they would keep q alive, so only int4 is kept here
-    scale = torch.zeros(n, groups)
+    scale = huge_pages.empty((n, groups), torch.float32).zero_()   # streamed with the weights
     scale[:, :lw.scale.shape[1]] = lw.scale.float()
     zp = None
     if lw.zero_point is not None:
-        zp = torch.zeros(n, groups, dtype=torch.int8)
+        zp = huge_pages.empty((n, groups), torch.int8).zero_()
         zp[:, :lw.zero_point.shape[1]] = lw.zero_point
     if lw.bits == 8:
         return (q if q.is_contiguous() else q.contiguous()), scale, zp

@@ -1,0 +1,86 @@
+"""Copies of tensors on transparent huge pages, for the weights decode kernels stream each token.
+
+A decode token reads every weight once, from memory. On 4 KB pages each page of a stream costs
+a TLB miss, and in a virtual machine (where cloud CPUs run) each miss walks two page tables.
+On 2 MB pages the same reads ran faster: a 96 MB read on 2 threads, Zen 4 KVM guest, 23-29 ->
+32-53 GB/s; GPT-2's 49 low-bit GEMVs 2.93 -> 2.53 ms (int4) and 4.0 -> 3.38 ms (int8), one
+process, alternating.
+
+Linux gives a private anonymous mapping huge pages where ``madvise(MADV_HUGEPAGE)`` asks for
+them (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``) and the range
+covers whole aligned 2 MB blocks. A layer's weights are a few hundred KB to a few MB, too small
+to cover one alone, so copies are carved one after another from shared ``CHUNK``-sized mappings
+(a bump allocator: weights live as long as their model; a chunk is unmapped when no copy in it
+is referenced). A request of a quarter chunk or more gets a mapping of its own. Where the
+advice is refused (another OS, THP ``never``) the copies are ordinary memory, as fast as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+
+import torch
+
+HUGE = 2 << 20                  # bytes of an x86-64 huge page
+CHUNK = 16 << 20                # a live copy keeps its chunk's touched pages resident
+ALIGN = 64
+MADV_HUGEPAGE = 14
+
+_lock = threading.Lock()
+_chunk: dict = {"tensor": None, "used": 0}
+stats = {"chunks": 0, "advised_bytes": 0, "refused": 0}
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous tensor on huge pages where the OS grants them."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return _take(nbytes).view(dtype).view(shape)
+
+
+def copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` (CPU) on huge pages where the OS grants them."""
+    return empty(t.shape, t.dtype).copy_(t)
+
+
+def _take(nbytes: int) -> torch.Tensor:
+    """``nbytes`` uint8 at a 64-byte aligned address of a huge-page mapping."""
+    if nbytes >= CHUNK // 4:
+        base = _mapping(nbytes)
+        return base[:nbytes]
+    with _lock:
+        base, used = _chunk["tensor"], _chunk["used"]
+        if base is None or used + nbytes > base.numel():
+            base, used = _mapping(CHUNK), 0
+            _chunk["tensor"] = base
+        _chunk["used"] = used + -(-nbytes // ALIGN) * ALIGN
+        return base[used:used + nbytes]
+
+
+def _mapping(nbytes: int) -> torch.Tensor:
+    """A fresh anonymous mapping of at least ``nbytes``, from a 2 MB boundary, advised for huge
+    pages; the tensor keeps the mapping alive (torch.frombuffer holds the mmap object)."""
+    size = -(-nbytes // HUGE) * HUGE
+    m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    addr = whole.data_ptr()
+    start = -(-addr // HUGE) * HUGE
+    stats["chunks"] += 1
+    if _advise(start, size):
+        stats["advised_bytes"] += size
+    else:
+        stats["refused"] += 1
+    return whole[start - addr:start - addr + size]
+
+
+def _advise(addr: int, size: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
