@@ -28,7 +28,7 @@ ALIGN = 64
 MADV_HUGEPAGE = 14
 
 _lock = threading.Lock()
-_chunk: dict = {"tensor": None, "used": 0}
+_chunk: dict = {"view": None, "start": 0, "used": 0}
 stats = {"chunks": 0, "advised_bytes": 0, "refused": 0}
 
 
@@ -49,33 +49,38 @@ def copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _take(nbytes: int) -> torch.Tensor:
-    """``nbytes`` uint8 at a 64-byte aligned address of a huge-page mapping."""
+    """``nbytes`` uint8 at a 64-byte aligned address of a huge-page mapping, as a storage of
+    its own (a view of the mapping's memory that keeps it mapped): code that tells tensors
+    apart by their storage (the KV cache's state, aliasing checks) sees separate tensors."""
     if nbytes >= CHUNK // 4:
-        base = _mapping(nbytes)
-        return base[:nbytes]
-    with _lock:
-        base, used = _chunk["tensor"], _chunk["used"]
-        if base is None or used + nbytes > base.numel():
-            base, used = _mapping(CHUNK), 0
-            _chunk["tensor"] = base
-        _chunk["used"] = used + -(-nbytes // ALIGN) * ALIGN
-        return base[used:used + nbytes]
+        view, start = _mapping(nbytes)
+    else:
+        with _lock:
+            view, used = _chunk["view"], _chunk["used"]
+            if view is None or used + nbytes > len(view) - _chunk["start"]:
+                view, start = _mapping(CHUNK)
+                _chunk.update(view=view, start=start, used=0)
+                used = 0
+            start = _chunk["start"] + used
+            _chunk["used"] = used + -(-nbytes // ALIGN) * ALIGN
+    return torch.frombuffer(view[start:start + nbytes], dtype=torch.uint8)
 
 
-def _mapping(nbytes: int) -> torch.Tensor:
-    """A fresh anonymous mapping of at least ``nbytes``, from a 2 MB boundary, advised for huge
-    pages; the tensor keeps the mapping alive (torch.frombuffer holds the mmap object)."""
+def _mapping(nbytes: int) -> tuple[memoryview, int]:
+    """(the memory of a fresh anonymous mapping of at least ``nbytes`` past ``start``, start):
+    ``start`` is the mapping's first 2 MB boundary, from which it is advised for huge pages.
+    The mapping stays until no view of it is left (the mmap object lives in them)."""
     size = -(-nbytes // HUGE) * HUGE
     m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(m, dtype=torch.uint8)
-    addr = whole.data_ptr()
-    start = -(-addr // HUGE) * HUGE
+    view = memoryview(m)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    start = -(-addr // HUGE) * HUGE - addr
     stats["chunks"] += 1
-    if _advise(start, size):
+    if _advise(addr + start, size):
         stats["advised_bytes"] += size
     else:
         stats["refused"] += 1
-    return whole[start - addr:start - addr + size]
+    return view, start
 
 
 def _advise(addr: int, size: int) -> bool:

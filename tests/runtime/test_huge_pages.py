@@ -28,6 +28,10 @@ def test_copies_hold_the_values_aligned(dtype):
         assert c.dtype == dtype and c.shape == src.shape and c.is_contiguous()
         assert torch.equal(c, src)
         assert c.numel() == 0 or c.data_ptr() % huge_pages.ALIGN == 0
+    # each a storage of its own, as ordinary tensors (code keys state and aliasing on them)
+    live = [c for c in copies if c.numel()]
+    assert all(c.untyped_storage().nbytes() == c.numel() * c.element_size() for c in live)
+    assert len({c.untyped_storage().data_ptr() for c in live}) == len(live)
     # distinct memory: writing one copy leaves the others (and the sources) as they were
     copies[1].zero_()
     assert torch.equal(copies[0], sources[0]) and torch.equal(sources[1], sources[1].clone())
