@@ -24,11 +24,11 @@ of ``--reps`` runs. Rows, one model each, in one process:
   planes of x instead of three, int4's bf16 products where the CPU has ``vdpbf16ps``.
 
 Roofline: the bytes of every linear weight in its format (values, scales, zero points) read once
-per token, against the bandwidth of a streaming read of a buffer that size (``probes.read_gbps``,
-measured in the same run). ``check`` says whether a Kwker row's 64 tokens equal eager torchao's on
-the same quantised model. Targets (issue 20): int8 >= 2x eager bf16, int4 >= 3x, both >= 2x eager
-torchao and >= 1.5x torchao under Inductor, >= 75% of the roofline; prefill no slower than eager
-bf16.
+per token, against the bandwidth of a streaming read of a buffer that size on huge pages
+(``probes.read_gbps``, measured in the same run). ``check`` says whether a Kwker row's 64 tokens
+equal eager torchao's on the same quantised model. Targets (issue 20): int8 >= 2x eager bf16,
+int4 >= 3x, both >= 2x eager torchao and >= 1.5x torchao under Inductor, >= 75% of the roofline;
+prefill no slower than eager bf16.
 
     python benchmarks/bench_decode.py --out benchmarks/results/<cpu>  # decode[_llama].{md,json,png}
     python benchmarks/bench_decode.py --models llama    # one model
@@ -274,12 +274,12 @@ def render(rows: list[dict], model: dict, info: dict) -> str:
               f"{model['new_tokens']} greedy tokens, batch 1)"), "", common.machine_line(info), "",
              ("tok/s: decode tokens per second (best run); prefill: the prompt's forward; GB/s: "
              "linear-weight bytes per token x tok/s; roofline: that against a streaming read of "
-             "as many bytes, measured in the same run (stream GB/s). Targets (issue 20): int8 "
-             ">= 2x eager bf16, int4 >= 3x; both >= 2x eager torchao, >= 1.5x torchao + "
-             "Inductor, >= 75% of the roofline; prefill no slower than eager bf16. RSS +MB: "
-             "growth of the resident set over the first call (compile, prefill, 3 tokens), "
-             "from after the model was built (heap freed before that returned to the OS); "
-             "target: <= 1.3x the packed weights plus activations."), ""]
+             "as many bytes on 2 MB pages, measured in the same run (stream GB/s). Targets "
+             "(issue 20): int8 >= 2x eager bf16, int4 >= 3x; both >= 2x eager torchao, "
+             ">= 1.5x torchao + Inductor, >= 75% of the roofline; prefill no slower than eager "
+             "bf16. RSS +MB: growth of the resident set over the first call (compile, "
+             "prefill, 3 tokens), from after the model was built (heap freed before that "
+             "returned to the OS); target: <= 1.3x the packed weights plus activations."), ""]
     lines.append(common.md_table(
         ["row", "tok/s", "prefill ms", "weights MB", "GB/s", "stream GB/s", "roofline",
          "first call s", "RSS +MB", "check"],

@@ -4,12 +4,13 @@ A decode token reads every weight once, from memory. Whether a software prefetch
 thread's stream helps depends on the CPU, not on the layer: on an Emerald Rapids-class Xeon the
 hardware prefetchers alone left the reads waiting (int4 GPT-2's 49 GEMVs, 2 threads: 6.1-6.6 ms
 without, 3.7-3.8 ms with 4 KB ahead), while on Zen 4 the prefetches slowed the same streams
-(int8 5.7 -> 4.7 ms and int4 3.9 -> 3.3 ms without them, one process, alternating): the
-requests they add, issued from L1, compete with the L2 prefetcher's.
+(int8 5.7 -> 4.7 ms and int4 3.9 -> 3.3 ms without them, one process, alternating; probably
+the requests they add, issued from L1, compete with the L2 prefetcher's).
 
 So the choice is measured once per CPU type and bit width, through the tuner like every variant
-(``variants.pick``): one decode kernel of each candidate on a synthetic weight twice the size of
-the L3 cache, so every timed call streams from memory as a token's linears do (a kernel timed on
+(``variants.winner``): one decode kernel of each candidate on a synthetic weight twice the L3's
+size and at least 128 MB (a Zen 4 KVM guest reporting 32 MB of L3 read 77 MB at 79-83 GB/s, its
+memory at 54), so every timed call streams from memory as a token's linears do (a kernel timed on
 one layer's weights, as the per-problem variants are, reads them from cache after its first
 call). Where nothing is measured (``KWKER_TUNE=off``, a named target) or on AVX2 (whose streams
 are prefetched non-temporally to keep the other ops' data cached, gemm_lowbit.py) the default
@@ -30,7 +31,7 @@ from . import variants
 
 NONE = 0
 K = 768                     # the probe's row length (GPT-2's width)
-MIN_BYTES = 64 << 20        # streamed per timed call at least
+MIN_BYTES = 128 << 20       # streamed per timed call at least (a VM may not report its L3)
 MAX_BYTES = 512 << 20
 
 
