@@ -51,7 +51,16 @@ def copy(t: torch.Tensor) -> torch.Tensor:
 def _take(nbytes: int) -> torch.Tensor:
     """``nbytes`` uint8 at a 64-byte aligned address of a huge-page mapping, as a storage of
     its own (a view of the mapping's memory that keeps it mapped): code that tells tensors
-    apart by their storage (the KV cache's state, aliasing checks) sees separate tensors."""
+    apart by their storage (the KV cache's state, aliasing checks) sees separate tensors. Where
+    no mapping can be made (address space or map count exhausted) it is ordinary memory."""
+    try:
+        return _carve(nbytes)
+    except OSError:
+        stats["refused"] += 1
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _carve(nbytes: int) -> torch.Tensor:
     if nbytes >= CHUNK // 4:
         view, start = _mapping(nbytes)
     else:

@@ -62,3 +62,14 @@ def test_large_copies_are_advised_from_a_huge_page_boundary():
         pytest.skip(f"transparent huge pages here: {_thp_mode()}")
     assert huge_pages.stats["advised_bytes"] >= before["advised_bytes"] + huge_pages.CHUNK
     assert huge_pages.stats["refused"] == before["refused"]
+
+
+def test_without_mappings_copies_are_ordinary_memory(monkeypatch):
+    """Where the OS refuses a new mapping, a copy is made in ordinary memory all the same."""
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    monkeypatch.setitem(huge_pages._chunk, "view", None)  # the current chunk is full
+    src = torch.arange(100_000, dtype=torch.int32)
+    for t in (src, torch.ones(huge_pages.CHUNK // 4, dtype=torch.uint8)):
+        assert torch.equal(huge_pages.copy(t), t)
