@@ -37,8 +37,8 @@ MAX_BYTES = 512 << 20
 
 def ahead(bits: int, build) -> int:
     """Bytes the decode kernels of ``bits``-bit weights prefetch ahead (0: none) here.
-    ``build(weight, distance)`` makes the factory's decode callable of ``weight`` (a
-    ``LowbitTensor``-like weight of one group a row), prefetched ``distance`` bytes ahead."""
+    ``build(q, scale, bits, distance)`` makes the factory's decode callable of the weight
+    ``q`` (N, K) int8 values with one ``scale`` a row, prefetched ``distance`` bytes ahead."""
     if simd.float_lanes(host_target()) != 16:
         return simd.STREAM_AHEAD
     return _measured(bits, build, tuning.mode(), os.environ.get("KWKER_CACHE_DIR"))
@@ -55,8 +55,8 @@ def _measured(bits: int, build, *memo_key) -> int:
 
 
 def _probe(bits: int, build, distance: int):
-    """The decode callable (one x row of K) of a ``bits``-bit weight bigger than twice the
-    L3, prefetched ``distance`` bytes ahead."""
+    """The decode callable (one x row of K) of a ``bits``-bit weight of ``_probe_bytes()``,
+    prefetched ``distance`` bytes ahead."""
     rows = -(-_probe_bytes() * 8 // (bits * K))
     q = torch.ones(rows, K, dtype=torch.int8)
     q[::3] = -2      # not one value: any reading of the weights sees rows that differ
