@@ -17,10 +17,13 @@ advice is refused (another OS, THP ``never``) the copies are ordinary memory, as
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import threading
 
 import torch
+
+from .memory import libc_function
 
 HUGE = 2 << 20                  # bytes of an x86-64 huge page
 CHUNK = 16 << 20                # a live copy keeps its chunk's touched pages resident
@@ -34,10 +37,7 @@ stats = {"chunks": 0, "advised_bytes": 0, "refused": 0}
 
 def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous tensor on huge pages where the OS grants them."""
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     return _take(nbytes).view(dtype).view(shape)
@@ -93,8 +93,6 @@ def _mapping(nbytes: int) -> tuple[memoryview, int]:
 
 
 def _advise(addr: int, size: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
+    madvise = libc_function("madvise")
+    return madvise is not None and \
+        madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), MADV_HUGEPAGE) == 0

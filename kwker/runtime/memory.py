@@ -12,15 +12,16 @@ import ctypes
 import functools
 
 
-@functools.lru_cache(maxsize=1)
-def _trim():
+@functools.cache
+def libc_function(name: str):
+    """The C library's function ``name`` (errno kept), or None where there is none."""
     try:
-        return ctypes.CDLL(None).malloc_trim
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
 
 
 def release_free_heap() -> None:
-    trim = _trim()
+    trim = libc_function("malloc_trim")
     if trim is not None:
         trim(ctypes.c_size_t(0))
