@@ -293,11 +293,14 @@ _OPERANDS: dict = {}
 
 
 def _operands(lw: LowbitWeight, lanes: int, kp: int, rr: int, groups: int) -> tuple:
-    """(values, scales, zero points) as the kernels read them: int8 values in place, int4 ones
-    repacked, scales and zero points padded to whole groups. Made once per weight and layout
+    """(values, scales, zero points) as the kernels read them: int8 values in place (their
+    storage moved onto huge pages, ``huge_pages.move``), int4 ones repacked, scales and zero
+    points padded to whole groups. Made once per weight and layout
     while the weight lives (GPT-2 int4: three compiled graphs held three packed copies, 160
     MB)."""
     q = lw.qdata
+    if lw.bits == 8:   # read in place, each token: moved onto huge pages (a copy would double)
+        huge_pages.move(q)
     key = (id(q), lanes, kp, rr, groups)
     versions = (lw.version, *(t._version for t in (q, lw.scale, lw.zero_point) if t is not None))
     hit = _OPERANDS.get(key)

@@ -13,6 +13,11 @@ to cover one alone, so copies are carved one after another from shared ``CHUNK``
 (a bump allocator: weights live as long as their model; a chunk is unmapped when no copy in it
 is referenced). A request of a quarter chunk or more gets a mapping of its own. Where the
 advice is refused (another OS, THP ``never``) the copies are ordinary memory, as fast as before.
+
+Weights read in place rather than copied (torchao's int8 values) are moved instead: the tensor
+keeps its identity on a huge-page storage (``move``), so the process holds one copy. Intel Xeon
+with AMX (KVM guest), one process, alternating: GPT-2's 49 int8 decode GEMVs 6.7-7.3 -> 5.2-5.3
+ms a token; compiled int8 decode, GPT-2 88.9 -> 107.0 tok/s, a Llama 74.9 -> 88.4.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ HUGE = 2 << 20                  # bytes of an x86-64 huge page
 CHUNK = 16 << 20                # a live copy keeps its chunk's touched pages resident
 ALIGN = 64
 MADV_HUGEPAGE = 14
+MOVED = "_kwker_huge_pages"     # set on a storage ``move`` made
 
 _lock = threading.Lock()
 _chunk: dict = {"view": None, "start": 0, "used": 0}
@@ -46,6 +52,27 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
 def copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` (CPU) on huge pages where the OS grants them."""
     return empty(t.shape, t.dtype).copy_(t)
+
+
+def move(t: torch.Tensor) -> bool:
+    """Move ``t``'s values onto huge pages in place, where they are all its storage holds:
+    ``t`` stays the same tensor (shape, strides, dtype, values; its version counter bumps) on
+    a huge-page storage, and its old storage is freed once nothing else holds it. For weights
+    read in place that a copy would double (torchao's int8 values). Returns whether it moved;
+    left as they are: tensors already moved, views into larger storages, tensors that need
+    grad, inference tensors (no in-place change allowed outside inference mode), shared
+    memory and storages mapped from a file (their pages are the file's)."""
+    storage = t.untyped_storage()
+    if getattr(storage, MOVED, False) or t.device.type != "cpu" or t.requires_grad or \
+            t.is_inference() or not t.is_contiguous() or t.storage_offset() != 0 or \
+            storage.nbytes() != t.numel() * t.element_size() or storage.is_shared() or \
+            storage.filename is not None or t.numel() == 0:
+        return False
+    new = copy(t)   # (ordinary memory where the OS refuses: as good as the old)
+    with torch.no_grad():
+        t.set_(new.untyped_storage(), 0, t.shape, t.stride())
+    setattr(t.untyped_storage(), MOVED, True)
+    return True
 
 
 def _take(nbytes: int) -> torch.Tensor:

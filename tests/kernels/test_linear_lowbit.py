@@ -14,6 +14,7 @@ from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, Map
 from torchao.quantization.granularity import PerAxis, PerGroup
 
 from kwker.kernels.linear_lowbit import PREFILL_ROWS, dequantized, lowbit_weight, make_linear_lowbit
+from kwker.runtime import huge_pages
 from kwker.runtime.target import host_target
 
 FORMATS = {
@@ -275,10 +276,17 @@ def test_k_shorter_than_a_vector(fmt, rows):
 
 
 def test_int8_weights_are_read_in_place():
-    """int8 values stay torchao's (no copy); int4 ones are repacked at half their bytes."""
+    """int8 values stay torchao's (no copy: moved onto huge pages, the same tensor with the
+    same values); int4 ones are repacked at half their bytes."""
     lin8 = quantized("int8-group32", 64, 256)
+    qdata = lin8.weight.qdata
+    values, x = qdata.clone(), torch.randn(1, 256)
+    before = reference(lin8, x)
     fn8 = make_linear_lowbit(lin8.weight, None, 1)
-    assert fn8.buffers.w.data_ptr() == lin8.weight.qdata.data_ptr()
+    assert lin8.weight.qdata is qdata and torch.equal(qdata, values)
+    assert fn8.buffers.w.data_ptr() == qdata.data_ptr()
+    assert getattr(qdata.untyped_storage(), huge_pages.MOVED, False)
+    assert torch.equal(reference(lin8, x), before)   # torchao's own path reads the moved values
     lin4 = quantized("int4-group32", 64, 256)
     fn4 = make_linear_lowbit(lin4.weight, None, 1)
     assert fn4.buffers.w.numel() * fn4.buffers.w.element_size() == 64 * 256 // 2
@@ -522,6 +530,7 @@ print("planes ok on", sorted({s.path for s in fn.specs if s.family == "gemm"}))
 FOLDED_CHECK = """
 import torch
 from kwker.kernels.linear_lowbit import LowbitTensor, dequantized, make_linear_lowbit
+from kwker.runtime import huge_pages
 from kwker.runtime.target import host_target
 assert host_target().vector_bits == 256, host_target().describe()
 torch.manual_seed(2)
@@ -698,6 +707,7 @@ BF16_PRODUCTS_CHECK = """
 import torch
 from kwker.kernels import blocking
 from kwker.kernels.linear_lowbit import PREFILL_ROWS, LowbitTensor, dequantized, make_linear_lowbit
+from kwker.runtime import huge_pages
 from kwker.runtime.target import host_target
 torch.manual_seed(3)
 fast = bool(host_target().tiles) or not blocking.widens_bf16()

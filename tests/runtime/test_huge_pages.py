@@ -73,3 +73,37 @@ def test_without_mappings_copies_are_ordinary_memory(monkeypatch):
     src = torch.arange(100_000, dtype=torch.int32)
     for t in (src, torch.ones(huge_pages.CHUNK // 4, dtype=torch.uint8)):
         assert torch.equal(huge_pages.copy(t), t)
+
+
+def test_move_keeps_the_tensor_and_its_values():
+    """``move``: the same tensor object, shape, strides and values on a storage of its own
+    (aligned; a 2 MB-aligned mapping for large ones); the old storage is not referenced; a
+    second move leaves it where it is."""
+    torch.manual_seed(0)
+    for shape in ((3, 5), (3072, 768)):
+        t = torch.randint(-128, 128, shape, dtype=torch.int8)
+        ref, old = t.clone(), t.untyped_storage().data_ptr()
+        assert huge_pages.move(t)
+        assert torch.equal(t, ref) and t.stride() == ref.stride() and t.storage_offset() == 0
+        assert t.untyped_storage().data_ptr() != old
+        assert t.data_ptr() % huge_pages.ALIGN == 0
+        assert t.untyped_storage().nbytes() == t.numel()
+        again = t.untyped_storage().data_ptr()
+        assert not huge_pages.move(t) and t.untyped_storage().data_ptr() == again
+    t.add_(1)   # it is ordinary writable memory
+    assert torch.equal(t, ref + 1)
+
+
+def test_move_leaves_what_it_must_not_change():
+    """Views into larger storages, non-contiguous tensors, tensors that need grad, inference
+    tensors, shared memory and empty tensors stay where they are."""
+    base = torch.ones(10, 10)
+    with torch.inference_mode():
+        inference = torch.ones(100)
+    shared = torch.ones(100).share_memory_()
+    cases = [base[2:], base[:, :5], base.t(), torch.ones(10, requires_grad=True), inference,
+             shared, torch.ones(0)]
+    for t in cases:
+        where = t.untyped_storage().data_ptr()
+        assert not huge_pages.move(t)
+        assert t.untyped_storage().data_ptr() == where
