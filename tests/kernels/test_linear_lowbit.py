@@ -530,7 +530,6 @@ print("planes ok on", sorted({s.path for s in fn.specs if s.family == "gemm"}))
 FOLDED_CHECK = """
 import torch
 from kwker.kernels.linear_lowbit import LowbitTensor, dequantized, make_linear_lowbit
-from kwker.runtime import huge_pages
 from kwker.runtime.target import host_target
 assert host_target().vector_bits == 256, host_target().describe()
 torch.manual_seed(2)
@@ -707,7 +706,6 @@ BF16_PRODUCTS_CHECK = """
 import torch
 from kwker.kernels import blocking
 from kwker.kernels.linear_lowbit import PREFILL_ROWS, LowbitTensor, dequantized, make_linear_lowbit
-from kwker.runtime import huge_pages
 from kwker.runtime.target import host_target
 torch.manual_seed(3)
 fast = bool(host_target().tiles) or not blocking.widens_bf16()

@@ -76,9 +76,8 @@ def test_without_mappings_copies_are_ordinary_memory(monkeypatch):
 
 
 def test_move_keeps_the_tensor_and_its_values():
-    """``move``: the same tensor object, shape, strides and values on a storage of its own
-    (aligned; a 2 MB-aligned mapping for large ones); the old storage is not referenced; a
-    second move leaves it where it is."""
+    """``move``: the same tensor object, shape, strides and values on an aligned storage of
+    its own; a second move leaves it where it is."""
     torch.manual_seed(0)
     for shape in ((3, 5), (3072, 768)):
         t = torch.randint(-128, 128, shape, dtype=torch.int8)
