@@ -174,7 +174,7 @@ def speed(name: str, reps: int, rounds: int, peers=PEERS, models=None,
             if variant == "kwker_eager":
                 row["kernels"] = ", ".join(kd.last_report().kernel_names)
             sides.append(common.Side(variant, lambda fn=fn: fn(*inputs), torch.no_grad))
-        sides += [common.Side(p, fn, torch.no_grad) for p, fn in calls.items()]
+        sides += [common.Side(p, fn, torch.no_grad, pool=p) for p, fn in calls.items()]
         # the peers' thread pools are not torch's: let each side's spinning threads go idle
         # before the next side's sample (see common._sample)
         settle = SETTLE if calls else 0.0

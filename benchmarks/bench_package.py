@@ -131,7 +131,8 @@ def calls(reps: int, quick: bool) -> list[dict]:
                 variants["eager"] = lambda model=model, x=x: model(x)
                 if name == "MLP":
                     variants["read_floor"] = read_floor(model)
-                sides = [common.Side(k, f) for k, f in variants.items()]
+                sides = [common.Side(k, f, pool=k if k == "onnxruntime" else "torch")
+                         for k, f in variants.items()]
                 best = common.best_of_rounds(sides, reps, 1 if quick else 3, settle=0.05)
                 us = {s.name: t * 1e6 for s, t in zip(sides, best)}
                 call, over = overhead_us(pkg, x, reps)

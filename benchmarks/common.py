@@ -114,25 +114,38 @@ class Side:
     context: Callable[[], AbstractContextManager] = contextlib.nullcontext
     samples: list[float] = field(default_factory=list)  # seconds per call
     prime: bool = False  # each sample's first call, right after entering context(), untimed
+    pool: str = "torch"  # whose worker threads its calls run on (a peer's own thread pool)
 
     @property
     def best(self) -> float:
         return min(self.samples)
 
 
+# seconds of untimed calls after a settle's pause: a KVM guest idle for 40 ms ran its next
+# ~20 ms of work slowly (Intel Xeon with AMX, tutorial Ranker b32 compiled, best of 20 samples of
+# 4 calls: 425 us back to back, 540 after the pause and one untimed call, 450 after 5 ms of
+# them, 367-377 after 20-50 ms; eager 1560 / 1772 / 1609 / 1516-1549)
+WAKE = 0.02
+
+
 def _sample(side: Side, number: int, settle: float = 0.0) -> float:
     """Seconds per call over ``number`` back-to-back calls (context entered outside the clock).
 
-    ``settle`` > 0: first sleep that long, then make one untimed call. Sides running their own
-    thread pools (ONNX Runtime's workers spin ~30 ms after a call, OpenMP's a few ms) would
-    otherwise steal a core from the side timed next; after the pause they are idle, and the
-    untimed call wakes this side's own threads. ``side.prime``: one untimed call too (the
-    first call after entering the context is then not what a sample measures).
+    ``settle`` > 0: first sleep that long, then make untimed calls for ``WAKE`` seconds (at
+    least one). Sides running their own thread pools (ONNX Runtime's workers spin ~30 ms after
+    a call, OpenMP's a few ms) would otherwise steal a core from the side timed next; after the
+    pause they are idle, and the untimed calls wake this side's own threads and the machine.
+    ``side.prime``: one untimed call too (the first call after entering the context is then not
+    what a sample measures).
     """
     with side.context():
         if settle:
             time.sleep(settle)
-        if settle or side.prime:
+            start = time.perf_counter()
+            side.fn()
+            while time.perf_counter() - start < WAKE:
+                side.fn()
+        elif side.prime:
             side.fn()
         t0 = time.perf_counter()
         for _ in range(number):
@@ -175,12 +188,14 @@ def sample_round(sides: Sequence[Side], reps: int, number: int, budget: float = 
     ``max_factor * reps``): on a loaded machine a short sample is more likely to fall in a quiet
     moment, and the best of many cheap samples is worth the little time it costs.
     """
-    t0, r = time.perf_counter(), 0
+    t0, r, pool = time.perf_counter(), 0, None
     while r < reps or (r < max_factor * reps and time.perf_counter() - t0 < budget):
         if r >= MIN_REPS and time.perf_counter() - t0 > ROUND_BUDGET:
             break
         for side in (sides if r % 2 == 0 else reversed(sides)):
-            side.samples.append(_sample(side, number, settle))
+            # a pause only where the thread pool changes: torch's sides share one
+            side.samples.append(_sample(side, number, settle if side.pool != pool else 0.0))
+            pool = side.pool
         r += 1
     return time.perf_counter() - t0
 

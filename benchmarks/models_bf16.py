@@ -161,7 +161,7 @@ def speed(name: str, mode: str, reps: int, rounds: int, variants=VARIANTS,
             sides.append(common.Side(variant, lambda fn=fn: fn(*run_inputs), ctx))
         for p, fn in calls.items():
             row["err"][p] = _err(fn(), ref)
-            sides.append(common.Side(p, fn, torch.no_grad))
+            sides.append(common.Side(p, fn, torch.no_grad, pool=p))
         settle = peers.SETTLE if calls else 0.0
         for side, t in zip(sides, common.best_of_rounds(sides, reps, rounds, settle)):
             row["ms"][side.name] = t * 1e3
