@@ -128,19 +128,21 @@ class Side:
 WAKE = 0.02
 
 
-def _sample(side: Side, number: int, settle: float = 0.0) -> float:
+def _sample(side: Side, number: int, settle: float = 0.0, pause: bool = True) -> float:
     """Seconds per call over ``number`` back-to-back calls (context entered outside the clock).
 
-    ``settle`` > 0: first sleep that long, then make untimed calls for ``WAKE`` seconds (at
-    least one). Sides running their own thread pools (ONNX Runtime's workers spin ~30 ms after
-    a call, OpenMP's a few ms) would otherwise steal a core from the side timed next; after the
-    pause they are idle, and the untimed calls wake this side's own threads and the machine.
-    ``side.prime``: one untimed call too (the first call after entering the context is then not
-    what a sample measures).
+    ``settle`` > 0: first sleep that long (where ``pause``), then make untimed calls for
+    ``WAKE`` seconds (at least one). Sides running their own thread pools (ONNX Runtime's
+    workers spin ~30 ms after a call, OpenMP's a few ms) would otherwise steal a core from the
+    side timed next; after the pause they are idle, and the untimed calls wake this side's own
+    threads and the machine, and bring its weights back into the caches as every side's are
+    (the sides before it read their own copies). ``side.prime``: one untimed call too (the
+    first call after entering the context is then not what a sample measures).
     """
     with side.context():
         if settle:
-            time.sleep(settle)
+            if pause:
+                time.sleep(settle)
             start = time.perf_counter()
             side.fn()
             while time.perf_counter() - start < WAKE:
@@ -194,7 +196,7 @@ def sample_round(sides: Sequence[Side], reps: int, number: int, budget: float = 
             break
         for side in (sides if r % 2 == 0 else reversed(sides)):
             # a pause only where the thread pool changes: torch's sides share one
-            side.samples.append(_sample(side, number, settle if side.pool != pool else 0.0))
+            side.samples.append(_sample(side, number, settle, pause=side.pool != pool))
             pool = side.pool
         r += 1
     return time.perf_counter() - t0

@@ -97,8 +97,8 @@ def common():
 
 
 def test_samples_pause_where_the_thread_pool_changes_then_wake(common, monkeypatch):
-    """A settle's pause (then untimed calls) comes before a side whose thread pool differs from
-    the last side's, not between torch's sides; every sample is taken."""
+    """A settle's pause comes before a side whose thread pool differs from the last side's, not
+    between torch's sides; untimed calls come before every sample; every sample is taken."""
     sleeps, calls = [], []
     monkeypatch.setattr(common.time, "sleep", sleeps.append)
     monkeypatch.setattr(common, "WAKE", 0.0)
@@ -107,13 +107,14 @@ def test_samples_pause_where_the_thread_pool_changes_then_wake(common, monkeypat
              common.Side("ort", lambda: calls.append("ort"), pool="onnxruntime")]
     common.sample_round(sides, reps=2, number=1, settle=0.04)
     assert sleeps == [0.04] * 3   # before eager, ort; then (reversed) before kwker
-    # a pause is followed by one untimed call (WAKE 0), then the timed one
-    assert calls == ["eager", "eager", "kwker", "ort", "ort",
-                     "ort", "kwker", "kwker", "eager"]
+    # one untimed call (WAKE 0), then the timed one
+    assert calls == ["eager", "eager", "kwker", "kwker", "ort", "ort",
+                     "ort", "ort", "kwker", "kwker", "eager", "eager"]
     assert [len(s.samples) for s in sides] == [2, 2, 2]
     sleeps.clear()
+    calls.clear()
     common.sample_round(sides, reps=2, number=1)
-    assert sleeps == []
+    assert sleeps == [] and len(calls) == 6
 
 
 def test_run_all_survives_a_failing_script_and_indexes_results(tmp_path):
