@@ -121,10 +121,11 @@ class Side:
         return min(self.samples)
 
 
-# seconds of untimed calls after a settle's pause: a KVM guest idle for 40 ms ran its next
-# ~20 ms of work slowly (Intel Xeon with AMX, tutorial Ranker b32 compiled, best of 20 samples of
-# 4 calls: 425 us back to back, 540 after the pause and one untimed call, 450 after 5 ms of
-# them, 367-377 after 20-50 ms; eager 1560 / 1772 / 1609 / 1516-1549)
+# seconds of untimed calls before each sample where peers run (``settle``): a KVM guest idle for
+# 40 ms ran its next ~20 ms of work slowly (Intel Xeon with AMX, tutorial Ranker b32 compiled,
+# best of 20 samples of 4 calls: 425 us back to back, 540 after the pause and one untimed call,
+# 450 after 5 ms of them, 367-377 after 20-50 ms; eager 1560 / 1772 / 1609 / 1516-1549), and a
+# side's first call finds its weights evicted by the sides before it
 WAKE = 0.02
 
 
