@@ -69,7 +69,7 @@ from .irutil import (
     smin,
     void,
 )
-from .tiles import Tiles
+from .tiles import Tiles, tile_step
 
 TILE_BLOCK = (32, 32)   # rows x columns of C per block: 2 x 2 accumulator tiles
 B_ROW_BYTES = TILE_BLOCK[1] * 4   # a k-pair row of a B panel (the two B tiles side by side)
@@ -412,27 +412,18 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
                 for j, t in enumerate(row):
                     tiles.load(t, c_at(i, j), ldc_bytes)
     dot = tiles.dot_s8u8 if int8 == "s8u8" else tiles.dot_u8s8 if int8 else tiles.dot_bf16
-    with f.for_range(0, kcp, step=STEP, name="kstep") as k:
-        # each load just before the first product that needs it: tile registers are not
-        # renamed, so a load waits for the products still reading its register
-        tiles.load(regs["a0"], a_at(k, 0), a_stride)
-        tiles.load(regs["b0"], b_at(k, 0), b_stride, once=b_once)
-        dot(acc[0][0], regs["a0"], regs["b0"])
+
+    def between() -> None:   # after the step's first product
         if side is not None:
             side(b.lshr(k, const(i64, 4)))
-        if col_tiles == 2:
-            tiles.load(regs["b1"], b_at(k, 1), b_stride, once=b_once)
         if b_ahead:  # the step's 16 rows of B (both tiles), ``b_ahead`` bytes on
             fetch = simd.prefetch_l2 if b_once else simd.prefetch
             for line in range(0, 16 * B_ROW_BYTES, 64):
                 fetch(b, simd.gep(b, b_at(k, 0), const(i64, b_ahead + line), i8))
-        if col_tiles == 2:
-            dot(acc[0][1], regs["a0"], regs["b1"])
-        if row_tiles == 2:
-            tiles.load(regs["a1"], a_at(k, 1), a_stride)
-            dot(acc[1][0], regs["a1"], regs["b0"])
-            if col_tiles == 2:
-                dot(acc[1][1], regs["a1"], regs["b1"])
+
+    with f.for_range(0, kcp, step=STEP, name="kstep") as k:
+        tile_step(tiles, regs, acc, [dot] * row_tiles, lambda i: a_at(k, i), a_stride,
+                  lambda j: b_at(k, j), b_stride, b_once, between)
     if side_rest is not None:
         side_rest(b.lshr(kcp, const(i64, 4)))
     for i, row in enumerate(acc):

@@ -56,6 +56,7 @@ from llvmlite import ir
 from . import simd, vmath
 from .gemm_lowbit_vnni import GROUP_QUADS, GROUP_ROWS, HEAD, load_factor
 from .irutil import Fn, const, i8, i32, i64
+from .tiles import tile_step
 
 
 def group_rows(plane_bits: int = 8) -> int:
@@ -137,14 +138,9 @@ def grouped_product(f: Fn, p, tiles, regs, a_tile, b_panel, groups, first, last,
             gj = b.add(g, const(i64, j))
             a_at = simd.gep(b, a_tile, b.mul(gj, const(i64, A_GROUP_WORDS)), i32)
             b_at = simd.gep(b, b_panel, b.mul(gj, const(i64, b_rows * nr)), i32)
-            tiles.load(regs["a0"], a_at, a_stride)
-            tiles.load(regs["b0"], b_at, b_stride)
-            tiles.dot_u8s8(acc[0][0], regs["a0"], regs["b0"])
-            tiles.load(regs["b1"], simd.gep(b, b_at, const(i64, 16), i32), b_stride)
-            tiles.dot_u8s8(acc[0][1], regs["a0"], regs["b1"])
-            tiles.load(regs["a1"], simd.gep(b, a_at, const(i64, 256), i32), a_stride)
-            high(acc[1][0], regs["a1"], regs["b0"])
-            high(acc[1][1], regs["a1"], regs["b1"])
+            tile_step(tiles, regs, acc, [tiles.dot_u8s8, high],
+                      lambda i, a_at=a_at: simd.gep(b, a_at, const(i64, 256 * i), i32), a_stride,
+                      lambda j, b_at=b_at: simd.gep(b, b_at, const(i64, 16 * j), i32), b_stride)
         for i, row in enumerate(acc):
             for j, t in enumerate(row):
                 tiles.store(t, simd.gep(b, gbuf, const(i64, i * 16 * 32 + j * 16), i32), stride)

@@ -178,4 +178,28 @@ class Tiles:
         return self._row_u8s8(acc, aw, bw, signed_a=True)
 
 
-__all__ = ["AMX", "ROWS", "ROW_BYTES", "Tiles", "f32"]
+def tile_step(tiles: Tiles, regs: dict, acc: list, dots: list, a_at, a_stride, b_at, b_stride,
+              b_once: bool = False, between=None) -> None:
+    """One step of a block product: ``acc[i][j] += A_i B_j`` with ``dots[i]`` (the tile
+    product of row tile ``i``), A tile ``i`` from ``a_at(i)``, B tile ``j`` from ``b_at(j)``;
+    ``between()``: emitted after the first product. Every operand is loaded before the
+    products: live together, each gets a tile register of its own. Loaded each just before
+    its first product, LLVM gave the two A tiles (or the two B tiles) one register, and a load
+    waited for the product before it to finish reading it (Xeon with AMX, 2 threads, bf16
+    linear, the median of 6 trials in one process: 1024 x 3072 x 768 2.6% faster, 1024^3 4.0%;
+    causal SDPA and the fused top-k's screen unchanged)."""
+    a = [regs[f"a{i}"] for i in range(len(acc))]
+    bt = [regs[f"b{j}"] for j in range(len(acc[0]))]
+    tiles.load(a[0], a_at(0), a_stride)
+    for j, t in enumerate(bt):
+        tiles.load(t, b_at(j), b_stride, once=b_once)
+    for i in range(1, len(a)):
+        tiles.load(a[i], a_at(i), a_stride)
+    for i, row in enumerate(acc):
+        for j, c in enumerate(row):
+            dots[i](c, a[i], bt[j])
+            if between is not None and i == j == 0:
+                between()
+
+
+__all__ = ["AMX", "ROWS", "ROW_BYTES", "Tiles", "f32", "tile_step"]

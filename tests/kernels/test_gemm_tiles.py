@@ -367,11 +367,22 @@ def test_grouped_planes_build_restarts_tiles_per_group(planes, bits, group):
     assert counts == {"tilezero": 4 if run == 1 else 8, "tdpbusd": products - high,
                       "tdpbssd": high, "tilestored": 4 if run == 1 else 8}, counts
     assert "Spill" not in asm and "Reload" not in asm
+    _assert_eight_tile_registers(asm, "tdpbusd", "tdpbssd")
     if bits == 12:   # two planes of 12-bit digits against grouped panels, on the tiles only
         with pytest.raises(ValueError, match="12-bit planes"):
             emit(replace(spec, planes=3), SAPPHIRE)
     with pytest.raises(ValueError, match="a multiple of 32"):
         emit(replace(spec, b_group=48), SAPPHIRE)
+
+
+def _assert_eight_tile_registers(asm: str, *ops: str) -> None:
+    """The products of a 2 x 2 step read four operand tiles in four registers, apart from the
+    four accumulators' (tiles.tile_step): with one register for two operands a load waits for
+    the product before it."""
+    found = re.findall(rf"\b(?:{'|'.join(ops)})\s+%(tmm\d), %(tmm\d), %(tmm\d)", asm)
+    sources = {r for operands in found for r in operands[:2]}
+    accumulators = {operands[2] for operands in found}
+    assert len(sources) == len(accumulators) == 4 and not sources & accumulators, found
 
 
 def _tile_spec(m=200, n=300, k=402, layout="packed", epilogue="gelu", residual=True):
@@ -392,6 +403,7 @@ def test_native_build_keeps_tiles_in_registers(layout):
     for op in ("ldtilecfg", "tdpbf16ps", "tilerelease", "tileloadd", "tilestored"):
         assert re.search(rf"\b{op}\b", asm), op
     assert len(re.findall(r"\btdpbf16ps\b", asm)) % 4 == 0   # whole 2 x 2 steps
+    _assert_eight_tile_registers(asm, "tdpbf16ps")
     spills = re.findall(r"tile(?:stored|loadd)\s+[^\n]*(?:\(%rsp|-\d+\(%rbp)", asm)
     assert not spills, spills
     assert re.search(r"\btileloaddt1\b", asm) and re.search(r"\btileloadd\b", asm)
