@@ -265,6 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--section", choices=("all", "f32", "bf16"), default="all",
                     help="float32 kernels, bf16 kernels or both (a subset updates only its "
                          "part of the results files)")
+    ap.add_argument("--max-autotune", action="store_true",
+                    help="bf16 section: also Inductor with frozen weights and max-autotune, the "
+                         "best PyTorch peer (minutes of compiling)")
     common.add_out_argument(ap)
     args = ap.parse_args(argv)
     reps = 8 if args.quick else args.reps
@@ -295,7 +298,7 @@ def main(argv=None) -> int:
                      "rows": rows})
         print(render(rows, header))
     if args.section in ("all", "bf16"):
-        sec = kernels_bf16.run(best_pair, reps, args.threads)
+        sec = kernels_bf16.run(best_pair, reps, args.threads, args.max_autotune)
         data["bf16"] = {"machine": info, "reps": reps, **sec}
         print()
         print(kernels_bf16.render(data["bf16"]))

@@ -27,6 +27,12 @@ THREADS = 2
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+# the best PyTorch peer on a CPU (issue 18), on request: Inductor with frozen weights and its
+# own CPP GEMM templates (AMX micro-kernels on such CPUs) or ATen's, autotuned (minutes a model)
+MAX_AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True,
+                        "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
 def set_threads(n: int = THREADS) -> int:
     """Pin torch's intra-op threads (the figures in the docs are all taken with 2)."""
     torch.set_num_threads(n)

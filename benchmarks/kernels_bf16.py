@@ -128,6 +128,24 @@ def l3_bandwidth(threads: int, nbytes: int = L3_BYTES, passes: int = 4,
 
 
 # ------------------------------------------------------------------------------------ rows
+class _Attention(torch.nn.Module):
+    """Causal SDPA as a module, for Inductor to compile."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _vs_autotune(best_pair, reps: int, kwker, module, *inputs) -> dict:
+    """The row's extra columns against Inductor with frozen weights and max-autotune
+    (``common.MAX_AUTOTUNE_OPTIONS``, the best PyTorch peer of issue 18): its time, timed
+    alternately with Kwker's, and Kwker's speed-up over it. Compiling takes minutes."""
+    compiled = torch.compile(module, options=common.MAX_AUTOTUNE_OPTIONS)
+    with torch.no_grad():
+        compiled(*inputs)
+        tk, ta = best_pair(kwker, lambda: compiled(*inputs), reps)
+    return {"autotune_ms": ta * 1e3, "autotune_ratio": ta / tk}
+
+
 def _check(kw, eager, ref) -> str:
     """The accuracy contract against the float32 result ``ref``."""
     ref = ref.double()
@@ -146,8 +164,10 @@ def _targets() -> dict:
     return TARGETS_AMX if host_target().tiles == "amx" else TARGETS
 
 
-def linear_rows(best_pair, reps: int, peaks: dict, l3: float | None) -> list[dict]:
-    """``peaks``: instruction path (``instruction_path``) -> its probe's GFLOP/s."""
+def linear_rows(best_pair, reps: int, peaks: dict, l3: float | None,
+                autotune: bool = False) -> list[dict]:
+    """``peaks``: instruction path (``instruction_path``) -> its probe's GFLOP/s;
+    ``autotune``: also against Inductor max-autotune (``_vs_autotune``)."""
     rows = []
     for m, n, k in LINEARS:
         torch.manual_seed(0)
@@ -155,8 +175,8 @@ def linear_rows(best_pair, reps: int, peaks: dict, l3: float | None) -> list[dic
         wb, bb, xb = w.to(BF16), bias.to(BF16), x.to(BF16)
         f = make_linear(wb, bb, m, dtype=BF16)
         check = _check(f(xb), F.linear(xb, wb, bb), F.linear(xb.float(), wb.float(), bb.float()))
-        tk, te = best_pair(lambda: f(xb), lambda: F.linear(xb, wb, bb),
-                           max(3, reps // (4 if m * n * k > 1 << 28 else 1)))
+        pair_reps = max(3, reps // (4 if m * n * k > 1 << 28 else 1))
+        tk, te = best_pair(lambda: f(xb), lambda: F.linear(xb, wb, bb), pair_reps)
         gf = 2 * m * n * k / tk / 1e9
         target, peak_target = _targets()[(m, n, k)]
         path = instruction_path(f.spec, host_target())
@@ -165,12 +185,16 @@ def linear_rows(best_pair, reps: int, peaks: dict, l3: float | None) -> list[dic
         if (m, n, k) in MEMORY_BOUND:
             extra["weight_gbps"] = n * k * 2 / tk / 1e9
             extra["l3_frac"] = extra["weight_gbps"] / l3 if l3 else None
+        if autotune:
+            module = torch.nn.Linear(k, n).to(BF16).eval()
+            module.weight.data, module.bias.data = wb, bb
+            extra |= _vs_autotune(best_pair, pair_reps, lambda: f(xb), module, xb)
         rows.append(_row(f"bf16 linear {m}x{n}x{k}", tk, te, check, target, peak_target,
                          **extra))
     return rows
 
 
-def sdpa_rows(best_pair, reps: int) -> list[dict]:
+def sdpa_rows(best_pair, reps: int, autotune: bool = False) -> list[dict]:
     rows = []
     for shape in [(8, 8, 128, 32), (1, 16, 1024, 64)]:
         b, h, seq, e = shape
@@ -182,13 +206,16 @@ def sdpa_rows(best_pair, reps: int) -> list[dict]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         check = _check(f(q, k, v), eager(), ref)
-        tk, te = best_pair(lambda: f(q, k, v), eager, max(3, reps // (10 if seq > 512 else 1)))
+        pair_reps = max(3, reps // (10 if seq > 512 else 1))
+        tk, te = best_pair(lambda: f(q, k, v), eager, pair_reps)
+        extra = _vs_autotune(best_pair, pair_reps, lambda: f(q, k, v), _Attention(), q, k, v) \
+            if autotune else {}
         rows.append(_row(f"bf16 SDPA {shape} causal", tk, te, check, _targets()[shape][0],
-                         path=instruction_path(f.spec, host_target())))
+                         path=instruction_path(f.spec, host_target()), **extra))
     return rows
 
 
-def mlp_rows(best_pair, reps: int) -> list[dict]:
+def mlp_rows(best_pair, reps: int, autotune: bool = False) -> list[dict]:
     """Linear(1024, 4096) + GELU fused, then Linear(4096, 1024), chained as Kwker runs them."""
     rows = []
     torch.manual_seed(0)
@@ -202,18 +229,21 @@ def mlp_rows(best_pair, reps: int) -> list[dict]:
         with torch.no_grad():
             check = _check(l2(l1(x)), mlp_b(x), mlp(x.float()))
             tk, te = best_pair(lambda: l2(l1(x)), lambda: mlp_b(x), reps)
+        extra = _vs_autotune(best_pair, reps, lambda: l2(l1(x)), copy.deepcopy(mlp_b), x) \
+            if autotune else {}
         rows.append(_row(f"bf16 MLP 1024-4096-1024 b{batch}", tk, te, check,
-                         note="linear+GELU fused, linear"))
+                         note="linear+GELU fused, linear", **extra))
     return rows
 
 
-def run(best_pair, reps: int, threads: int) -> dict:
-    """The whole section: probes, then every row (``best_pair`` from bench_kernels)."""
+def run(best_pair, reps: int, threads: int, autotune: bool = False) -> dict:
+    """The whole section: probes, then every row (``best_pair`` from bench_kernels);
+    ``autotune``: each row also against Inductor max-autotune."""
     peak, why = bf16_peak(threads)
     tile, tile_why = tile_peak(threads)
     l3 = l3_bandwidth(threads)
-    rows = linear_rows(best_pair, reps, {"avx512-bf16": peak, "amx": tile}, l3) \
-        + sdpa_rows(best_pair, reps) + mlp_rows(best_pair, reps)
+    rows = linear_rows(best_pair, reps, {"avx512-bf16": peak, "amx": tile}, l3, autotune) \
+        + sdpa_rows(best_pair, reps, autotune) + mlp_rows(best_pair, reps, autotune)
     if peak:
         # probed once more after the rows, the best kept (as the FMA probe is): on the Zen 5 VM
         # the probe at the start read 479-489 GFLOP/s in two runs, and 920 alone a minute later
@@ -236,6 +266,13 @@ def _pct(x) -> str:
     return "—" if x is None else f"{x:.0%}"
 
 
+def _autotune_cells(r: dict) -> str:
+    if "autotune_ms" not in r:
+        return " | |"
+    verdict = "ahead" if r["autotune_ratio"] > 1 else "BEHIND"
+    return f" {r['autotune_ms']:.3f} | {r['autotune_ratio']:.2f}x {verdict} |"
+
+
 def render(sec: dict) -> str:
     peak = sec["peak_gflops"]
     head = (f"vdpbf16ps peak probe ({probes.CHAINS} chains per thread): "
@@ -245,11 +282,14 @@ def render(sec: dict) -> str:
                else sec.get("tile_peak_skipped", "not measured"))
             + f"; L3 read bandwidth probe ({sec['l3_bytes'] >> 20} MB buffer): "
               f"{sec['l3_gbps']:.0f} GB/s")
+    tuned = any("autotune_ms" in r for r in sec["rows"])   # bench_kernels.py --max-autotune
     out = ["## bfloat16 (vs eager bf16: oneDNN)", "", head, "",
            "Plot: [kernels_bf16.png](kernels_bf16.png)", "",
            "| kernel | path | eager ms | kwker ms | speed-up | target | GFLOP/s | % of its "
-           "path's peak | weight GB/s (% of L3) | check | note |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+           "path's peak | weight GB/s (% of L3) | check | note |"
+           + (" Inductor max-autotune ms | max-autotune / Kwker |" if tuned else ""),
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|---:|" if tuned
+                                                                     else "")]
     for r in sec["rows"]:
         mark = ""
         if r["target"] is not None:
@@ -260,9 +300,9 @@ def render(sec: dict) -> str:
               else "")
         gf = f"{r['gflops']:.0f}" if "gflops" in r else ""
         pk = _pct(r.get("peak_frac")) if "gflops" in r else ""
-        out.append(f"| {r['kernel']} | {r.get('path', '')} | {r['torch_ms']:.3f} | {r['kwker_ms']:.3f} | "
-                   f"{r['ratio']:.2f}x | {mark} | {gf} | {pk} | {gb} | {r['check']} | "
-                   f"{r.get('note', '')} |")
+        out.append(f"| {r['kernel']} | {r.get('path', '')} | {r['torch_ms']:.3f} | "
+                   f"{r['kwker_ms']:.3f} | {r['ratio']:.2f}x | {mark} | {gf} | {pk} | {gb} | "
+                   f"{r['check']} | {r.get('note', '')} |" + (_autotune_cells(r) if tuned else ""))
     return "\n".join(out)
 
 

@@ -30,11 +30,8 @@ MODES = ("bf16", "autocast")
 MODE_LABELS = {"bf16": ".to(bfloat16)", "autocast": "autocast(bf16)"}
 VARIANTS = ("eager", "inductor", "kwker_eager", "kwker")
 KWKER = ("kwker_eager", "kwker")
-# the best PyTorch peer, on request (--max-autotune: minutes of autotuning per model): Inductor
-# with frozen weights and its own CPP GEMM templates (AMX micro-kernels on such CPUs) or ATen
+# the best PyTorch peer, on request (--max-autotune): common.MAX_AUTOTUNE_OPTIONS
 MAX_AUTOTUNE = "inductor_max"
-MAX_AUTOTUNE_OPTIONS = {"freezing": True, "max_autotune": True,
-                        "max_autotune_gemm_backends": "CPP,ATEN"}
 LABELS = {"eager": "eager bf16", "inductor": "Inductor bf16", "kwker_eager": "Kwker inner=eager",
           "kwker": "Kwker (default)", "openvino": "OpenVINO bf16", "onnxruntime": "ONNX Runtime",
           MAX_AUTOTUNE: "Inductor max-autotune bf16"}
@@ -71,7 +68,7 @@ def compile_variant(model, variant: str):
     if variant == "inductor":
         return torch.compile(model)
     if variant == MAX_AUTOTUNE:
-        return torch.compile(model, options=MAX_AUTOTUNE_OPTIONS)
+        return torch.compile(model, options=common.MAX_AUTOTUNE_OPTIONS)
     return torch.compile(model, backend="kwker",
                          options={"inner": "eager"} if variant == "kwker_eager" else None)
 

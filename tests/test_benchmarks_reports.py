@@ -247,6 +247,13 @@ def test_bf16_kernels_render_headline_and_plot(mods, bf16mods, tmp_path):
         "bf16 furthest from its target: bf16 linear 1024x1024x1024"]
     skipped = {**sec, "peak_gflops": None, "peak_skipped": "skipped: no AVX512_BF16"}
     assert "skipped: no AVX512_BF16" in kb.render(skipped)
+    assert "max-autotune" not in text   # the peer's columns only where it ran
+    rows[0] |= {"autotune_ms": 1.5, "autotune_ratio": 1.5}
+    rows[1] |= {"autotune_ms": 0.5, "autotune_ratio": 0.5}
+    tuned = kb.render(sec)
+    assert "| Inductor max-autotune ms | max-autotune / Kwker |" in tuned
+    assert "| 1.500 | 1.50x ahead |" in tuned and "| 0.500 | 0.50x BEHIND |" in tuned
+    assert tuned.splitlines()[-1].endswith("| | |")   # a row without it
     pytest.importorskip("matplotlib")
     assert kb.plot(sec, tmp_path / "kernels_bf16.png", "t")
 
