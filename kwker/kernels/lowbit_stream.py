@@ -48,19 +48,21 @@ def ahead(bits: int, build) -> int:
 def _measured(bits: int, build, *memo_key) -> int:
     """Measured or read once a process per bit width (under one tuning mode and cache): a
     timing taken under load is not recorded, but holds for this process."""
-    candidates = {str(a): functools.partial(_probe, bits, build, a)
-                  for a in (simd.STREAM_AHEAD, NONE)}
+    weight: list = []   # one synthetic weight for both: the factory packs it once
+
+    def probe(distance: int):
+        """The decode callable (one x row of K) of a ``bits``-bit weight of
+        ``_probe_bytes()``, prefetched ``distance`` bytes ahead."""
+        if not weight:
+            rows = -(-_probe_bytes() * 8 // (bits * K))
+            q = torch.ones(rows, K, dtype=torch.int8)
+            q[::3] = -2      # not one value: any reading of the weights sees rows that differ
+            weight.extend((q, torch.full((rows, 1), 0.01)))
+        return build(*weight, bits, distance)
+
+    candidates = {str(a): functools.partial(probe, a) for a in (simd.STREAM_AHEAD, NONE)}
     return int(variants.winner("low-bit weight stream", {"bits": bits}, candidates,
                                lambda: [torch.randn(1, K)]))
-
-
-def _probe(bits: int, build, distance: int):
-    """The decode callable (one x row of K) of a ``bits``-bit weight of ``_probe_bytes()``,
-    prefetched ``distance`` bytes ahead."""
-    rows = -(-_probe_bytes() * 8 // (bits * K))
-    q = torch.ones(rows, K, dtype=torch.int8)
-    q[::3] = -2      # not one value: any reading of the weights sees rows that differ
-    return build(q, torch.full((rows, 1), 0.01), bits, distance)
 
 
 def _probe_bytes() -> int:
