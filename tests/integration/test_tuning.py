@@ -500,10 +500,11 @@ def test_bf16_decode_sizes_measure_the_tile_and_the_vector_path(tuned, native_ti
     assert again.spec == f.spec  # the recorded choice gives the same kernel
 
 
-def test_int4_decode_measures_vpdpbusd_and_the_float_path(tuned):
+def test_int4_decode_measures_vpdpbusd_and_the_float_path(tuned, monkeypatch):
     """Where the CPU has AVX512_VNNI, an int4 decode linear is built on whichever of vpdpbusd
     and the float path measured faster on this machine, recorded; either answers as the
-    dequantised reference."""
+    dequantised reference. (The weight stream's prefetch distance is pinned: measuring it
+    streams a weight of up to 512 MB, which has its own test.)"""
     pytest.importorskip("torchao")
     if not host_target().has("avx512vnni"):
         pytest.skip(f"one int4 decode path without AVX512_VNNI; this CPU: "
@@ -511,7 +512,10 @@ def test_int4_decode_measures_vpdpbusd_and_the_float_path(tuned):
     from torchao.quantization import IntxWeightOnlyConfig, quantize_
     from torchao.quantization.granularity import PerGroup
 
+    from kwker.codegen import simd
+    from kwker.kernels import lowbit_stream
     from kwker.kernels.linear_lowbit import dequantized, make_linear_lowbit
+    monkeypatch.setattr(lowbit_stream, "ahead", lambda bits, build: simd.STREAM_AHEAD)
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 96)
     quantize_(lin, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
