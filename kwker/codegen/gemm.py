@@ -13,12 +13,13 @@ pre-packed weights are used in place); ``jr`` row tiles (one A micro-panel, L1);
 micro-kernel. Edge tiles use micro-kernel variants specialised to the leftover rows/columns.
 
 Threads split the batch, or else the M tiles or the N panels (whichever has enough work; N when
-B is packed at run time, so no two threads pack the same panels), never K: each C tile is owned
-by one thread, so the K blocks accumulate without synchronisation and the epilogue runs once,
-on the last K block. Pre-packed panels are split by work, in (panel, row tile) units weighted
-by their vectors, so the narrow edge panel does not leave a thread idle: a boundary may fall
-inside a panel, whose row tiles the two threads then share (1024 columns in 48-wide panels: 11
-and 10 1/3 panels, 3% idle, before).
+B is packed at run time, so no two threads pack the same panels, and for pre-packed weights of
+more columns than rows, unless on the tiles the rows are many: ``_rows_outweigh``), never K:
+each C tile is owned by one thread, so the K blocks accumulate without synchronisation and the
+epilogue runs once, on the last K block. Pre-packed panels are split by work, in (panel, row
+tile) units weighted by their vectors, so the narrow edge panel does not leave a thread idle: a
+boundary may fall inside a panel, whose row tiles the two threads then share (1024 columns in
+48-wide panels: 11 and 10 1/3 panels, 3% idle, before).
 
 bfloat16 (``dtype="bf16"``): A, B, the residual and C are bf16, the bias float32. The loop nest
 is the float32 one over k *pairs* (32-bit words of two bf16, see gemm_micro.py), so blocking,
@@ -315,6 +316,20 @@ def _weight_work(p: _Plan) -> int:
     return p.s.n * p.s.k * per // MIN_WEIGHT_BYTES_PER_THREAD
 
 
+def _rows_outweigh(f: Fn, p, mt, nt, m_rows) -> ir.Value:
+    """On the tiles, whether threads split the rows though they are fewer than the columns:
+    a thread of an N split packs all of A, one of an M split streams all of B, and with 8 row
+    tiles a thread or more and at least a quarter as many rows as columns the copies of A cost
+    more (Xeon with AMX, bf16, 2 threads, the median of 4 trials in one process, two runs:
+    512 x 768 x 3072 11.4-12.6% faster, 1024 x 3072 x 768 2.9-4.6%, 2048 x 4096 x 1024 3.0-4.0%,
+    512 x 2048 x 2048 2.3%, 1024 x 4096 x 4096 2.3%; with 8 row tiles in all, 256 x 1024 x 1024
+    to 256 x 4096 x 1024, 3.6-5.8% slower split by rows; float32 on the vector path within 2%
+    either way)."""
+    b = f.b
+    return b.and_(b.icmp_signed(">=", mt, b.mul(nt, const(i64, 8))),
+                  b.icmp_signed(">=", b.mul(m_rows, const(i64, 4)), const(i64, p.s.n)))
+
+
 def _work_bound(f: Fn, p: _Plan, mt, k, nt) -> ir.Value:
     """The first (panel, row tile) unit of thread ``k`` of ``nt`` (``k = nt``: the end) when
     pre-packed panels are split by work: a full panel's tile weighs its ``nv`` vectors, the
@@ -369,6 +384,9 @@ def _emit_body(module: ir.Module, p: _Plan) -> ir.Function:
                 if p.dyn_m:
                     many_panels = b.and_(many_panels, b.icmp_signed("<", m_rows,
                                                                     const(i64, s.n)))
+                if p.tiles:
+                    many_panels = b.and_(many_panels, b.not_(_rows_outweigh(f, p, mt, nt,
+                                                                            m_rows)))
                 rows_enough = b.and_(rows_enough, b.not_(many_panels))
             few_panels = b.icmp_signed("<", const(i64, p.np), nt)
             with f.if_else(b.or_(rows_enough, few_panels)) as (by_rows, by_cols):

@@ -55,6 +55,7 @@ LINEAR_CASES = [  # m, n, k, epilogue, residual, bias: edges of rows, columns an
     (50, 70, 90, "silu", True, True), (37, 64, 1300, "silu", False, True, torch.float32),
     (40, 45, 64, "sigmoid", True, True), (33, 96, 100, "tanh", False, True),
     (1100, 1024, 1024, "gelu", True, True),  # B past L2: two chunks of up to 1024 rows
+    (520, 1000, 64, "gelu", True, True),  # fewer rows than columns, split by rows on 2 threads
 ]
 MATMUL_CASES = [  # m, k, n, batch, b transposed
     (40, 17, 33, 1, False), (40, 17, 33, 1, True), (64, 64, 128, 4, False),
