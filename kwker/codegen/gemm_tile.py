@@ -413,15 +413,15 @@ def block_product(f: Fn, tiles: Tiles, regs: dict, a_at, a_stride, b_at, b_strid
                     tiles.load(t, c_at(i, j), ldc_bytes)
     dot = tiles.dot_s8u8 if int8 == "s8u8" else tiles.dot_u8s8 if int8 else tiles.dot_bf16
 
-    def between() -> None:   # after the step's first product
-        if side is not None:
-            side(b.lshr(k, const(i64, 4)))
-        if b_ahead:  # the step's 16 rows of B (both tiles), ``b_ahead`` bytes on
-            fetch = simd.prefetch_l2 if b_once else simd.prefetch
-            for line in range(0, 16 * B_ROW_BYTES, 64):
-                fetch(b, simd.gep(b, b_at(k, 0), const(i64, b_ahead + line), i8))
-
     with f.for_range(0, kcp, step=STEP, name="kstep") as k:
+        def between() -> None:   # after the step's first product
+            if side is not None:
+                side(b.lshr(k, const(i64, 4)))
+            if b_ahead:  # the step's 16 rows of B (both tiles), ``b_ahead`` bytes on
+                fetch = simd.prefetch_l2 if b_once else simd.prefetch
+                for line in range(0, 16 * B_ROW_BYTES, 64):
+                    fetch(b, simd.gep(b, b_at(k, 0), const(i64, b_ahead + line), i8))
+
         tile_step(tiles, regs, acc, [dot] * row_tiles, lambda i: a_at(k, i), a_stride,
                   lambda j: b_at(k, j), b_stride, b_once, between)
     if side_rest is not None:
