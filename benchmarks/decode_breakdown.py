@@ -9,7 +9,9 @@ other kernels and the program's other steps (views, embedding). "Outside the pro
 rest of the model call: compiled, dynamo's frame and guards and the model's Python outside the
 captured graph, which any ``torch.compile`` backend pays; packaged, the input checks and the
 output's structure. The clock's own cost is the difference between the token's time untimed and
-the timed model call, both reported.
+the timed model call, both reported. Beside the roofline's read (one buffer of the weights'
+bytes) and the memory's own speed, a plain read of buffers of the linears' sizes, one call each
+in the token's order, says what the weights' streams give as laid out, each starting cold.
 
     python benchmarks/decode_breakdown.py --out benchmarks/results/<cpu>  # .md and .json
     python benchmarks/decode_breakdown.py --models llama   # decode_breakdown_llama.md only
@@ -131,15 +133,18 @@ def run(model_name: str, quick: bool, reps: int) -> tuple[list[dict], dict]:
             decode(model, prompt, steps, parts)
             if best is None or parts["call"] < best["call"]:
                 best = parts
-        nbytes = weight_bytes(linear_shapes(cfg), "f32", quant)
+        shapes = linear_shapes(cfg)
+        nbytes = weight_bytes(shapes, "f32", quant)
         threads = torch.get_num_threads()
         gbps = probes.read_gbps(threads, nbytes, 1, 5)
+        each = probes.read_each_gbps(threads, [weight_bytes([s], "f32", quant) for s in shapes])
         memory = probes.read_gbps(threads, MEMORY_PROBE, 1, 3)
         per_token = {k: v / steps * 1e3 for k, v in best.items()}        # ms
         rows.append({"how": how, "weights": quant, "token_ms": plain * 1e3,
                      "parts_ms": per_token,
                      "weight_mb": nbytes / 1e6, "stream_gbps": gbps,
-                     "stream_ms": nbytes / gbps / 1e6, "memory_gbps": memory})
+                     "stream_ms": nbytes / gbps / 1e6, "memory_gbps": memory,
+                     "each_gbps": each})
         print(f"{HOWS[how]}, {quant}: {plain * 1e3:.2f} ms a token untimed, "
               f"{per_token['call']:.2f} timed (program {per_token['program']:.2f}); weights at "
               f"the stream's speed {rows[-1]['stream_ms']:.2f} ms", flush=True)
@@ -188,7 +193,10 @@ def render(rows: list[dict], model: dict, info: dict) -> str:
                    f"is a token in {budget / ROOFLINE_TARGET:.2f} ms (now "
                    f"{budget / row['token_ms']:.0%}). In the model the linears read their "
                    f"weights at {linear_gbps(row):.1f} GB/s; the memory's own speed is "
-                   f"{row['memory_gbps']:.1f} GB/s."), ""]
+                   f"{row['memory_gbps']:.1f} GB/s"
+                   + (f", and a plain read of buffers of the linears' sizes, one call each in "
+                      f"the token's order, {row['each_gbps']:.1f} GB/s" if "each_gbps" in row
+                      else "") + "."), ""]
         lines.append(common.md_table(["part", "ms a token", "share"], table_rows(row)))
         lines.append("")
     return "\n".join(lines)

@@ -85,6 +85,24 @@ def read_probe(lanes: int):
                             ctypes.c_void_p, ctypes.c_int64)(addr)
 
 
+def read_each_gbps(threads: int, sizes: list[int], samples: int = 5) -> float:
+    """GB/s of reading buffers of ``sizes`` bytes (on huge pages) one call each, in order, as a
+    decode token's GEMVs read their weights (best of ``samples`` passes over all of them, after
+    an untimed one): a plain read's speed for the same streams, each starting cold in its
+    call, against which the linears' own speed in the model says what is the kernels' part."""
+    fn = read_probe(simd.float_lanes(host_target()))
+    sink = torch.zeros(64)
+    bufs = [huge_pages.empty((max(n // 4 // 128, 1) * 128,), torch.float32).fill_(1.0)
+            for n in sizes]
+    calls = [(buf.data_ptr(), buf.numel(), 1, sink.data_ptr(), threads) for buf in bufs]
+
+    def once():
+        for args in calls:
+            fn(*args)
+    nbytes = sum(buf.numel() * 4 for buf in bufs)
+    return nbytes / best(once, samples) / 1e9
+
+
 def read_gbps(threads: int, nbytes: int, passes: int = 4, samples: int = 40) -> float:
     """GB/s of reading a ``nbytes`` float32 buffer ``passes`` times on ``threads`` threads (a
     first, untimed call warms it), best of ``samples`` calls: the L3's bandwidth for a buffer

@@ -325,6 +325,10 @@ def test_decode_breakdown_times_every_step_of_the_program(dbk):
     assert rows[0][1] == "0.400" and rows[-1] == ["the model call (timed)", "1.000", "100%"]
     text = dbk.render([row], {"name": "gpt2", "layers": 1, "width": 8, "new_tokens": 4}, {})
     assert "0.13 ms (now 10%)" in text and "weights at 2.0 GB/s" in text
+    assert "plain read" not in text   # rows recorded before the per-linear read was taken
+    text = dbk.render([{**row, "each_gbps": 7.5}], {"name": "gpt2", "layers": 1, "width": 8,
+                                                     "new_tokens": 4}, {})
+    assert "one call each in the token's order, 7.5 GB/s." in text
 
 
 # ------------------------------------------------------------- bench_transformers.py harness
