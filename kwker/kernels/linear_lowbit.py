@@ -39,6 +39,7 @@ from ._call import (
 from .linear import EPILOGUES
 from .linear_lowbit_prefill import Buffers, gemv_run, prefill_run
 from .specs import (
+    Int4PackSpec,
     LowbitGemmSpec,
 )
 
@@ -49,7 +50,6 @@ MAX_TILE_ROWS = 4
 # from this many rows the weights are dequantised per call as the GEMM family's kernel packs them
 # (its FLOPs then outweigh one pass over the weights): see make_linear_lowbit
 PREFILL_ROWS = 16
-PACK_ROWS = 256  # rows of int4 weights repacked at a time (see pack_int4)
 
 
 @dataclass(frozen=True)
@@ -162,27 +162,22 @@ def pack_int4(q: torch.Tensor, lanes: int, kp: int, rr: int) -> torch.Tensor:
     codegen/gemm_lowbit.py: per chunk of ``8 * lanes`` weights, weight ``j * lanes + l`` in
     nibble ``j`` of word ``l``; blocks of ``rr`` rows with their chunks interleaved. Padding past
     K and past N holds 8 (weight 0 before the zero point; the kernel's x padding is 0 anyway,
-    and padded rows are never stored). Built a byte at a time (byte ``i`` of a word: nibbles
-    ``2i`` and ``2i + 1``), ``PACK_ROWS`` rows at a time: temporaries of a byte a weight (int32
-    ones took 1.8x as long, and for a whole GPT-2 head, 154 MB, the allocator kept them
-    resident after the packing)."""
+    and padded rows are never stored). A kernel of its own (codegen/int4_pack.py): built a byte
+    at a time in torch it took 2.5 s for 512 MB of packed weights (Xeon with AMX, 2 threads),
+    paid by every process that loads an int4 model."""
     n, k = q.shape
-    if int(q.min()) < -8 or int(q.max()) > 7:
-        raise NotImplementedError("int4 weights outside [-8, 7]")
-    rows = -(-n // rr) * rr
-    chunks = kp // (8 * lanes)
+    if q.numel():
+        lo, hi = torch.aminmax(q)
+        if int(lo) < -8 or int(hi) > 7:
+            raise NotImplementedError("int4 weights outside [-8, 7]")
+    if q.stride(1) != 1:
+        q = q.contiguous()
+    rows, chunks = -(-n // rr) * rr, kp // (8 * lanes)
     out = huge_pages.empty((rows // rr, chunks, rr, lanes), torch.int32)   # streamed per token
-    out_bytes = out.view(torch.uint8).view(rows // rr, chunks, rr, lanes, 4)
-    step = max(rr, PACK_ROWS // rr * rr)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        u = torch.full((r1 - r0, kp), 8, dtype=torch.uint8)
-        if r0 < n:
-            u[:min(r1, n) - r0, :k] = (q[r0:r1] + 8).view(torch.uint8)
-        u = u.view(r1 - r0, chunks, 4, 2, lanes)     # (row, chunk, byte i, nibble's half, lane)
-        byte = u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)
-        out_bytes[r0 // rr:r1 // rr] = byte.view(-1, rr, chunks, 4, lanes).permute(0, 2, 1, 4, 3)
-    return out.view(rows, -1)
+    if rows:
+        entry(Int4PackSpec(k, kp, rr, lanes), 2, 3)(q.data_ptr(), out.data_ptr(), q.stride(0), n,
+                                                    torch.get_num_threads())
+    return out.view(rows, chunks * lanes)
 
 
 def make_linear_lowbit(weight: torch.Tensor, bias: torch.Tensor | None, m: int | None = None,

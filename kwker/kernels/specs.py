@@ -51,6 +51,19 @@ class RowCopySpec(Spec):
 
 @register_spec
 @dataclass(frozen=True)
+class Int4PackSpec(Spec):
+    """int4 values (n rows of ``k`` int8, n and the row stride read per call) packed into
+    gemm_lowbit.py's nibble layout for ``lanes`` lanes: rows padded to ``kp`` weights, blocks
+    of ``rr`` rows (codegen/int4_pack.py)."""
+    k: int
+    kp: int
+    rr: int
+    lanes: int = 16
+    family = "int4_pack"
+
+
+@register_spec
+@dataclass(frozen=True)
 class ChainSpec(Spec):
     """Kernels called one after another by one native function (codegen/chain.py): a decode
     step's linears and norms between two attentions with no Python between them. Addresses are

@@ -34,6 +34,7 @@ EMITTERS = {
     "layernorm": "kwker.codegen.layernorm",
     "rope": "kwker.codegen.rope",
     "row_copy": "kwker.codegen.row_copy",
+    "int4_pack": "kwker.codegen.int4_pack",
     "chain": "kwker.codegen.chain",
     "gemm_lowbit": "kwker.codegen.gemm_lowbit",
     "lowbit_planes": "kwker.codegen.gemm_lowbit_planes",

@@ -314,17 +314,40 @@ def test_unsupported_formats_say_why():
     assert torch.equal(with_res(x, res), with_res(x.contiguous(), res.contiguous()))
 
 
-@pytest.mark.parametrize("rr", [3, 4, 8])
-def test_int4_packing_by_row_blocks_equals_packing_whole(rr, monkeypatch):
-    """pack_int4 packs a few rows at a time (bounded temporaries): the same words as at once,
-    N not a multiple of the block, of rr, or of both."""
-    import kwker.kernels.linear_lowbit as lowbit
-    torch.manual_seed(3)
-    q = torch.randint(-8, 8, (101, 200), dtype=torch.int8)
-    monkeypatch.setattr(lowbit, "PACK_ROWS", 1 << 30)
-    whole = lowbit.pack_int4(q, 16, 256, rr)
-    monkeypatch.setattr(lowbit, "PACK_ROWS", 10)
-    assert torch.equal(lowbit.pack_int4(q, 16, 256, rr), whole)
+def _packed_int4_reference(q: torch.Tensor, lanes: int, kp: int, rr: int) -> torch.Tensor:
+    """gemm_lowbit.py's nibble layout made in torch, word by word from its definition: per
+    chunk of ``8 * lanes`` weights of a row, weight ``j * lanes + l`` in nibble ``j`` of word
+    ``l`` as ``q + 8``; rows in blocks of ``rr``, their chunks interleaved; 8 past K and N."""
+    n, k = q.shape
+    rows = -(-n // rr) * rr
+    u = torch.full((rows, kp), 8, dtype=torch.int64)
+    u[:n, :k] = q.long() + 8
+    nib = u.view(rows, kp // (8 * lanes), 8, lanes)                  # (row, chunk, j, lane)
+    words = (nib << (4 * torch.arange(8)).view(1, 1, 8, 1)).sum(2)   # (row, chunk, lane)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).int()
+    return words.view(rows // rr, rr, kp // (8 * lanes), lanes).permute(0, 2, 1, 3).reshape(
+        rows, kp // 8)
+
+
+@pytest.mark.parametrize("n,k,kp,rr,lanes", [
+    (101, 200, 256, 3, 16), (101, 200, 512, 8, 16), (16, 128, 128, 8, 16), (7, 5, 128, 4, 16),
+    (33, 300, 320, 8, 8), (1, 64, 64, 1, 8), (0, 64, 128, 8, 16)])
+def test_int4_packing_kernel_equals_the_layout(n, k, kp, rr, lanes):
+    """pack_int4's kernel gives the layout's words: N not a multiple of rr, K not of the chunk,
+    chunks of padding past K, 8 and 16 lanes, rows read through a stride (a view of wider rows),
+    no rows; values outside [-8, 7] refused as before."""
+    from kwker.kernels.linear_lowbit import pack_int4
+    torch.manual_seed(n + k)
+    wide = torch.randint(-8, 8, (n, k + 9), dtype=torch.int8)
+    q = wide[:, 3:3 + k]
+    got = pack_int4(q, lanes, kp, rr)
+    assert torch.equal(got, _packed_int4_reference(q, lanes, kp, rr))
+    assert torch.equal(pack_int4(q.contiguous(), lanes, kp, rr), got)
+    if n:
+        bad = q.clone()
+        bad[n // 2, k // 2] = 8
+        with pytest.raises(NotImplementedError, match="outside"):
+            pack_int4(bad, lanes, kp, rr)
 
 
 def _vnni_host() -> bool:
