@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ..codegen.attention_args import DIRECT_MAX_LQ
 from ..codegen.attention_tile import tile_path_fits
 from ..runtime.target import host_target
 from .fold import ATTR as _FOLDED_ATTR
@@ -21,7 +22,10 @@ from .shapes import TensorMeta
 
 # measured on Emerald Rapids: Kwker's bf16 attention with vector products at 0.37-0.84x
 # ATen's flash attention, whose products run on the tile unit; shapes without a tile path
-# (codegen/attention_tile.py) stay on ATen there
+# (codegen/attention_tile.py) stay on ATen there, but for a few queries (a decode step), whose
+# dot products read K in place (attention.py's direct path): Xeon with AMX, 2 threads, bf16,
+# 12 heads of 64, one query, 160 and 250 keys, with and without a mask, 1.3-1.6x ATen's with
+# the caches hot and cold (36.7 against 55.9 us at 160 keys, cold), the same error
 ATTENTION_ON_ATEN = ("bf16 attention of this shape stays on ATen on a CPU with AMX tiles "
                      "(ATen's runs on them; Kwker's tile path needs equal head sizes, a "
                      "multiple of 16, and more than 4 queries)")
@@ -88,7 +92,9 @@ def _build_sdpa(m: Match, metas, consts):
     target = host_target()
     if qm.dtype == torch.bfloat16 and target.tiles == "amx":
         lq, e, ev = qm.shape[-2], qm.shape[-1], vm.shape[-1]
-        if not (known(e, ev) and tile_path_fits(lq if known(lq) else None, e, ev, target)):
+        few = known(lq) and lq <= DIRECT_MAX_LQ
+        if not (few or known(e, ev) and tile_path_fits(lq if known(lq) else None, e, ev,
+                                                       target)):
             return None, ATTENTION_ON_ATEN
     three = len(qm.shape) == 3
     if not len(qm.shape) == len(km.shape) == len(vm.shape):

@@ -79,3 +79,30 @@ def test_a_cat_read_by_other_ops_stays_a_cat():
     assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(got, ref))
     assert got[1].is_contiguous()
     assert "kv_append" not in kd.last_report().kernel_names
+
+
+def test_bf16_decode_attention_is_lowered_on_tiles_cpus(native_tiles):
+    """On a CPU with AMX, bf16 attention of one query (a decode step) runs on Kwker's
+    few-query kernel (no tile path needed), not on ATen's flash attention: each step's logits
+    as close to the float32 model's as eager bf16's are, fed the same tokens."""
+    from .models import assert_bf16_contract
+    torch.manual_seed(0)
+    model = GPTDecoder(vocab=256, d=64, heads=4, layers=2, max_len=128).eval()
+    low = GPTDecoder(vocab=256, d=64, heads=4, layers=2, max_len=128).eval()
+    low.load_state_dict(model.state_dict())
+    low = low.to(torch.bfloat16)
+    compiled = torch.compile(low, backend="kwker", options={"inner": "eager"})
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        ref, past_ref = model(ids, None)
+        eager, past_eager = low(ids, None)
+        got, past_got = compiled(ids, None)
+        for _ in range(6):
+            ids = ref.argmax(-1, keepdim=True)
+            ref, past_ref = model(ids, past_ref)
+            eager, past_eager = low(ids, past_eager)
+            got, past_got = compiled(ids, past_got)
+            assert_bf16_contract(got, eager, ref)
+    decode = kd.all_reports()[-1]
+    assert "sdpa" in decode.kernel_names or "sdpa_kv_append" in decode.kernel_names, decode
+    assert not decode.missed, decode
