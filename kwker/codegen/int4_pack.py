@@ -23,7 +23,7 @@ PAD = 0x88888888 - (1 << 32)   # a word of eight nibbles of 8 (weight 0), as a s
 def emit(spec, target):
     lanes, k, kp, rr = spec.lanes, spec.k, spec.kp, spec.rr
     span = 8 * lanes   # weights of one chunk
-    if k < 1 or kp % span or kp < k or rr < 1 or lanes not in (8, 16):
+    if k < 1 or kp % span or kp < k or rr < 1 or lanes < 1:
         raise ValueError(f"kwker int4_pack: no layout for {spec}")
     module = new_module(spec.symbol)
     f = omp.body_fn(module, f"{spec.symbol}.body")

@@ -331,11 +331,11 @@ def _packed_int4_reference(q: torch.Tensor, lanes: int, kp: int, rr: int) -> tor
 
 @pytest.mark.parametrize("n,k,kp,rr,lanes", [
     (101, 200, 256, 3, 16), (101, 200, 512, 8, 16), (16, 128, 128, 8, 16), (7, 5, 128, 4, 16),
-    (33, 300, 320, 8, 8), (1, 64, 64, 1, 8), (0, 64, 128, 8, 16)])
+    (33, 300, 320, 8, 8), (1, 64, 64, 1, 8), (10, 40, 64, 8, 4), (0, 64, 128, 8, 16)])
 def test_int4_packing_kernel_equals_the_layout(n, k, kp, rr, lanes):
     """pack_int4's kernel gives the layout's words: N not a multiple of rr, K not of the chunk,
-    chunks of padding past K, 8 and 16 lanes, rows read through a stride (a view of wider rows),
-    no rows; values outside [-8, 7] refused as before."""
+    chunks of padding past K, 4, 8 and 16 lanes (SSE, AVX2, AVX-512), rows read through a
+    stride (a view of wider rows), no rows; values outside [-8, 7] refused as before."""
     from kwker.kernels.linear_lowbit import pack_int4
     torch.manual_seed(n + k)
     wide = torch.randint(-8, 8, (n, k + 9), dtype=torch.int8)
