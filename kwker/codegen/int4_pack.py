@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from . import omp, simd
+from . import omp, simd, vmath
 from .irutil import const, i8, i32, i64, new_module, ptr
 
 PAD = 0x88888888 - (1 << 32)   # a word of eight nibbles of 8 (weight 0), as a signed i32
@@ -34,21 +34,20 @@ def emit(spec, target):
     begin, end = omp.split(f, blocks, f.args[1], f.args[2])
     chunks, full = kp // span, k // span
     wt = ir.VectorType(i32, lanes)
-    pad = ir.Constant(wt, [ir.Constant(i32, PAD)] * lanes)
+    pad, eight = vmath.splat(wt, PAD), vmath.splat(wt, 8)
 
     def word(row_at, c0: ir.Value, first: int | None = None) -> ir.Value:
         """The ``lanes`` words of the chunk whose first weight is ``c0`` (i64) of the row at
         ``row_at``; ``first``: that weight as a compile-time number (the partial chunk)."""
-        acc = ir.Constant(wt, [ir.Constant(i32, 0)] * lanes)
+        acc = vmath.splat(wt, 0)
         for j in range(8):
             live = lanes if first is None else min(lanes, k - first - j * lanes)
             if live <= 0:
-                v = ir.Constant(wt, [ir.Constant(i32, 8)] * lanes)
+                v = eight
             else:
                 at = b.add(c0, const(i64, j * lanes))
-                v = b.add(b.sext(simd.load_any(b, row_at, at, lanes, live, elem=i8), wt),
-                          ir.Constant(wt, [ir.Constant(i32, 8)] * lanes))
-            shifted = b.shl(v, ir.Constant(wt, [ir.Constant(i32, 4 * j)] * lanes)) if j else v
+                v = b.add(b.sext(simd.load_any(b, row_at, at, lanes, live, elem=i8), wt), eight)
+            shifted = b.shl(v, vmath.splat(wt, 4 * j)) if j else v
             acc = b.or_(acc, shifted)
         return acc
 
