@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from filelock import FileLock
 
 from kwker.codegen.fused_topk import TOPK_TILE
 from kwker.kernels import blocking, topk
@@ -216,21 +217,28 @@ def _worker(out: str, generic: str = "all") -> int:
     return 1 if bad else 0
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """{cpu: (the emulated worker's stdout, its outputs file)}, each worker run once."""
-    runs = {}
+@pytest.fixture(scope="session")
+def emulated(tmp_path_factory, worker_id):
+    """{cpu: (the emulated worker's stdout, its outputs file)}, each worker run once per suite:
+    under xdist in a directory every xdist worker shares, behind a lock, so that the native
+    test does not run the emulated worker again beside the emulated test (~40 s of compiles)."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":   # each xdist worker's base is a child of the run's
+        root = root.parent
 
     def run(cpu: str):
         if not _has_avx512():
             pytest.skip(f"emulated tiles are AVX-512 code; this CPU is "
                         f"{host_target().describe()}")
-        if cpu not in runs:
-            tmp = tmp_path_factory.mktemp("emulated")
-            # every generic kernel on this CPU's features, a sample on the other
-            runs[cpu] = (_run_worker(tmp, "emulate", str(tmp / "out.pt"), cpu,
-                                     "sample" if cpu else "all"), tmp / "out.pt")
-        return runs[cpu]
+        tmp = root / f"emulated-tiles-{cpu or 'this-cpu'}"
+        with FileLock(str(tmp) + ".lock"):
+            if not (tmp / "stdout.txt").exists():
+                tmp.mkdir(exist_ok=True)
+                # every generic kernel on this CPU's features, a sample on the other
+                stdout = _run_worker(tmp, "emulate", str(tmp / "out.pt"), cpu,
+                                     "sample" if cpu else "all")
+                (tmp / "stdout.txt").write_text(stdout)   # written last: the run is whole
+        return (tmp / "stdout.txt").read_text(), tmp / "out.pt"
     return run
 
 
