@@ -393,7 +393,8 @@ def test_packaged_transformers_decoder_generates_eager_tokens(bdec, name):
     """bench_decode's package rows: transformers' GPT-2 and Llama (2 layers) with torchao int8
     weights, their prompt and decode step exported through decode_package's cache adapters,
     packaged and loaded, generate eager torchao's tokens, each layer's cache appended by Kwker's
-    kernel (the Llama's too, whose exported step repeats its k/v heads for attention)."""
+    kernel (the Llama's too, whose exported step repeats its k/v heads for attention) inside
+    the step that attends, which also rotates the Llama's q and keys."""
     pytest.importorskip("torchao")
     cfg = bdec.config(name, True)
     model, packaged = bdec.build(cfg, "f32", "int8", "package")
@@ -407,3 +408,7 @@ def test_packaged_transformers_decoder_generates_eager_tokens(bdec, name):
     assert "gemm_lowbit" in {s.family for s in packaged.step.report.specs}
     # the lone query's causal mask, which the exported step computes, masks nothing: unread
     assert {s.mask for s in packaged.step.report.specs if s.family == "attention"} == {"none"}
+    # one step a layer appends, attends and (Llama) rotates q and the new keys first
+    steps = [getattr(s, "kernel", "") for s, _ in packaged.step._program.steps]
+    fused = "rope_sdpa_kv_append" if name == "llama" else "sdpa_kv_append"
+    assert steps.count(fused) == cfg.num_hidden_layers and "rope" not in steps, steps

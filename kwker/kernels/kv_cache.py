@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ._call import entry
+from .rope import broadcast_strides
 from .specs import RowCopySpec
 
 # the attribute on a buffer's UntypedStorage: [the shape of the latest view handed out (its rows
@@ -113,7 +114,7 @@ class FixedView:
 
 
 def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple,
-                       result: FixedView | None = None):
+                       result: FixedView | None = None, rope: tuple | None = None):
     """``step(q, past_k, new_k, past_v, new_v) -> (out, keys, values)``: what
     ``keys = append(past_k, new_k); values = append(past_v, new_v); out = attend(q, keys,
     values)`` gives with two ``make_kv_append(2)`` appends along the rows of (B, H, T, D) caches
@@ -128,7 +129,13 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
     it. Any call the in-place path does not take (see ``make_kv_append``), or of other sizes,
     runs the three steps as written: the same values. ``result``: the view of attention's
     output the step gives instead, contiguous from its first element over exactly its memory
-    (allocated as that view, written through the output's strides)."""
+    (allocated as that view, written through the output's strides).
+
+    ``rope``: ``(rotate, cos view, sin view)`` where q and new_k are rotated first
+    (``rotate``: a ``make_rope`` callable of the attention's dtype; views as above): the step is
+    ``step(q, past_k, new_k, past_v, new_v, cos, sin)`` with q and new_k before the rotation,
+    which writes the rotated keys straight into the cache's buffer and q into a scratch (a Llama
+    layer's two rope steps, and the views of cos and sin they read, are then inside this one)."""
     if any(v is not None and (len(v.size) != 4 or v.stride[3] != 1) for v in views):
         raise ValueError(f"make_append_attend: views must be 4-D with rows contiguous: {views}")
     heads, kvh, e, ev, dtype = attend.dims
@@ -144,6 +151,8 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
     plain = (torch.Tensor, torch.nn.Parameter)
     b, _, lq, _ = out_shape
     qv, kv, vv = views
+    rotate, cos_view, sin_view = rope or (None, None, None)
+    threads = torch.get_num_threads
 
     def tensor(x, view):
         return x if view is None else view.make(x)
@@ -182,16 +191,47 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
         copy(new[0], past.data_ptr() + rows * st[2] * size,
              table(*new[1][:3], *(x * size for x in new[2][:3]), *(x * size for x in st[:3])))
 
-    def step(q, past_k, new_k, past_v, new_v):
+    def rope_table(cos, sin, q_shape, k_shape):
+        """(cos's and sin's addresses, their strides over q's and over the new keys' (B, H,
+        T)), read in place, or None."""
+        co, so = operand(cos, cos_view), operand(sin, sin_view)
+        if co is None or so is None or tuple(co[1]) != tuple(so[1]) or \
+                tuple(co[2]) != tuple(so[2]):
+            return None
+        over_q = broadcast_strides(co[1], co[2], q_shape)
+        over_k = broadcast_strides(co[1], co[2], k_shape)
+        return None if over_q is None or over_k is None else (co[0], so[0], over_q, over_k)
+
+    def rotate_into(x, table, over, out, out_stride):
+        """The rotation of operand ``x`` written at address ``out`` (element strides
+        ``out_stride`` over its (B, H, T))."""
+        (bx, hx, tx, _), st = x[1], x[2]
+        rotate.raw(x[0], table[0], table[1], out, bx * hx * tx, hx, tx, *st[:3], *over,
+                   *out_stride[:3], threads())
+
+    def step(q, past_k, new_k, past_v, new_v, cos=None, sin=None):
         qo, ko, vo = operand(q, qv), operand(new_k, kv), operand(new_v, vv)
         gk, gv = grow(past_k, ko, kvh, e), grow(past_v, vo, kvh, ev)
+        rot = rope_table(cos, sin, qo[1], ko[1]) if rotate is not None and qo is not None \
+            and ko is not None else None
         if qo is None or gk is None or gv is None or gk[2][2] != gv[2][2] or \
-                tuple(qo[1]) != (b, heads, lq, e) or qo[2][3] != 1:
-            keys = append_k(past_k, tensor(new_k, kv))
+                tuple(qo[1]) != (b, heads, lq, e) or qo[2][3] != 1 or \
+                rotate is not None and rot is None:
+            q, new_k = tensor(q, qv), tensor(new_k, kv)
+            if rotate is not None:
+                cos, sin = tensor(cos, cos_view), tensor(sin, sin_view)
+                q, new_k = rotate(q, cos, sin), rotate(new_k, cos, sin)
+            keys = append_k(past_k, new_k)
             values = append_v(past_v, tensor(new_v, vv))
-            return tensor(attend(tensor(q, qv), keys, values), result), keys, values
+            return tensor(attend(q, keys, values), result), keys, values
         (sk, rk, size_k), (sv, rv, size_v) = gk, gv
-        write(copy_k, ko, past_k, sk, rk)
+        if rot is None:
+            write(copy_k, ko, past_k, sk, rk)
+        else:   # q into a scratch, the keys into their rows of the cache
+            rotated = torch.empty(qo[1], dtype=dtype)
+            rotate_into(qo, rot, rot[2], rotated.data_ptr(), rotated.stride())
+            qo = (rotated.data_ptr(), qo[1], rotated.stride())
+            rotate_into(ko, rot, rot[3], past_k.data_ptr() + rk * sk[1][2] * size, sk[1])
         write(copy_v, vo, past_v, sv, rv)
         sk[0], sv[0] = size_k, size_v
         keys, values = as_strided(past_k, size_k, sk[1]), as_strided(past_v, size_v, sv[1])
@@ -201,5 +241,6 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
             out_stride, b, lq, size_k[2])
         return out, keys, values
 
-    step.specs = list(dict.fromkeys((spec_k, spec_v))) + [attend.spec]
+    step.specs = list(dict.fromkeys((spec_k, spec_v))) + [attend.spec] + \
+        ([rotate.spec] if rotate is not None else [])
     return step

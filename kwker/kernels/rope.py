@@ -15,15 +15,16 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
 
 
-def _strides(t: torch.Tensor, shape) -> tuple | None:
-    """``t``'s element strides over the first three dims of ``shape`` once broadcast to it
-    (0 where it broadcasts), or None when it does not broadcast or its rows are not dense."""
-    if t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] != shape[-1]:
+def broadcast_strides(shape, stride, x_shape) -> tuple | None:
+    """The element strides of a tensor of ``shape`` and ``stride`` over the first three dims of
+    ``x_shape`` once broadcast to it (0 where it broadcasts), or None when it does not broadcast
+    or its rows are not dense."""
+    if len(shape) != 4 or stride[-1] != 1 or shape[-1] != x_shape[-1]:
         return None
     out = []
-    for size, stride, want in zip(t.shape[:3], t.stride()[:3], shape[:3]):
+    for size, st, want in zip(shape[:3], stride[:3], x_shape[:3]):
         if size == want:
-            out.append(stride if want > 1 else 0)
+            out.append(st if want > 1 else 0)
         elif size == 1:
             out.append(0)
         else:
@@ -59,8 +60,8 @@ def make_rope(d: int, dtype: torch.dtype = torch.float32, x_dtype: torch.dtype |
         if sc is False:
             if len(layouts) >= 256:  # sequence lengths come and go
                 layouts.clear()
-            sc = layouts[key] = _strides(cos, shape) if len(shape) == 4 and \
-                shape[-1] == d else None
+            sc = layouts[key] = broadcast_strides(cshape, cst, shape) if len(shape) == 4 \
+                and shape[-1] == d else None
         if sc is None or x.stride(-1) != 1 or x.dtype != x_dtype or cos.dtype != dtype or \
                 sin.dtype != dtype or sin.shape != cshape or sin.stride() != cst or \
                 not (x.is_cpu and cos.is_cpu and sin.is_cpu):
@@ -78,5 +79,5 @@ def make_rope(d: int, dtype: torch.dtype = torch.float32, x_dtype: torch.dtype |
             fn(*args, threads())
         return out
 
-    run.spec = spec
+    run.spec, run.raw = spec, fn   # raw: the entry point, for steps that call it themselves
     return run

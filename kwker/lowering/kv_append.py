@@ -19,6 +19,7 @@ import math
 import torch
 from torch.fx import Node
 
+from ..kernels._call import kernel_dtype
 from ..kernels.kv_cache import FixedView, make_kv_append
 from . import views
 from .gqa import repeated_kv
@@ -125,17 +126,20 @@ def attend_appends(steps: list[KernelStep], nodes: list, metas: dict) -> list[Ke
     two appends along the rows of 4-D caches made one step with them
     (``kernels/kv_cache.make_append_attend``): a decoder layer's three steps, and the views of
     the q/k/v projection that q and the new rows are, which that step reads in place from
-    their root. The appends' results stay the graph's outputs, given by the same step."""
+    their root. The appends' results stay the graph's outputs, given by the same step. Where q
+    and the new keys are the rotary embeddings (rope steps) of two such views by one cos and sin,
+    the step rotates them itself (``_ropes``)."""
     by_output = {s.output: s for s in steps}
     order = {n: i for i, n in enumerate(nodes)}
     covered = {c for s in steps for c in s.covers} - set(by_output)
     found = views.chains(nodes, metas, covered, set(by_output))
     fused, gone = [], set()
     for s in steps:
-        step = _fused(s, by_output, order, found, metas) if s.name == "sdpa" else None
-        if step is not None:
+        made = _fused(s, by_output, order, found, metas) if s.name == "sdpa" else None
+        if made is not None:
+            step, absorbed = made
             fused.append(step)
-            gone.update(id(by_output[x]) for x in step.extra)
+            gone.update(id(x) for x in absorbed)
             gone.add(id(s))
     return [s for s in steps if id(s) not in gone] + fused
 
@@ -167,12 +171,17 @@ def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict
     # the appends' results: read by the attention and, after it, by anything (the output)
     if any(u not in covers and order[u] < order[output] for x in (k, v) for u in x.users):
         return None
+    absorbed = [ak, av]
+    ropes = _ropes(by_output.get(q), by_output.get(ak.args[1]), s, ak)
     operands = [q, ak.args[1], av.args[1]]
+    if ropes is not None:   # q and the new keys before their rotations, then cos and sin
+        absorbed += ropes
+        operands = [ropes[0].args[0], ropes[1].args[0], av.args[1], *ropes[0].args[1:]]
+        covers.update(c for r in ropes for c in (*r.covers, r.output))
     paths = [_path(x, found) for x in operands]
-    while True:   # views whose every node only this step reads
+    while True:   # of each view, the nodes from it back that only this step reads
         inside = covers | {n for p in paths if p for n in p}
-        keep = [p if p and all(u in inside for n in p for u in n.users) else None
-                for p in paths]
+        keep = [_only_read_by(p, inside) for p in paths]
         if keep == paths:
             break
         paths = keep
@@ -194,13 +203,33 @@ def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict
         chain = found[output]
         made = FixedView(tuple(om.shape), tuple(om.stride), tuple(chain.meta.shape),
                          chain.meta.stride(), 0, views.maker(chain))
-    fn, _ = make_kernel("make_append_attend", s.fn, tuple(fixed), tuple(om.shape),
-                        tuple(om.stride), made)
+    rope = (ropes[0].fn, *fixed[3:]) if ropes is not None else None
+    fn, _ = make_kernel("make_append_attend", s.fn, tuple(fixed[:3]), tuple(om.shape),
+                        tuple(om.stride), made, rope)
     if fn is None:
         return None
-    return KernelStep(fn, [args[0], ak.args[0], args[1], av.args[0], args[2]], output,
-                      [n for n in order if n in covers], "sdpa_kv_append",
-                      [k, v])
+    return KernelStep(fn, [args[0], ak.args[0], args[1], av.args[0], *args[2:]], output,
+                      [n for n in order if n in covers],
+                      "rope_sdpa_kv_append" if ropes else "sdpa_kv_append", [k, v]), absorbed
+
+
+def _ropes(rq: KernelStep | None, rk: KernelStep | None, attention: KernelStep,
+           append: KernelStep) -> list | None:
+    """[q's rope step, the new keys'] where attention's q is a rope step's result that only it
+    reads, the keys' append's new rows one that only the append reads, both by one cos and sin
+    and of the attention's dtype (the step rotates them with the same kernel), else None."""
+    if rq is None or rk is None or rq.name != "rope" or rk.name != "rope" or \
+            rq.args[1:] != rk.args[1:]:
+        return None
+    spec, (_, _, e, _, dtype) = getattr(rq.fn, "spec", None), attention.fn.dims
+    if getattr(rq.fn, "raw", None) is None or rq.fn is not rk.fn and \
+            getattr(rk.fn, "spec", None) != spec or spec.x or spec.d != e or \
+            spec.dtype != kernel_dtype(dtype, "rope"):
+        return None
+    if not set(rq.output.users) <= {attention.output, *attention.covers} or \
+            set(rk.output.users) != {append.output}:
+        return None
+    return [rq, rk]
 
 
 def _result_view(out: Node, found: dict, om: TensorMeta) -> tuple | None:
@@ -227,6 +256,17 @@ def _result_view(out: Node, found: dict, om: TensorMeta) -> tuple | None:
                 (best is None or len(path) > len(best[1])):
             best = (end, path)
     return best
+
+
+def _only_read_by(path: list | None, inside: set) -> list | None:
+    """The nodes of ``path`` (a view back towards its root) up to the first that a node outside
+    ``inside`` reads (a view shared with other layers, as the ``to`` of cos that each layer's
+    ``unsqueeze`` reads: the step reads the root in place, the others read their own), or
+    None if the view itself is read outside."""
+    for i, n in enumerate(path or ()):
+        if not all(u in inside for u in n.users):
+            return path[:i] or None
+    return path
 
 
 def _path(node, found: dict) -> list | None:

@@ -214,11 +214,12 @@ def _drop_unread(nodes: list[Node], kernels: list[KernelStep], strided: dict,
     the weights' stream). A made view reads its chain's root, so a root stays while a view of it
     does."""
     reads = {}   # a node a kernel replaces -> the nodes that kernel reads
+    needed_roots = set()   # and the nodes kernels read, which stay (a view's root read in place)
     for k in kernels:
         args = {a for a in k.args if isinstance(a, Node)}
+        needed_roots |= args
         for c in (*k.covers, k.output):
             reads[c] = args
-    needed_roots = set()
     for n in reversed(nodes):
         if n not in reads and n not in needed_roots and _droppable(n) and all(
                 u in no_step or (u in reads and n not in reads[u]) for u in n.users):
