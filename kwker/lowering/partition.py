@@ -144,11 +144,15 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
     nodes = list(gm.graph.nodes)
     matches = Matcher(nodes, metas, set(consts), S.module() is not None).run()
     steps, failures, used = [], {}, set()
+    native_outputs = set()   # results of kernels a chain may take (lowering/chain.py)
 
     def lower(m) -> None:
         try:
             fn, why = B.build(m, metas, consts)
-            slower, measured = tune.verdict(m, metas, consts, fn, B.runtime_inputs(m))
+            inputs = B.runtime_inputs(m)
+            chains = getattr(fn, "native", None) is not None and \
+                any(x in native_outputs for x in inputs)
+            slower, measured = tune.verdict(m, metas, consts, fn, inputs, chains)
             if slower:
                 discard(fn)
                 fn, why = None, slower
@@ -166,6 +170,8 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
         if m.kind != "sorting" and isinstance(metas.get(m.output), TensorMeta) \
                 and not generic(fn):  # a generic kernel returns eager's layout itself
             fn = B.restrided(fn, metas[m.output])
+        if getattr(fn, "native", None) is not None:
+            native_outputs.add(m.output)
         steps.append(KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name))
         used.update(v for v in m.inputs.values() if isinstance(v, Node) and v in consts)
 

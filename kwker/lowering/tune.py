@@ -38,6 +38,11 @@ log = logging.getLogger("kwker")
 # linear 1.98x ATen alone ran at 1.34x, a 4 us LayerNorm 1.63x ATen alone took 7-10 us a call
 # in a decode step against ATen's 14-15, and a 1.4 ms linear 1.08x ATen alone is worth keeping.
 # So ATen keeps the near-ties, and a short kernel must win by a quarter.
+# A kernel that will run inside a chain (``chains``: it has a native form and reads another
+# such kernel's result, lowering/chain.py) pays no Python wrapper there, while ATen's calls in
+# its place would break the chain in two, each part a step of its own: there the margin is
+# ATen's to win by. (A Llama decode step's SwiGLU of 672 values, 2.93 us alone against ATen's
+# 2.78, stayed on ATen and split each layer's chain in three, two ATen steps between.)
 MARGIN_FACTOR, MARGIN_US, MARGIN_SHARE = 1.03, 3.0, 0.25
 MARGIN = (MARGIN_FACTOR, MARGIN_US, MARGIN_SHARE)
 
@@ -175,9 +180,11 @@ def _in_graph_order(nodes, covered: set) -> list:
     return order
 
 
-def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None, str]:
+def verdict(m, metas: dict, consts: dict, fn, inputs: list,
+            chains: bool = False) -> tuple[str | None, str]:
     """(why the nodes stay on ATen, or None to keep the kernel ``fn`` taking ``inputs``;
-    the measurement in words for the report, "" when nothing was measured)."""
+    the measurement in words for the report, "" when nothing was measured). ``chains``: the
+    kernel will run inside a chain (ATen then carries the margin)."""
     if fn is None or m.kind == "sorting" or not m.covers or not tuning.measuring():
         return None, ""
     key = problem(m, metas, consts, inputs)
@@ -189,7 +196,7 @@ def verdict(m, metas: dict, consts: dict, fn, inputs: list) -> tuple[str | None,
     try:
         record, _ = tuning.decide(key, m.name, {"kwker": lambda: fn, "aten": lambda: ref},
                                   lambda: [_sample(m, metas, n) for n in inputs],
-                                  handicap={"kwker": MARGIN},
+                                  handicap={"aten" if chains else "kwker": MARGIN},
                                   measure=not getattr(fn, "kwker_stand_in", False))
     except Exception as e:  # noqa: BLE001 - a failed measurement keeps the built kernel
         log.debug("kwker: timing %s failed: %s", m.name, e)

@@ -206,6 +206,62 @@ def test_a_kernel_must_beat_aten_by_the_margin(tuned, monkeypatch, aten_us, spee
     assert {r["choice"] for r in _verdicts()} == {"kwker" if kept else "aten"}
 
 
+class SwiGLU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(64, 96), torch.nn.Linear(64, 96)
+        self.down = torch.nn.Linear(96, 64)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class SiluMulOfOps(torch.nn.Module):
+    """``silu(g) * u`` of two ATen ops' results, then a linear."""
+    def __init__(self):
+        super().__init__()
+        self.down = torch.nn.Linear(96, 64)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(x * 2.0) * (x + 1.0))
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["after-linears", "after-aten-ops"])
+def test_inside_a_chain_aten_carries_the_margin(tuned, monkeypatch, chained):
+    """A kernel that reads another kernel's result joins its chain in the flat program, where
+    it pays no Python wrapper and ATen's calls would split the chain: there ``silu(gate) *
+    up`` measured 1.05x slower than ATen alone is kept, and the MLP is one step. Of ATen ops'
+    results it stays on ATen. The linears win clearly (the
+    timer replaced: silu_mul's timings are those with two inputs)."""
+    def timed(fns, args, budget=tuning.BUDGET_S):
+        kernel = 3.15e-6 if len(args) == 2 else 1e-6   # in order: the kernel, ATen
+        return [kernel, 3e-6]
+    monkeypatch.setattr(tuning, "best_times", timed)
+    torch.manual_seed(0)
+    model = SwiGLU().eval() if chained else SiluMulOfOps().eval()
+    args = (torch.randn(1, 64 if chained else 96),)
+    graphs = []
+
+    def keep(gm, example_inputs):  # the kwker backend, keeping what it hands dynamo
+        graphs.append(kd.backend(gm, example_inputs, options={"inner": "eager"}))
+        return graphs[-1]
+    torch._dynamo.reset()
+    kd.clear_reports()
+    with torch.no_grad():
+        got, expected = torch.compile(model, backend=keep)(*args), model(*args)
+    assert_close(got, expected)
+    report = kd.all_reports()[-1]
+    if chained:
+        assert "silu_mul" in report.kernel_names and not report.missed, report
+        steps = [getattr(s, "kernel", "") for s, _ in graphs[-1].plan.program.steps]
+        assert steps == ["chain(linear, linear, silu_mul, linear)"], steps
+    else:
+        assert "silu_mul" not in report.kernel_names, report
+        assert ("silu", "silu") in report.inner_nodes, report
+    choices = {r["op"]: r["choice"] for r in _verdicts()}
+    assert choices == {"linear": "kwker", "silu_mul": "kwker" if chained else "aten"}, choices
+
+
 def test_a_record_follows_the_current_margin(tuned):
     """A record stored with the kernel chosen at a near-tie (as before the margin existed) is
     read back as ATen's, without measuring again; a clear win stays the kernel's."""
