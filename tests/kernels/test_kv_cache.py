@@ -224,11 +224,12 @@ def test_append_attend_gives_the_rows_the_projection_reads():
             past_k, past_v = keys, values
 
 
-def _cos_sin(position: int, d: int, dtype):
-    """transformers' cos and sin of one position, (1, 1, d) each, as its rotary embedding
-    gives them (the step unsqueezes them to (1, 1, 1, d))."""
+def _cos_sin(position: int, d: int, dtype, batch: int = 1):
+    """transformers' cos and sin of one position per batch row (``position + row``), (batch, 1,
+    d) each, as its rotary embedding gives them (the step unsqueezes them to (batch, 1, 1, d))."""
     inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
-    angles = torch.cat([position * inv, position * inv]).view(1, 1, d)
+    angles = torch.stack([torch.cat([(position + r) * inv] * 2) for r in range(batch)])
+    angles = angles.view(batch, 1, d)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -238,11 +239,12 @@ def test_append_attend_rotates_q_and_k_as_rope_then_the_steps(dtype, heads, kvh,
     """With ``rope``, the step equals ATen's rotary embedding of q and the new keys
     (transformers' ``x * cos + rotate_half(x) * sin``), then ``cat`` and the attention kernel on
     its result, bit for bit: in place (cos and sin read through their ``unsqueeze`` or given
-    as tensors), and where it is not (an older view appended to again, a cos of another layout)."""
+    as tensors, then over a batch of two at different positions), and where it is not (an older
+    view appended to again, a cos of another layout)."""
     from kwker.kernels.kv_cache import FixedView, make_append_attend
     from kwker.kernels.rope import make_rope, rotate_half_rope
     torch.manual_seed(6)
-    d = 16
+    d, batch = 16, 1 if views else 2
     attend, _ = _append_attend(heads, kvh, d, dtype, views)
     qkv = tuple(_qkv_view(i, heads, d) for i in range(3)) if views else (None,) * 3
 
@@ -257,15 +259,15 @@ def test_append_attend_rotates_q_and_k_as_rope_then_the_steps(dtype, heads, kvh,
         calls.append(1)
         return kernel(*args)
     rotate.spec, rotate.raw = kernel.spec, kernel.raw
-    step = make_append_attend(attend, qkv, (1, heads, 1, d), (heads * d, d, d, 1),
+    step = make_append_attend(attend, qkv, (batch, heads, 1, d), (heads * d, d, d, 1),
                               rope=(rotate, cs, cs))
     append = make_kv_append(2)
-    past_k = append(torch.empty(0, dtype=dtype), torch.randn(1, kvh, 5, d, dtype=dtype))
+    past_k = append(torch.empty(0, dtype=dtype), torch.randn(batch, kvh, 5, d, dtype=dtype))
     past_v = make_kv_append(2)(torch.empty(0, dtype=dtype),
-                               torch.randn(1, kvh, 5, d, dtype=dtype))
+                               torch.randn(batch, kvh, 5, d, dtype=dtype))
     in_place, older = [], None
     for i in range(8):
-        cos, sin = _cos_sin(5 + i, d, dtype)
+        cos, sin = _cos_sin(5 + i, d, dtype, batch)
         if not views:
             cos, sin = unsqueezed(cos), unsqueezed(sin)
         if i == 6:   # cos and sin of another layout (not rows of d): not read in place
@@ -275,8 +277,8 @@ def test_append_attend_rotates_q_and_k_as_rope_then_the_steps(dtype, heads, kvh,
             args = (row, past_k, row, past_v, row)
             q, new_k, new_v = (view.make(row) for view in qkv)
         else:
-            q = torch.randn(1, heads, 1, d, dtype=dtype)
-            new_k, new_v = (torch.randn(1, kvh, 1, d, dtype=dtype) for _ in range(2))
+            q = torch.randn(batch, heads, 1, d, dtype=dtype)
+            new_k, new_v = (torch.randn(batch, kvh, 1, d, dtype=dtype) for _ in range(2))
             args = (q, past_k, new_k, past_v, new_v)
         c4, s4 = (unsqueezed(t) if views else t for t in (cos, sin))
         rq, rk = rotate_half_rope(q, c4, s4), rotate_half_rope(new_k, c4, s4)
@@ -291,8 +293,8 @@ def test_append_attend_rotates_q_and_k_as_rope_then_the_steps(dtype, heads, kvh,
         past_k, past_v = keys, values
     assert in_place == [True] * 6 + [False, True]
     # the view before the last four appended to again: copied, as cat would
-    cos, sin = _cos_sin(9, d, dtype)
-    q, new_k, new_v = (torch.randn(1, h, 1, d, dtype=dtype) for h in (heads, kvh, kvh))
+    cos, sin = _cos_sin(9, d, dtype, batch)
+    q, new_k, new_v = (torch.randn(batch, h, 1, d, dtype=dtype) for h in (heads, kvh, kvh))
     if views:
         row = torch.randn(1, 1, 3 * heads * d, dtype=dtype)
         q, new_k, new_v = (view.make(row) for view in qkv)
