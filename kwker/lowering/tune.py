@@ -42,7 +42,9 @@ log = logging.getLogger("kwker")
 # such kernel's result, lowering/chain.py) pays no Python wrapper there, while ATen's calls in
 # its place would break the chain in two, each part a step of its own: there the margin is
 # ATen's to win by. (A Llama decode step's SwiGLU of 672 values, 2.93 us alone against ATen's
-# 2.78, stayed on ATen and split each layer's chain in three, two ATen steps between.)
+# 2.78, stayed on ATen and split each layer's chain in three, two ATen steps between.) Where
+# the run does not form after all (something between the two that a chain cannot pass), such a
+# kernel may run up to that margin slower than ATen.
 MARGIN_FACTOR, MARGIN_US, MARGIN_SHARE = 1.03, 3.0, 0.25
 MARGIN = (MARGIN_FACTOR, MARGIN_US, MARGIN_SHARE)
 
