@@ -146,11 +146,20 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
     steps, failures, used = [], {}, set()
     native_outputs = set()   # results of kernels a chain may take (lowering/chain.py)
 
+    def laid_out(m, fn):
+        """What runs for ``fn``: copied into eager's layout where that differs (a generic
+        kernel returns eager's layout itself)."""
+        if fn is None or m.kind == "sorting" or not isinstance(metas.get(m.output), TensorMeta) \
+                or generic(fn):
+            return fn
+        return B.restrided(fn, metas[m.output])
+
     def lower(m) -> None:
         try:
             fn, why = B.build(m, metas, consts)
             inputs = B.runtime_inputs(m)
-            chains = getattr(fn, "native", None) is not None and \
+            runs = laid_out(m, fn)   # a chain takes it only with its native form kept
+            chains = getattr(runs, "native", None) is not None and \
                 any(x in native_outputs for x in inputs)
             slower, measured = tune.verdict(m, metas, consts, fn, inputs, chains)
             if slower:
@@ -167,9 +176,7 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
             for f in m.fallback:
                 lower(f)
             return
-        if m.kind != "sorting" and isinstance(metas.get(m.output), TensorMeta) \
-                and not generic(fn):  # a generic kernel returns eager's layout itself
-            fn = B.restrided(fn, metas[m.output])
+        fn = runs
         if getattr(fn, "native", None) is not None:
             native_outputs.add(m.output)
         steps.append(KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name))
