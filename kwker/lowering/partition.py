@@ -179,7 +179,7 @@ def lower_graph(gm: GraphModule, metas: dict, consts: dict, report: Report):
         fn = runs
         if getattr(fn, "native", None) is not None:
             native_outputs.add(m.output)
-        steps.append(KernelStep(fn, B.runtime_inputs(m), m.output, list(m.covers), m.name))
+        steps.append(KernelStep(fn, inputs, m.output, list(m.covers), m.name))
         used.update(v for v in m.inputs.values() if isinstance(v, Node) and v in consts)
 
     for m in matches:
