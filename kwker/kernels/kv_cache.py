@@ -25,13 +25,13 @@ a Llama's rotated keys, by the rope kernel that rotates them (and q).
 """
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ._call import entry
+from ._call import _profiler_enabled
+from .attend_call import OneCall
 from .rope import broadcast_strides
 from .specs import RowCopySpec
 
@@ -115,7 +115,8 @@ class FixedView:
 
 
 def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple,
-                       result: FixedView | None = None, rope: tuple | None = None):
+                       result: FixedView | None = None, rope: tuple | None = None,
+                       deferred: bool = False):
     """``step(q, past_k, new_k, past_v, new_v) -> (out, keys, values)``: what
     ``keys = append(past_k, new_k); values = append(past_v, new_v); out = attend(q, keys,
     values)`` gives with two ``make_kv_append(2)`` appends along the rows of (B, H, T, D) caches
@@ -123,8 +124,8 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
 
     A decoder's layer runs these three steps back to back, and with the caches cold after the
     weights' stream each torch call among them costs several times its warm price: this step
-    writes the new rows into both buffers with one copy kernel each and hands the kernel
-    pointers, so q and the new rows, views of the q/k/v projection, are read in place
+    writes the new rows into both buffers and attends over them in one native call
+    (attend_call.py), reading q and the new rows, views of the q/k/v projection, in place
     (``views``: for q, new_k, new_v, a ``FixedView`` where the step is given the view's root,
     else None). ``out_shape`` and ``out_stride``: the attention output's, as the graph recorded
     it. Any call the in-place path does not take (see ``make_kv_append``), or of other sizes,
@@ -136,24 +137,30 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
     (``rotate``: a ``make_rope`` callable of the attention's dtype; views as above): the step is
     ``step(q, past_k, new_k, past_v, new_v, cos, sin)`` with q and new_k before the rotation,
     which writes the rotated keys straight into the cache's buffer and q into a scratch (a Llama
-    layer's two rope steps, and the views of cos and sin they read, are then inside this one)."""
+    layer's two rope steps, and the views of cos and sin they read, are then inside this one).
+
+    ``deferred``: the keys and values it grew in place are given as ``(buffer view, size,
+    stride)``, made views by the program when it builds its output (lowering/runner.py's
+    ``KernelStep.deferred``, only where nothing else reads them): their two ``as_strided`` then
+    run back to back with the other layers', warm, not between two weight streams (GPT-2 int4
+    packaged, Xeon with AMX, in one process: 11 us a layer less)."""
     if any(v is not None and (len(v.size) != 4 or v.stride[3] != 1) for v in views):
         raise ValueError(f"make_append_attend: views must be 4-D with rows contiguous: {views}")
     heads, kvh, e, ev, dtype = attend.dims
-    raw = attend.raw
     size = torch.empty((), dtype=dtype).element_size()
     spec_k, spec_v = RowCopySpec(e * size), RowCopySpec(ev * size)
-    copy_k = entry(spec_k, 3, 0)
-    copy_v = copy_k if spec_v == spec_k else entry(spec_v, 3, 0)
     append_k, append_v = make_kv_append(2), make_kv_append(2)
-    table = struct.Struct("9q").pack
-    as_strided, empty_strided = torch.Tensor.as_strided, torch.empty_strided
+    as_strided, empty_strided, empty = torch.Tensor.as_strided, torch.empty_strided, torch.empty
     inference_mode = torch.is_inference_mode_enabled
     plain = (torch.Tensor, torch.nn.Parameter)
     b, _, lq, _ = out_shape
     qv, kv, vv = views
     rotate, cos_view, sin_view = rope or (None, None, None)
     threads = torch.get_num_threads
+    # in place, the copies or rotations and the attention in one native call (attend_call.py);
+    # under the profiler, the three steps as written, each kernel named in the trace
+    one_call = OneCall(rotate.spec if rotate is not None else None, spec_k, spec_v, attend.spec,
+                       size, b, lq)
 
     def tensor(x, view):
         return x if view is None else view.make(x)
@@ -187,11 +194,6 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
             return None
         return state, rows, (shape[0], shape[1], rows + n, shape[3])
 
-    def write(copy, new, past, state, rows):
-        st = state[1]
-        copy(new[0], past.data_ptr() + rows * st[2] * size,
-             table(*new[1][:3], *(x * size for x in new[2][:3]), *(x * size for x in st[:3])))
-
     def rope_table(cos, sin, q_shape, k_shape):
         """(cos's and sin's addresses, their strides over q's and over the new keys' (B, H,
         T)), read in place, or None."""
@@ -203,13 +205,6 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
         over_k = broadcast_strides(co[1], co[2], k_shape)
         return None if over_q is None or over_k is None else (co[0], so[0], over_q, over_k)
 
-    def rotate_into(x, table, over, out, out_stride):
-        """The rotation of operand ``x`` written at address ``out`` (element strides
-        ``out_stride`` over its (B, H, T))."""
-        (bx, hx, tx, _), st = x[1], x[2]
-        rotate.raw(x[0], table[0], table[1], out, bx * hx * tx, hx, tx, *st[:3], *over,
-                   *out_stride[:3], threads())
-
     def step(q, past_k, new_k, past_v, new_v, cos=None, sin=None):
         qo, ko, vo = operand(q, qv), operand(new_k, kv), operand(new_v, vv)
         gk, gv = grow(past_k, ko, kvh, e), grow(past_v, vo, kvh, ev)
@@ -217,7 +212,7 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
             and ko is not None else None
         if qo is None or gk is None or gv is None or gk[2][2] != gv[2][2] or \
                 tuple(qo[1]) != (b, heads, lq, e) or qo[2][3] != 1 or \
-                rotate is not None and rot is None:
+                rotate is not None and rot is None or _profiler_enabled():
             q, new_k = tensor(q, qv), tensor(new_k, kv)
             if rotate is not None:
                 cos, sin = tensor(cos, cos_view), tensor(sin, sin_view)
@@ -226,21 +221,21 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
             values = append_v(past_v, tensor(new_v, vv))
             return tensor(attend(q, keys, values), result), keys, values
         (sk, rk, size_k), (sv, rv, size_v) = gk, gv
-        if rot is None:
-            write(copy_k, ko, past_k, sk, rk)
-        else:   # q into a scratch, the keys into their rows of the cache
-            rotated = torch.empty(qo[1], dtype=dtype)
-            rotate_into(qo, rot, rot[2], rotated.data_ptr(), rotated.stride())
-            qo = (rotated.data_ptr(), qo[1], rotated.stride())
-            rotate_into(ko, rot, rot[3], past_k.data_ptr() + rk * sk[1][2] * size, sk[1])
-        write(copy_v, vo, past_v, sv, rv)
-        sk[0], sv[0] = size_k, size_v
-        keys, values = as_strided(past_k, size_k, sk[1]), as_strided(past_v, size_v, sv[1])
+        rq = empty(qo[1], dtype=dtype) if rot is not None else None   # q rotated
         out = empty_strided(out_shape, out_stride, dtype=dtype) if result is None else \
             empty_strided(result.size, result.stride, dtype=dtype)
-        raw(qo[0], qo[2], keys.data_ptr(), sk[1], values.data_ptr(), sv[1], out.data_ptr(),
-            out_stride, b, lq, size_k[2])
-        return out, keys, values
+        layout = ((qo[1], qo[2]), rq.stride() if rq is not None else None, (ko[1], ko[2]),
+                  (vo[1], vo[2]), out_stride, sk[1], sv[1],
+                  *((rot[2], rot[3]) if rot is not None else (None, None)))
+        pk, pv = past_k.data_ptr(), past_v.data_ptr()
+        rope_ptrs = (rot[0], rot[1], rq.data_ptr()) if rot is not None else (None,) * 3
+        one_call(layout, (qo[0], *rope_ptrs, ko[0], pk + rk * sk[1][2] * size, vo[0],
+                          pv + rv * sv[1][2] * size, pk, pv, out.data_ptr()), size_k[2],
+                 threads())
+        sk[0], sv[0] = size_k, size_v
+        if deferred:
+            return out, (past_k, size_k, sk[1]), (past_v, size_v, sv[1])
+        return out, as_strided(past_k, size_k, sk[1]), as_strided(past_v, size_v, sv[1])
 
     step.specs = list(dict.fromkeys((spec_k, spec_v))) + [attend.spec] + \
         ([rotate.spec] if rotate is not None else [])

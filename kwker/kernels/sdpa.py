@@ -263,16 +263,7 @@ def _generic(heads: int, e: int, ev: int, causal: bool, scale: float, kind: str,
                threads())
         return out if res is out else res.copy_(out)
 
-    def raw(q, qst, k, kst, v, vst, out, ost, b, lq, lk):
-        """The kernel on pointers and strides already checked (kernels/kv_cache.py's
-        append-and-attend step, which reads q and the new rows in place from their roots)."""
-        if _profiler_enabled():
-            with record_function(symbol):
-                fn(q, k, v, None, out, table(*qst, *kst, *vst, *ost), b, lq, lk, threads())
-        else:
-            fn(q, k, v, None, out, table(*qst, *kst, *vst, *ost), b, lq, lk, threads())
-
     run.spec = spec
-    if kind == "none":
-        run.raw, run.dims = raw, (heads, kvh, e, ev, dtype)
+    if kind == "none":   # (its sizes, for kernels/kv_cache.py's step, which calls its entry)
+        run.dims = (heads, kvh, e, ev, dtype)
     return run

@@ -155,7 +155,7 @@ def _append_of(node, by_output: dict, metas: dict):
 
 
 def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict):
-    if len(s.args) != 3 or getattr(s.fn, "raw", None) is None:
+    if len(s.args) != 3 or getattr(s.fn, "dims", None) is None:
         return None
     q, k, v = s.args
     ak, av = _append_of(k, by_output, metas), _append_of(v, by_output, metas)
@@ -204,13 +204,16 @@ def _fused(s: KernelStep, by_output: dict, order: dict, found: dict, metas: dict
         made = FixedView(tuple(om.shape), tuple(om.stride), tuple(chain.meta.shape),
                          chain.meta.stride(), 0, views.maker(chain))
     rope = (ropes[0].fn, *fixed[3:]) if ropes is not None else None
+    # the grown caches' views made with the graph's output where only it reads them
+    deferred = all(u in covers or u.op == "output" for x in (k, v) for u in x.users)
     fn, _ = make_kernel("make_append_attend", s.fn, tuple(fixed[:3]), tuple(om.shape),
-                        tuple(om.stride), made, rope)
+                        tuple(om.stride), made, rope, deferred)
     if fn is None:
         return None
     return KernelStep(fn, [args[0], ak.args[0], args[1], av.args[0], *args[2:]], output,
                       [n for n in order if n in covers],
-                      "rope_sdpa_kv_append" if ropes else "sdpa_kv_append", [k, v]), absorbed
+                      "rope_sdpa_kv_append" if ropes else "sdpa_kv_append", [k, v],
+                      deferred=deferred), absorbed
 
 
 def _ropes(rq: KernelStep | None, rk: KernelStep | None, attention: KernelStep,
@@ -222,7 +225,7 @@ def _ropes(rq: KernelStep | None, rk: KernelStep | None, attention: KernelStep,
             rq.args[1:] != rk.args[1:]:
         return None
     spec, (_, _, e, _, dtype) = getattr(rq.fn, "spec", None), attention.fn.dims
-    if getattr(rq.fn, "raw", None) is None or rq.fn is not rk.fn and \
+    if spec is None or rq.fn is not rk.fn and \
             getattr(rk.fn, "spec", None) != spec or spec.x or spec.d != e or \
             spec.dtype != kernel_dtype(dtype, "rope"):
         return None

@@ -34,6 +34,9 @@ class KernelStep:
     # read only after ``output``'s step, wherever they sit in the graph
     extra: list = field(default_factory=list)
     parts: list = field(default_factory=list)  # a chain's kernels by name (lowering/chain.py)
+    # the extra values may be given as ``(base, size, stride)``, made ``base.as_strided(size,
+    # stride)`` when the graph's output is built: only where the output alone reads them
+    deferred: bool = False
 
 
 class Program:
@@ -300,6 +303,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
     template: list = [None] * len(placeholders)
     planned: list[tuple[Callable, list[Node]]] = []  # (step, nodes it reads)
     output_fn = None
+    deferred: list[int] = []   # slots of views made with the output (KernelStep.deferred)
     for n in nodes:
         if n.op == "placeholder" or n in covered:
             continue
@@ -335,6 +339,12 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             if k.extra:
                 outs = [slot_of[n]] + [_slot(x, slot_of, template) for x in k.extra]
                 step = _multi_step(k.fn, k.args, outs, slot_of)
+                if k.deferred:
+                    for x in k.extra:
+                        if any(u.op != "output" and u not in k.covers for u in x.users):
+                            raise ValueError(f"kernel {k.name} defers {x.name}, which "
+                                             "a node other than the output reads")
+                    deferred += outs[1:]
             else:
                 step = make_step(k.fn, tuple(k.args), {}, slot_of[n], slot_of)
             step.kernel, step.kernels = k.name, k.parts or [k.name]
@@ -367,7 +377,25 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             dead_at.setdefault(idx, []).append(s)
     steps = [(step, tuple(dead_at.get(i, ()))) for i, (step, _) in enumerate(planned)
              if step is not None]
-    return Program(n_in, template, steps, output_fn or (lambda env: None))
+    output_fn = output_fn or (lambda env: None)
+    if deferred:
+        output_fn = _made_views(output_fn, deferred)
+    return Program(n_in, template, steps, output_fn)
+
+
+def _made_views(output_fn: Callable, slots: list[int]) -> Callable:
+    """``output_fn`` after the deferred views in ``slots`` are made: back to back, where each
+    costs its warm price (a decode step's KV cache views, made between two layers' weight
+    streams, cost several times that; kernels/kv_cache.py)."""
+    as_strided = torch.Tensor.as_strided
+
+    def output(env):
+        for s in slots:
+            v = env[s]
+            if type(v) is tuple:
+                env[s] = as_strided(*v)
+        return output_fn(env)
+    return output
 
 
 def _slot(n: Node, slot_of: dict, template: list) -> int:

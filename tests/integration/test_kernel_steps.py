@@ -1,4 +1,5 @@
 """The eager runner's program marks the steps that call Kwker kernels (``step.kernels``)."""
+import pytest
 import torch
 
 import kwker.dynamo as kd
@@ -213,3 +214,37 @@ def _refuse_chains(object_for):
             raise kernel.NotCompiled(spec.symbol)
         return object_for(spec, target)
     return get
+
+
+def _deferring_graph(read_elsewhere: bool):
+    """A graph whose kernel step gives ``x + 1`` and, deferred, ``x``'s first row as a view;
+    ``read_elsewhere``: that view also read by another node before the output."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    out = graph.call_function(torch.add, (x, 1))
+    row = graph.call_function(torch.narrow, (x, 0, 0, 1))
+    row_read = graph.call_function(torch.mul, (row, 2)) if read_elsewhere else row
+    graph.output((out, row_read))
+    return torch.fx.GraphModule(torch.nn.Module(), graph), x, out, row
+
+
+@pytest.mark.parametrize("read_elsewhere", [False, True])
+def test_deferred_views_are_made_with_the_output_only_where_it_alone_reads_them(
+        read_elsewhere):
+    """A kernel step's ``deferred`` extra values come as ``(base, size, stride)`` and leave the
+    program as views (made when its output is built); a deferred value another node reads is
+    refused when the program is built."""
+    from kwker.lowering.runner import KernelStep, build_program
+    gm, x, out, row = _deferring_graph(read_elsewhere)
+
+    def kernel(t):
+        return t + 1, (t, (1, t.shape[1]), t.stride())
+    step = KernelStep(kernel, [x], out, [out, row], "k", [row], deferred=True)
+    if read_elsewhere:
+        with pytest.raises(ValueError, match="defers"):
+            build_program(gm, [step])
+        return
+    t = torch.randn(3, 4)
+    got_out, got_row = build_program(gm, [step])([t])
+    assert torch.equal(got_out, t + 1) and isinstance(got_row, torch.Tensor)
+    assert torch.equal(got_row, t[:1]) and got_row.data_ptr() == t.data_ptr()

@@ -1,5 +1,7 @@
 """``make_kv_append`` against ``torch.cat``: the same values on every path, in place only where
 no tensor a caller holds can change."""
+import contextlib
+
 import pytest
 import torch
 
@@ -258,7 +260,7 @@ def test_append_attend_rotates_q_and_k_as_rope_then_the_steps(dtype, heads, kvh,
     def rotate(*args):   # the rope callable, counted: a step not in place calls it
         calls.append(1)
         return kernel(*args)
-    rotate.spec, rotate.raw = kernel.spec, kernel.raw
+    rotate.spec = kernel.spec
     step = make_append_attend(attend, qkv, (batch, heads, 1, d), (heads * d, d, d, 1),
                               rope=(rotate, cs, cs))
     append = make_kv_append(2)
@@ -308,3 +310,40 @@ def test_append_attend_rotates_q_and_k_as_rope_then_the_steps(dtype, heads, kvh,
     assert torch.equal(keys, ref_k) and keys.data_ptr() != older[0].data_ptr() and calls
     assert torch.equal(out, attend(rotate_half_rope(q, c4, s4), ref_k,
                                    torch.cat([older[1], new_v], 2)))
+
+
+def test_append_attend_defers_the_grown_views_and_names_its_kernels_when_profiled():
+    """``deferred``: in place, the keys and values come as ``(buffer view, size, stride)``, whose
+    ``as_strided`` is what the step gives otherwise; a call not in place gives tensors. Under
+    the profiler the step runs the three steps as written (in place all the same), so the trace
+    names the attention kernel; the values are the same either way."""
+    from kwker.kernels.kv_cache import make_append_attend
+    torch.manual_seed(7)
+    heads, d = 4, 8
+    attend, _ = _append_attend(heads, heads, d, torch.float32, True)
+    step = make_append_attend(attend, tuple(_qkv_view(i, heads, d) for i in range(3)),
+                              (1, heads, 1, d), (heads * d, d, d, 1), deferred=True)
+    past_k = make_kv_append(2)(torch.empty(0), torch.randn(1, heads, 3, d))
+    past_v = make_kv_append(2)(torch.empty(0), torch.randn(1, heads, 3, d))
+    first = (past_k, past_v)
+    for profiled in (False, True, False):
+        row = torch.randn(1, 1, 3 * heads * d)
+        q, k, v = (_qkv_view(i, heads, d).make(row) for i in range(3))
+        ref_k, ref_v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
+                if profiled else contextlib.nullcontext() as prof:
+            out, keys, values = step(row, past_k, row, past_v, row)
+        if profiled:
+            assert isinstance(keys, torch.Tensor)
+            assert attend.spec.symbol in {e.name for e in prof.events()}
+        else:
+            assert type(keys) is tuple and keys[0] is past_k and values[0] is past_v
+            keys, values = (torch.Tensor.as_strided(*t) for t in (keys, values))
+        assert keys.data_ptr() == past_k.data_ptr()   # in place, profiled or not
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v)
+        assert torch.equal(out, attend(q, ref_k, ref_v))
+        past_k, past_v = keys, values
+    row = torch.randn(1, 1, 3 * heads * d)    # the first past again: copied, as tensors
+    _, keys, values = step(row, first[0], row, first[1], row)
+    assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
+    assert torch.equal(keys[:, :, :3], first[0]) and keys.data_ptr() != past_k.data_ptr()
