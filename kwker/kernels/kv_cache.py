@@ -176,6 +176,20 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
             return None
         return x.data_ptr() + view.offset * size, view.size, view.stride
 
+    # q, k and v views of one root (a q/k/v projection's row): its checks made once
+    shared = None not in views and len({(v.root_shape, v.root_stride) for v in views}) == 1
+
+    def operands(q, new_k, new_v):
+        """The three operands as ``operand`` gives them."""
+        qo = operand(q, qv)
+        if not (shared and new_k is q and new_v is q):
+            return qo, operand(new_k, kv), operand(new_v, vv)
+        if qo is None:
+            return None, None, None
+        root = qo[0] - qv.offset * size
+        return qo, (root + kv.offset * size, kv.size, kv.stride), \
+            (root + vv.offset * size, vv.size, vv.stride)
+
     def grow(past, new, heads_in, d):
         """(the buffer's state, its rows so far, the grown view's size) where ``past`` takes
         the rows of ``new`` (an operand) in place, else None."""
@@ -206,7 +220,7 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
         return None if over_q is None or over_k is None else (co[0], so[0], over_q, over_k)
 
     def step(q, past_k, new_k, past_v, new_v, cos=None, sin=None):
-        qo, ko, vo = operand(q, qv), operand(new_k, kv), operand(new_v, vv)
+        qo, ko, vo = operands(q, new_k, new_v)
         gk, gv = grow(past_k, ko, kvh, e), grow(past_v, vo, kvh, ev)
         rot = rope_table(cos, sin, qo[1], ko[1]) if rotate is not None and qo is not None \
             and ko is not None else None

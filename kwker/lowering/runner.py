@@ -149,8 +149,19 @@ def _reader(value, slot_of: dict) -> Callable:
 
 
 def _multi_step(fn: Callable, args: list, outs: list[int], slot_of: dict) -> Callable:
-    """A closure ``step(env)`` writing the values ``fn`` returns into the slots ``outs``."""
-    get_args = _reader(tuple(args), slot_of)
+    """A closure ``step(env)`` writing the values ``fn`` returns into the slots ``outs``; the
+    arguments taken by one ``itemgetter`` where they are all slots (a decode layer's attention
+    step: 5-7 slots, its three results)."""
+    if len(args) > 1 and all(isinstance(a, Node) for a in args):
+        get_args = operator.itemgetter(*[slot_of[a] for a in args])
+    else:
+        get_args = _reader(tuple(args), slot_of)
+    if len(outs) == 3:
+        o0, o1, o2 = outs
+
+        def step(env):
+            env[o0], env[o1], env[o2] = fn(*get_args(env))
+        return step
 
     def step(env):
         for slot, value in zip(outs, fn(*get_args(env))):
