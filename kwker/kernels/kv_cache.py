@@ -25,6 +25,7 @@ a Llama's rotated keys, by the rope kernel that rotates them (and q).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from .specs import RowCopySpec
 # one-row ``new`` must have]
 STATE = "_kwker_kv"
 MIN_ROWS = 64
+SCRATCH_MAX = 64 << 10   # bytes of a rotated q kept per thread between calls
 
 
 def capacity(rows: int) -> int:
@@ -162,6 +164,18 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
     one_call = OneCall(rotate.spec if rotate is not None else None, spec_k, spec_v, attend.spec,
                        size, b, lq)
 
+    # the rotated q, read only inside the native call: one buffer per thread where it is small
+    # (a decode step's; a fresh torch.empty cost ~10 us a layer there, with the caches cold)
+    mine, small = threading.local(), b * heads * lq * e * size <= SCRATCH_MAX
+
+    def rotated_q(shape):
+        if not small:
+            return empty(shape, dtype=dtype)
+        buf = getattr(mine, "q", None)
+        if buf is None:
+            buf = mine.q = empty(shape, dtype=dtype)
+        return buf
+
     def tensor(x, view):
         return x if view is None else view.make(x)
 
@@ -235,7 +249,7 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
             values = append_v(past_v, tensor(new_v, vv))
             return tensor(attend(q, keys, values), result), keys, values
         (sk, rk, size_k), (sv, rv, size_v) = gk, gv
-        rq = empty(qo[1], dtype=dtype) if rot is not None else None   # q rotated
+        rq = None if rot is None else rotated_q(qo[1])
         out = empty_strided(out_shape, out_stride, dtype=dtype) if result is None else \
             empty_strided(result.size, result.stride, dtype=dtype)
         layout = ((qo[1], qo[2]), rq.stride() if rq is not None else None, (ko[1], ko[2]),
