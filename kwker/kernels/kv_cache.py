@@ -20,8 +20,9 @@ The views have strides of the buffer's capacity, not contiguous ones; only consu
 any strides (ATen, Kwker's attention kernels) may be given them (see lowering/kv_append.py).
 
 ``make_append_attend``: a layer's two appends and the attention over their results as one step,
-the new rows written by a small copy kernel (codegen/row_copy.py) under the same rules, or, for
-a Llama's rotated keys, by the rope kernel that rotates them (and q).
+under the same rules: the new rows written by a small copy kernel (codegen/row_copy.py), or, for
+a Llama's rotated keys, by the rope kernel that rotates them (and q), and the attention, called
+in turn by one native function (attend_call.py).
 """
 from __future__ import annotations
 
