@@ -172,8 +172,14 @@ def _multi_step(fn: Callable, args: list, outs: list[int], slot_of: dict) -> Cal
 # Python wrappers whose C method takes the same arguments: the wrapper only adds its frame
 # (``Tensor.split``: 6.1 -> 3.7 us a call; 12 a GPT-2 decode step)
 _C_METHODS = {"split": torch._C.TensorBase.split}
-# size arithmetic: the program runs on concrete ints (``torch.sym_sum``: 0.9 -> 0.15 us)
-_CONCRETE = {torch.sym_sum: sum}
+def _size_of(x: torch.Tensor, dim: int) -> int:
+    return x.shape[dim]
+
+
+# size arithmetic: the program runs on concrete ints (``torch.sym_sum``: 0.9 -> 0.15 us; an
+# exported Llama decode step's ``aten.sym_size.int`` through the dispatcher, the caches cold
+# after a token's weights: 9 us)
+_CONCRETE = {torch.sym_sum: sum, torch.ops.aten.sym_size.int: _size_of}
 
 
 # results nothing reads need not be computed when computing them has no effect: size arithmetic
@@ -256,9 +262,10 @@ def is_identity(n: Node, metas: dict | None) -> bool:
     """Whether ``n`` gives back its input tensor itself, as an exported graph's eval-mode dropout
     does (``aten.dropout(x, p, False)``), and its ``aten.to`` to the dtype, device and layout
     the input has (GPT-2's position embeddings: 20 us a token, the caches cold); or may be taken
-    to, as a view keeping the input's shape and strides that is not an output of the graph and
-    whose input and result nothing changes in place (GPT-2's ``view`` and ``alias`` of the final
-    norm: a chain then reaches through them, lowering/chain.py)."""
+    to, as a view keeping the input's shape and strides, or a product by exactly 1 (``_MULS``),
+    that is not an output of the graph and whose input and result nothing changes in place
+    (GPT-2's ``view`` and ``alias`` of the final norm: a chain then reaches through them,
+    lowering/chain.py)."""
     if n.op not in ("call_function", "call_method") or not n.args or \
             not isinstance(n.args[0], Node):
         return False
@@ -268,6 +275,8 @@ def is_identity(n: Node, metas: dict | None) -> bool:
         return False
     if n.target is torch.ops.aten.dropout.default:
         return len(n.args) == 3 and n.args[2] is False
+    if _times_one(n):
+        return _same_layout(n, metas)
     if n.target not in _TO or metas is None:
         return False
     meta = metas.get(n.args[0])
@@ -286,11 +295,35 @@ SAME_LAYOUT_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.alias.default,
                      "view", "reshape"}
 
 
-def _same_layout_view(n: Node, metas: dict | None) -> bool:
+# ``x * 1`` gives x's own values, bit for bit (-0.0, inf and NaN included): transformers' rotary
+# embeddings scale cos and sin by an ``attention_scaling`` of 1.0 (two steps of 6 us a token,
+# the caches cold, in an exported Llama decode step)
+_MULS = {torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, operator.mul, torch.mul}
+
+
+def _times_one(n: Node) -> bool:
     try:
-        if n.target not in SAME_LAYOUT_VIEWS or metas is None:
+        if n.target not in _MULS or n.kwargs or len(n.args) != 2:
             return False
     except TypeError:  # an unhashable target
+        return False
+    one = n.args[1]
+    return type(one) in (int, float) and one == 1
+
+
+def _same_layout_view(n: Node, metas: dict | None) -> bool:
+    try:
+        if n.target not in SAME_LAYOUT_VIEWS:
+            return False
+    except TypeError:  # an unhashable target
+        return False
+    return _same_layout(n, metas)
+
+
+def _same_layout(n: Node, metas: dict | None) -> bool:
+    """Whether ``n``'s result has its input's shape, strides and dtype, and neither is an output
+    of the graph nor changed in place: the input may stand for it."""
+    if metas is None:
         return False
     a, b = metas.get(n.args[0]), metas.get(n)
     return isinstance(a, TensorMeta) and isinstance(b, TensorMeta) and \

@@ -183,3 +183,40 @@ def test_ops_giving_back_their_input_are_no_steps(tmp_path):
     called = {c.cell_contents for s, _ in packaged._program.steps for c in s.__closure__ or ()}
     assert torch.ops.aten.to.dtype in called   # to float64
     assert not {torch.ops.aten.dropout.default, torch.ops.aten.to.dtype_layout} & called
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def test_products_by_one_give_back_their_input_and_sizes_are_read_off_the_tensor(tmp_path):
+    """transformers' rotary embeddings scale cos and sin by an ``attention_scaling`` of 1.0, and
+    an exported decode step reads the cache's length with ``aten.sym_size.int``: the products
+    are no steps (``x * 1`` is x, bit for bit, -0.0, inf and NaN included) and the size is read
+    off the tensor, not through the dispatcher. A product by 1 that changes the dtype, or that
+    is an output of the graph, still runs."""
+    class Rotary(torch.nn.Module):
+        def forward(self, x, past):
+            pos = torch.arange(past.shape[1], past.shape[1] + x.shape[1], dtype=torch.float32)
+            emb = pos[:, None] * x
+            return torch.cat([emb.cos() * 1.0, emb.sin() * 1], -1) + past.sum(), \
+                x.shape[1] * torch.ones(2, dtype=torch.int64) * 1.0, x * 1.0
+    x = torch.tensor([[0.0, -0.0, float("inf"), float("nan"), 1e-40, -3.5]]).t()[None, :, 0:1]
+    x = x.expand(1, 6, 4).contiguous()
+    length = torch.export.Dim("length", min=1, max=64)
+    ep = torch.export.export(Rotary(), (x, torch.randn(1, 5, 2)),
+                             dynamic_shapes=({}, {1: length}))
+    targets = [n.target for n in ep.graph.nodes]
+    assert torch.ops.aten.sym_size.int in targets
+    assert targets.count(torch.ops.aten.mul.Tensor) >= 4
+    packaged = kwker.load_package(kwker.package(ep, tmp_path / "rotary.kwk"))
+    for rows in (5, 17):
+        past = torch.randn(1, rows, 2)
+        got, want = packaged(x, past), Rotary()(x, past)
+        for g, w in zip(got, want):   # bit for bit: NaN, -0.0 and tiny values as eager's
+            assert g.dtype == w.dtype and torch.equal(_bits(g), _bits(w))
+        assert got[2].data_ptr() != x.data_ptr()   # an output: computed, not x itself
+    called = [c.cell_contents for s, _ in packaged._program.steps for c in s.__closure__ or ()]
+    assert torch.ops.aten.sym_size.int not in called
+    # the int-to-float product and the output's remain; the two of cos and sin are gone
+    assert called.count(torch.ops.aten.mul.Tensor) == targets.count(torch.ops.aten.mul.Tensor) - 2
