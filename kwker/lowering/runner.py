@@ -3,7 +3,8 @@
 Built once per specialisation. Every FX node becomes one step, a closure that reads its arguments
 from numbered slots and writes its result into its own slot; a group of nodes replaced by a Kwker
 kernel becomes a single step calling the kernel, and a chain of view ops one ``as_strided`` call
-(views.py). A call fills the input slots and runs the steps
+(views.py), and a region computed from constants and sizes alone one step keeping its results
+per size (memo.py). A call fills the input slots and runs the steps
 in order: no FX interpreter and no generated Python walks the graph. A slot is cleared after its
 last use, so intermediates die as early as they do in eager mode.
 """
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from . import views
+from . import memo, views
 from .ops import is_inplace
 from .shapes import TensorMeta
 
@@ -346,6 +347,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
     slot_of: dict[Node, int] = {n: i for i, n in enumerate(placeholders)}
     template: list = [None] * len(placeholders)
     planned: list[tuple[Callable, list[Node]]] = []  # (step, nodes it reads)
+    owners: list[Node | None] = []                  # the node of each (None: the output)
     output_fn = None
     deferred: list[int] = []   # slots of views made with the output (KernelStep.deferred)
     for n in nodes:
@@ -365,6 +367,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             output_fn = _output(n.args[0], slot_of)
             reads = n.all_input_nodes
             planned.append((None, reads))
+            owners.append(None)
             continue
         if n in given:   # its kernel's step fills it, before or after this point
             _slot(n, slot_of, template)
@@ -406,6 +409,8 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
         else:
             raise NotImplementedError(f"FX node kind {n.op!r} ({n.name})")
         planned.append((step, reads))
+        owners.append(n)
+    planned = memo.memoise(planned, owners, slot_of, metas)
     # free each intermediate slot after the step that reads it last
     last: dict[int, int] = {}
     for idx, (_, reads) in enumerate(planned):

@@ -1,6 +1,8 @@
 """A decoder's step packaged with its KV cache: ``kwker.package`` of a ``torch.export`` of one
 decode step (the past a tuple of (key, value) pairs, its length dynamic) decodes with no dynamo,
 taking the past as the model takes it, appending to it in place, its view chains one call each."""
+from collections import Counter
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -111,14 +113,16 @@ def test_view_chains_of_an_exported_graph_are_one_call_each(packaged):
 
 
 class Calls(TorchDispatchMode):
-    """The ATen ops called inside, by name (``aten.view.default`` -> ``view``)."""
+    """The ATen ops called inside, by name (``aten.view.default`` -> ``view``), and how
+    often."""
 
     def __init__(self):
         super().__init__()
-        self.names = set()
+        self.names, self.count = set(), Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.add(func.overloadpacket.__name__)
+        self.count[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -200,7 +204,7 @@ def test_products_by_one_give_back_their_input_and_sizes_are_read_off_the_tensor
             pos = torch.arange(past.shape[1], past.shape[1] + x.shape[1], dtype=torch.float32)
             emb = pos[:, None] * x
             return torch.cat([emb.cos() * 1.0, emb.sin() * 1], -1) + past.sum(), \
-                x.shape[1] * torch.ones(2, dtype=torch.int64) * 1.0, x * 1.0
+                (past[0, :2, 0] > 0).long() * 1.0, x * 1.0
     x = torch.tensor([[0.0, -0.0, float("inf"), float("nan"), 1e-40, -3.5]]).t()[None, :, 0:1]
     x = x.expand(1, 6, 4).contiguous()
     length = torch.export.Dim("length", min=1, max=64)
@@ -210,13 +214,64 @@ def test_products_by_one_give_back_their_input_and_sizes_are_read_off_the_tensor
     assert torch.ops.aten.sym_size.int in targets
     assert targets.count(torch.ops.aten.mul.Tensor) >= 4
     packaged = kwker.load_package(kwker.package(ep, tmp_path / "rotary.kwk"))
-    for rows in (5, 17):
+    for rows in (7, 17):   # lengths not seen before (packaging may run the example's)
         past = torch.randn(1, rows, 2)
-        got, want = packaged(x, past), Rotary()(x, past)
+        with Calls() as ours:
+            got = packaged(x, past)
+        with Calls() as eager:
+            want = Rotary()(x, past)
         for g, w in zip(got, want):   # bit for bit: NaN, -0.0 and tiny values as eager's
             assert g.dtype == w.dtype and torch.equal(_bits(g), _bits(w))
         assert got[2].data_ptr() != x.data_ptr()   # an output: computed, not x itself
+        # the int-to-float product and the output's remain; the two of cos and sin are gone
+        assert ours.count["mul"] == eager.count["mul"] - 2, (ours.count, eager.count)
     called = [c.cell_contents for s, _ in packaged._program.steps for c in s.__closure__ or ()]
     assert torch.ops.aten.sym_size.int not in called
-    # the int-to-float product and the output's remain; the two of cos and sin are gone
-    assert called.count(torch.ops.aten.mul.Tensor) == targets.count(torch.ops.aten.mul.Tensor) - 2
+
+
+class Positions(torch.nn.Module):
+    """A rotary embedding over a past of dynamic length, as transformers' Llama computes it: cos
+    and sin from the constants and the past's length alone. ``cos`` is also given out."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8.0),
+                             persistent=False)
+
+    def forward(self, x, past):
+        start = past.shape[1]
+        pos = torch.arange(start, start + x.shape[1]).float()
+        emb = torch.cat([pos[:, None] * self.inv_freq[None, :]] * 2, -1)
+        given = (emb * 2).cos()
+        cos, sin = emb.cos() * 1.0, emb.sin()
+        return x * cos + x * sin + past.sum(), given
+
+
+def test_steps_of_constants_and_sizes_alone_run_once_per_size(tmp_path):
+    """The rotary embedding's steps (``arange`` from the past's length, the product by
+    ``inv_freq``, ``cat``, ``cos``, ``sin``) run for a past length not seen before only; a
+    length seen again gives the kept values, bit for bit eager's. A constant changed in place is
+    seen (its version keys the values), and a result the graph gives out is made on every call:
+    a caller changing it changes nothing kept."""
+    x = torch.randn(1, 3, 8)
+    length = torch.export.Dim("length", min=1, max=64)
+    model = Positions()
+    ep = torch.export.export(model, (x, torch.randn(1, 5, 8)), dynamic_shapes=({}, {1: length}))
+    packaged = kwker.load_package(kwker.package(ep, tmp_path / "positions.kwk"))
+    for rows, seen in ((5, False), (9, False), (5, True), (9, True)):
+        past = torch.randn(1, rows, 8)
+        with Calls() as calls:
+            got = packaged(x, past)
+        for g, w in zip(got, model(x, past)):
+            assert torch.equal(_bits(g), _bits(w))
+        assert ("sin" in calls.names) == (not seen), calls.names
+        assert "cos" in calls.names   # the output's, made every call
+        got[1].add_(1.0)              # the caller's to change
+    (inv_freq,) = [t for t in packaged._program.template
+                   if isinstance(t, torch.Tensor) and torch.equal(t, model.inv_freq)]
+    with torch.no_grad():
+        inv_freq.mul_(3.0)
+        model.inv_freq.mul_(3.0)
+    past = torch.randn(1, 5, 8)
+    for g, w in zip(packaged(x, past), model(x, past)):
+        assert torch.equal(_bits(g), _bits(w))
