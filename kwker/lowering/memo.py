@@ -26,7 +26,7 @@ from torch.fx import Node
 from .ops import is_inplace
 from .shapes import TensorMeta
 
-MAX_BYTES = 16 << 20    # results kept per region; all forgotten past this
+MAX_BYTES = 16 << 20    # results kept per region, all forgotten past this; larger ones not kept
 MIN_STEPS = 2           # a region of fewer steps is left as it is
 
 _aten = torch.ops.aten
@@ -146,6 +146,8 @@ def _replaced(planned: list, owners: list, region: list[int], slot_of: dict, nod
             for s in scratch:
                 env[s] = None
             size = sum(t.numel() * t.element_size() for t in hit if isinstance(t, torch.Tensor))
+            if size > MAX_BYTES:      # a long prompt's mask, say: made each time
+                return
             if held[0] + size > MAX_BYTES:
                 kept.clear()
                 held[0] = 0

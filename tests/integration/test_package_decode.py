@@ -275,3 +275,22 @@ def test_steps_of_constants_and_sizes_alone_run_once_per_size(tmp_path):
     past = torch.randn(1, 5, 8)
     for g, w in zip(packaged(x, past), model(x, past)):
         assert torch.equal(_bits(g), _bits(w))
+
+
+def test_results_too_large_to_keep_are_made_each_time(tmp_path, monkeypatch):
+    """A region's results larger than ``memo.MAX_BYTES`` (a long prompt's mask, say) are not
+    kept: the steps run on every call, giving the same values."""
+    from kwker.lowering import memo
+    monkeypatch.setattr(memo, "MAX_BYTES", 64)
+    x = torch.randn(1, 3, 8)
+    length = torch.export.Dim("length", min=1, max=64)
+    model = Positions()
+    ep = torch.export.export(model, (x, torch.randn(1, 5, 8)), dynamic_shapes=({}, {1: length}))
+    packaged = kwker.load_package(kwker.package(ep, tmp_path / "positions.kwk"))
+    for _ in range(2):
+        past = torch.randn(1, 7, 8)
+        with Calls() as calls:
+            got = packaged(x, past)
+        assert "sin" in calls.names
+        for g, w in zip(got, model(x, past)):
+            assert torch.equal(_bits(g), _bits(w))
