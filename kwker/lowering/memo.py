@@ -37,13 +37,15 @@ SIZE_OPS = SHAPE_READS | {torch.sym_sum, operator.add, operator.sub, operator.mu
                           operator.floordiv, operator.mod, operator.neg}
 
 
-def memoise(planned: list, owners: list, slot_of: dict, metas: dict | None) -> list:
+def memoise(planned: list, owners: list, slot_of: dict, metas: dict | None,
+            nodes: list[Node]) -> list:
     """``planned`` ((step, nodes read) per node of ``owners``, None for the output's entry, in
-    order) with its regions of constant-and-size steps (module doc) replaced by one step each.
-    A region may read an earlier one's results: it is keyed by the sizes and constants behind
-    them."""
+    order; ``nodes``: the whole graph's) with its regions of constant-and-size steps (module doc)
+    replaced by one step each. A region may read an earlier one's results: it is keyed by the
+    sizes and constants behind them."""
     if metas is None:
         return planned
+    escaping = _escaping(nodes, slot_of)
     node_at = {slot_of[n]: n for n in slot_of if n.op in ("get_attr", "placeholder")}
     consts = {s for s, n in node_at.items() if n.op == "get_attr"}
     # slot -> the size and constant slots its value follows from
@@ -59,7 +61,7 @@ def memoise(planned: list, owners: list, slot_of: dict, metas: dict | None) -> l
             if _size_node(n, metas) and (n.target in SHAPE_READS or read <= roots.keys()):
                 roots[slot_of[n]] = known[slot_of[n]] = frozenset((slot_of[n],))
                 node_at[slot_of[n]] = n
-            elif _functional(n, step, metas) and read <= known.keys():
+            elif n not in escaping and _functional(n, step, metas) and read <= known.keys():
                 region.append(i)
                 known[slot_of[n]] = frozenset().union(*(known[r] for r in read))
         region = _closed(region, planned, owners, slot_of)
@@ -70,6 +72,37 @@ def memoise(planned: list, owners: list, slot_of: dict, metas: dict | None) -> l
         planned, results = _replaced(planned, owners, region, slot_of, node_at,
                                      sorted(behind - consts), sorted(behind & consts))
         roots.update((s, behind) for s in results)
+
+
+def _escaping(nodes: list[Node], slot_of: dict) -> set[Node]:
+    """The nodes whose memory a step changes in place or the graph gives out, and every node
+    they may be views of (a kept tensor must not be reachable through either). A view is an ATen
+    op whose schema says its result aliases its input, a step sharing its input's slot
+    (runner.is_identity), or any op Kwker cannot read the schema of."""
+    todo = []
+    for n in nodes:
+        if n.op == "output":
+            todo += n.all_input_nodes
+        elif is_inplace(n):
+            todo += [a for a in (*n.args[:1], n.kwargs.get("out")) if isinstance(a, Node)]
+    seen: set[Node] = set()
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m.op in ("call_function", "call_method") and m.args and \
+                isinstance(m.args[0], Node) and _may_alias(m, slot_of):
+            todo.append(m.args[0])
+    return seen
+
+
+def _may_alias(m: Node, slot_of: dict) -> bool:
+    if m in slot_of and slot_of.get(m.args[0]) == slot_of[m]:
+        return True
+    if isinstance(m.target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in m.target._schema.returns)
+    return True
 
 
 def _is_int(n: Node, metas: dict) -> bool:

@@ -173,6 +173,8 @@ def _multi_step(fn: Callable, args: list, outs: list[int], slot_of: dict) -> Cal
 # Python wrappers whose C method takes the same arguments: the wrapper only adds its frame
 # (``Tensor.split``: 6.1 -> 3.7 us a call; 12 a GPT-2 decode step)
 _C_METHODS = {"split": torch._C.TensorBase.split}
+
+
 def _size_of(x: torch.Tensor, dim: int) -> int:
     return x.shape[dim]
 
@@ -410,7 +412,7 @@ def build_program(gm: GraphModule, kernels: list[KernelStep] | None = None,
             raise NotImplementedError(f"FX node kind {n.op!r} ({n.name})")
         planned.append((step, reads))
         owners.append(n)
-    planned = memo.memoise(planned, owners, slot_of, metas)
+    planned = memo.memoise(planned, owners, slot_of, metas, nodes)
     # free each intermediate slot after the step that reads it last
     last: dict[int, int] = {}
     for idx, (_, reads) in enumerate(planned):

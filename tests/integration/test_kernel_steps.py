@@ -248,3 +248,43 @@ def test_deferred_views_are_made_with_the_output_only_where_it_alone_reads_them(
     got_out, got_row = build_program(gm, [step])([t])
     assert torch.equal(got_out, t + 1) and isinstance(got_row, torch.Tensor)
     assert torch.equal(got_row, t[:1]) and got_row.data_ptr() == t.data_ptr()
+
+
+def _kept_graph(change_in_place: bool):
+    """x -> sizes -> arange -> products (constants and sizes alone), then a view of the last
+    product changed in place (``change_in_place``) or given out, and a sum with x."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    rows = g.call_function(aten.sym_size.int, (x, 0))
+    ar = g.call_function(aten.arange.start, (0, rows))
+    twice = g.call_function(aten.mul.Tensor, (ar, 2))
+    thrice = g.call_function(aten.mul.Tensor, (twice, 3))
+    view = g.call_function(aten.view.default, (thrice, [-1]))
+    outs = [g.call_function(aten.add.Tensor, (thrice, x))]
+    if change_in_place:
+        g.call_function(aten.add_.Tensor, (view, 1))
+    else:
+        outs.append(view)
+    g.output(tuple(outs))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("change_in_place", [True, False])
+def test_results_kept_per_size_are_never_changed_in_place_or_given_out(change_in_place):
+    """A region of steps computed from sizes alone keeps its results per size (lowering/memo.py)
+    only where no step changes them in place through a view and the graph does not give out a
+    view of them: each call then gives what the graph computes, however often the size
+    repeats (and a caller changing what it was given changes nothing kept)."""
+    from kwker.lowering.runner import build_program
+    from kwker.lowering.shapes import propagate
+    gm = _kept_graph(change_in_place)
+    x = torch.ones(5, dtype=torch.int64)
+    program = build_program(gm, [], propagate(gm, [x]))
+    assert any(hasattr(step, "memo") for step, _ in program.steps)   # ``arange``, ``* 2`` kept
+    for _ in range(3):
+        got, want = program([x]), gm(x)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        if not change_in_place:
+            got[1].add_(100)
