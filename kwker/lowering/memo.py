@@ -12,8 +12,10 @@ place is seen), and the region's own steps run only for sizes not seen before.
 The region holds functional ATen ops (no in-place or random ones, tensor results) and the views
 the program makes of them, reading only constants, sizes and each other. Its results must not
 reach the graph's output or be changed in place by any step (the kept tensors are given again
-on every hit), and every step reading them must come after the region's last step, where the
-one step stands.
+on every hit), nor be views of what is; every step reading them must come after the region's
+last step, where the one step stands. Results that would carry an autograd graph, or are larger
+than ``MAX_BYTES``, are made on every call; those made under ``torch.inference_mode`` are kept
+apart from the others.
 """
 from __future__ import annotations
 
@@ -169,8 +171,12 @@ def _replaced(planned: list, owners: list, region: list[int], slot_of: dict, nod
     kept: dict = {}
     held = [0]
 
+    inference = torch.is_inference_mode_enabled
+
     def step(env):
-        key = (*[env[s] for s in keys], *[env[s]._version for s in versioned])
+        # tensors made under inference mode are kept apart from the others (they may not be
+        # saved for backward outside it)
+        key = (inference(), *[env[s] for s in keys], *[env[s]._version for s in versioned])
         hit = kept.get(key)
         if hit is None:
             for s in steps:
@@ -178,8 +184,11 @@ def _replaced(planned: list, owners: list, region: list[int], slot_of: dict, nod
             hit = tuple(env[s] for s in results)
             for s in scratch:
                 env[s] = None
-            size = sum(t.numel() * t.element_size() for t in hit if isinstance(t, torch.Tensor))
-            if size > MAX_BYTES:      # a long prompt's mask, say: made each time
+            tensors = [t for t in hit if isinstance(t, torch.Tensor)]
+            size = sum(t.numel() * t.element_size() for t in tensors)
+            # too large (a long prompt's mask, say), or in an autograd graph (a constant that
+            # requires grad, in training): made each time
+            if size > MAX_BYTES or any(t.requires_grad for t in tensors):
                 return
             if held[0] + size > MAX_BYTES:
                 kept.clear()

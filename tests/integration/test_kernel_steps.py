@@ -288,3 +288,39 @@ def test_results_kept_per_size_are_never_changed_in_place_or_given_out(change_in
             assert torch.equal(g, w)
         if not change_in_place:
             got[1].add_(100)
+
+
+def test_results_kept_per_size_stay_out_of_autograd_and_inference_mode():
+    """Results kept per size are made afresh where they would carry an autograd graph (a constant
+    that requires grad: each call's backward runs through its own), and those made under
+    ``torch.inference_mode`` are not given to a call outside it (autograd may not save them)."""
+    from kwker.lowering.runner import build_program
+    from kwker.lowering.shapes import propagate
+    aten = torch.ops.aten
+    root = torch.nn.Module()
+    root.w = torch.nn.Parameter(torch.tensor(0.5))
+    root.c = torch.tensor(3.0)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    rows = g.call_function(aten.sym_size.int, (x, 0))
+    ar = g.call_function(aten.arange.start, (0, rows), {"dtype": torch.float32})
+    scaled = g.call_function(aten.mul.Tensor, (ar, g.get_attr("c")))
+    plain = g.call_function(aten.mul.Tensor, (scaled, 2))         # kept: constants, sizes
+    graded = g.call_function(aten.mul.Tensor, (plain, g.get_attr("w")))   # requires grad
+    g.output((g.call_function(aten.mul.Tensor, (graded, x)),
+              g.call_function(aten.mul.Tensor, (plain, x))))
+    gm = torch.fx.GraphModule(root, g)
+    x = torch.randn(4)
+    with torch.no_grad():
+        program = build_program(gm, [], propagate(gm, [x]))
+    assert any(hasattr(step, "memo") for step, _ in program.steps)
+    with torch.inference_mode():
+        program([x])
+    xg = x.clone().requires_grad_()
+    for _ in range(2):   # the second backward needs a graph of its own
+        out, other = program([xg])
+        (out.sum() + other.sum()).backward()
+    want = 2 * (2 * torch.arange(4.0) * 3.0 * x).sum()
+    torch.testing.assert_close(root.w.grad, want)
+    torch.testing.assert_close(xg.grad, 2 * (torch.arange(4.0) * 6.0 * 0.5 +
+                                             torch.arange(4.0) * 6.0))
