@@ -43,7 +43,6 @@ from .specs import RowCopySpec
 STATE = "_kwker_kv"
 MIN_ROWS = 64
 SCRATCH_MAX = 64 << 10   # bytes of a rotated q kept per thread between calls
-LAYOUTS_MAX = 64          # layouts of cos and sin whose strides a step keeps
 
 
 def capacity(rows: int) -> int:
@@ -224,24 +223,16 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
             return None
         return state, rows, (shape[0], shape[1], rows + n, shape[3])
 
-    strides_over: dict = {}   # (cos's size and strides, q's and k's sizes) -> as rope_table's
-
     def rope_table(cos, sin, q_shape, k_shape):
         """(cos's and sin's addresses, their strides over q's and over the new keys' (B, H,
-        T)), read in place, or None. The strides are worked out once per layout (a decode
-        step's: 4 us a layer, the caches cold)."""
+        T)), read in place, or None."""
         co, so = operand(cos, cos_view), operand(sin, sin_view)
         if co is None or so is None or tuple(co[1]) != tuple(so[1]) or \
                 tuple(co[2]) != tuple(so[2]):
             return None
-        key = (tuple(co[1]), tuple(co[2]), tuple(q_shape), tuple(k_shape))
-        over = strides_over.get(key)
-        if over is None:
-            if len(strides_over) >= LAYOUTS_MAX:
-                strides_over.clear()
-            over = strides_over[key] = (broadcast_strides(co[1], co[2], q_shape),
-                                        broadcast_strides(co[1], co[2], k_shape))
-        over_q, over_k = over
+        cs, cst = tuple(co[1]), tuple(co[2])
+        over_q = broadcast_strides(cs, cst, tuple(q_shape))
+        over_k = broadcast_strides(cs, cst, tuple(k_shape))
         return None if over_q is None or over_k is None else (co[0], so[0], over_q, over_k)
 
     def step(q, past_k, new_k, past_v, new_v, cos=None, sin=None):

@@ -3,6 +3,8 @@
 codegen/rope.py). Layouts the kernel does not take run the ATen composition: the same answer."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._call import _profiler_enabled, entry, kernel_dtype, record_function
@@ -15,10 +17,12 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
 
 
+@functools.lru_cache(maxsize=256)   # per layout: sequence lengths come and go
 def broadcast_strides(shape, stride, x_shape) -> tuple | None:
     """The element strides of a tensor of ``shape`` and ``stride`` over the first three dims of
     ``x_shape`` once broadcast to it (0 where it broadcasts), or None when it does not broadcast
-    or its rows are not dense."""
+    or its rows are not dense. Worked out once per layout: a decode step asks on every call (4 us
+    a layer with the caches cold, kernels/kv_cache.py)."""
     if len(shape) != 4 or stride[-1] != 1 or shape[-1] != x_shape[-1]:
         return None
     out = []
@@ -51,17 +55,10 @@ def make_rope(d: int, dtype: torch.dtype = torch.float32, x_dtype: torch.dtype |
     new_out = torch.empty_like if x_dtype == dtype else \
         (lambda x: torch.empty_like(x, dtype=dtype))   # x's layout, the promoted type
 
-    layouts: dict = {}   # (x's sizes, cos's sizes and strides) -> cos's strides over x, or None
-
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape, cshape, cst = x.shape, cos.shape, cos.stride()
-        key = (shape, cshape, cst)
-        sc = layouts.get(key, False)
-        if sc is False:
-            if len(layouts) >= 256:  # sequence lengths come and go
-                layouts.clear()
-            sc = layouts[key] = broadcast_strides(cshape, cst, shape) if len(shape) == 4 \
-                and shape[-1] == d else None
+        sc = broadcast_strides(cshape, cst, shape) if len(shape) == 4 and shape[-1] == d \
+            else None
         if sc is None or x.stride(-1) != 1 or x.dtype != x_dtype or cos.dtype != dtype or \
                 sin.dtype != dtype or sin.shape != cshape or sin.stride() != cst or \
                 not (x.is_cpu and cos.is_cpu and sin.is_cpu):
