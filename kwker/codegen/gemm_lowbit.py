@@ -106,6 +106,9 @@ def groups(spec, lanes: int) -> int:
 def _check(spec, lanes: int) -> None:
     if spec.lanes != lanes:
         raise ValueError(f"kwker gemm_lowbit: packed for {spec.lanes} lanes, target has {lanes}")
+    if spec.digits not in (2, 3) or spec.digits == 2 and spec.bits != 4:
+        raise ValueError(f"kwker gemm_lowbit: {spec.digits} digits of x with int{spec.bits} "
+                         "(2 or 3 with int4, 3 with int8)")
     check_format(spec, lanes)
 
 
@@ -144,10 +147,11 @@ class _Tile:
         x row ``i`` with dequantised W row ``r`` (float32 scalars). ``exact``: without
         folding (for x the folded int4 tile cannot take)."""
         key = (mr, rr, exact)
-        if key not in self._made and mr in ("vnni", "vnnis"):
+        if key not in self._made and mr in ("vnni", "vnnis", "vnni2"):
             self._made[key] = gemm_lowbit_vnni.emit_tile(self.module, self.s, rr,
                                                          streamed=mr == "vnnis") \
-                if self.s.bits == 8 else gemm_lowbit_vnni4.emit_tile(self, rr)
+                if self.s.bits == 8 else gemm_lowbit_vnni4.emit_tile(
+                    self, rr, digits=2 if mr == "vnni2" else 3)
         if key not in self._made:
             f = Fn(self.module, f"{self.s.symbol}.tile{mr}x{rr}{'e' if exact else ''}", void,
                    [ptr] * 5, ["x", "w", "scale", "zp", "sums"])
@@ -472,7 +476,7 @@ def emit(spec, target) -> ir.Module:
             else:   # int4 takes them for a lone x row
                 with body.if_(b.icmp_unsigned("==", rows, const(i64, 1))):
                     gemm_lowbit_vnni4.emit_planes(body, spec.k, tiles.kp, spec.dtype, x,
-                                                  planes, heads, rows)
+                                                  planes, heads, rows, spec.digits)
         wrow = tiles.kp if spec.bits == 8 else tiles.kp // 2     # bytes a W row
         with body.for_range(begin, end, name="blk") as blk:
             r0 = b.mul(blk, const(i64, rr))
@@ -556,10 +560,18 @@ def _block(f: Fn, spec, tiles: _Tile, xbuf, planes, w, scale, zp, sums, tsums, r
 
     def by_planes(w_rows: int, kind: str):
         with f.for_range(0, rows, name="xi") as i:
-            ready = gemm_lowbit_vnni.is_ready(b, _planes_of(i)[1])
-            with f.if_else(ready, likely=True) as (ints, floats):
+            head = _planes_of(i)[1]
+            with f.if_else(gemm_lowbit_vnni.is_ready(b, head), likely=True) as (ints, floats):
                 with ints:
-                    run(1, w_rows, i, kind)
+                    if spec.digits == 2:   # int4: two digits where the row's are fine enough
+                        with f.if_else(gemm_lowbit_vnni.is_fine(b, head), likely=True) as (
+                                two, three):
+                            with two:
+                                run(1, w_rows, i, "vnni2")
+                            with three:
+                                run(1, w_rows, i, kind)
+                    else:
+                        run(1, w_rows, i, kind)
                 with floats:
                     run(1, w_rows, i)
 

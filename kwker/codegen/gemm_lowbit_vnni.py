@@ -161,19 +161,30 @@ def scan_row(f: Fn, k: int, dtype: str, src, head) -> tuple:
     return ok, exp
 
 
+def multiplier(b: ir.IRBuilder, exp, bits: int) -> ir.Value:
+    """``2**(bits - 2 - exp)``, which takes x (``max|x| < 2**exp``) to integers of ``bits - 1``
+    bits and a sign, broadcast to 16 lanes."""
+    mult = b.bitcast(b.shl(b.sub(const(i32, bits - 2 + 127), exp), const(i32, 23)), f32)
+    return simd.broadcast(b, mult, 16)
+
+
 def store_factor(b: ir.IRBuilder, head, exp, bits: int) -> ir.Value:
     """Store the row's factor ``2**(exp - bits + 2)`` (float64) in its head; return the
-    multiplier ``2**(bits - 2 - exp)`` that takes x to integers, broadcast to 16 lanes."""
-    mult = b.bitcast(b.shl(b.sub(const(i32, bits - 2 + 127), exp), const(i32, 23)), f32)
+    ``multiplier`` that takes x to integers."""
     factor = b.bitcast(b.shl(b.zext(b.add(exp, const(i32, 1023 - bits + 2)), i64),
                              const(i64, 52)), F64)
     b.store(factor, head)
-    return simd.broadcast(b, mult, 16)
+    return multiplier(b, exp, bits)
 
 
 def is_ready(b, head) -> ir.Value:
     """The flag ``emit_planes`` left in an x row's head (i1)."""
     return b.icmp_signed("!=", simd.load_scalar(b, head, const(i64, 8 // 4), i32), const(i32, 0))
+
+
+def is_fine(b, head) -> ir.Value:
+    """The second flag of an x row's head (i1): its planes or digits are the coarser ones."""
+    return b.icmp_signed("!=", simd.load_scalar(b, head, const(i64, 12 // 4), i32), const(i32, 0))
 
 
 def combine_planes(b: ir.IRBuilder, sums: list, qsum, factor, scale, count: int) -> ir.Value:

@@ -252,7 +252,7 @@ def _build(spec: LowbitGemmSpec, lw: LowbitWeight, bias, m: int | None, dtype, l
     n, k, residual = spec.n, spec.k, spec.residual
     if vnni:  # int8: one x row at a time; int4: a lone one (decode)
         spec = replace(spec, vnni=True, mr=1, rr=ROWS_PER_BLOCK[1]) if spec.bits == 8 else \
-            replace(spec, vnni=True)
+            replace(spec, vnni=True, digits=2 if spec.dtype == "bf16" else 3)
     elif m is not None and m >= PREFILL_ROWS:  # no decode tile: int4 packed as decode packs it
         spec = replace(spec, mr=1, rr=1 if folded else ROWS_PER_BLOCK[1])
     try:

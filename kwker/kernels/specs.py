@@ -317,6 +317,7 @@ class LowbitGemmSpec(Spec):
     mr: int = 1
     rr: int = 8
     vnni: bool = False     # on vpdpbusd over x's byte planes (gemm_lowbit_vnni, _vnni4)
+    digits: int = 3        # int4 there: x's byte digits, 3 exact to float32, 2 (bf16 x) coarser
     ahead: int = 4096      # bytes the decode's weight stream is prefetched ahead; 0: not at all
     family = "gemm_lowbit"
 

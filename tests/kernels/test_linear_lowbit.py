@@ -397,6 +397,33 @@ def test_vpdpbusd_and_float_paths(fmt, k, dtype, monkeypatch):
         pytest.skip("this CPU has no AVX512_VNNI: the float path alone ran")
 
 
+@pytest.mark.parametrize("k", [96, 800])
+def test_bf16_decode_takes_two_digits_where_the_row_allows(k):
+    """bf16 x takes int4's vpdpbusd path in two byte digits, x rounded to 2**-15 of its row's
+    largest |x|, unless a few outliers would make that coarser than eager bf16's rounding:
+    with one or two outliers 1000x the rest, their weights zero, the other products' sum stays
+    within bf16 rounding of exact (two digits would put ~2% of it in error)."""
+    if not _vnni_host():
+        pytest.skip("this CPU has no AVX512_VNNI: bf16 x takes the float path")
+    torch.manual_seed(0)
+    lin = nn.Linear(k, 45).to(torch.bfloat16)
+    lin.weight.data[:, :2] = 0.0
+    lin.bias.data.zero_()
+    config, kwargs = FORMATS["int4-group32"]
+    quantize_(lin, config(**kwargs))
+    fn = make_linear_lowbit(lin.weight, None, 1, dtype=torch.bfloat16)
+    assert (fn.specs[0].vnni, fn.specs[0].digits) == (True, 2)
+    for outliers in (0, 1, 2):
+        x = torch.randn(1, k)
+        x[0, :outliers] = 1000.0
+        x = x.to(torch.bfloat16)
+        ref = reference(lin, x, dtype=torch.bfloat16)
+        err = (fn(x).double() - ref).abs()
+        assert bool((err <= ref.abs() * 2 ** -8 + 1e-3 * ref.abs().max()).all()), \
+            f"{outliers} outliers: error {err.max().item():g} against max |ref| " \
+            f"{ref.abs().max().item():g}"
+
+
 def test_vnni_kernels_hold_vpdpbusd():
     """The vpdpbusd kernels compile for a VNNI target whatever this host (their assembly):
     int8 per channel, and int4 in groups of 32 (its nibbles transposed by vpshufb)."""
