@@ -426,7 +426,8 @@ def test_bf16_decode_takes_two_digits_where_the_row_allows(k):
 
 def test_vnni_kernels_hold_vpdpbusd():
     """The vpdpbusd kernels compile for a VNNI target whatever this host (their assembly):
-    int8 per channel, and int4 in groups of 32 (its nibbles transposed by vpshufb)."""
+    int8 per channel, and int4 in groups of 32 (its nibbles transposed by vpshufb), bf16 x in
+    two digits too."""
     import re
 
     from kwker.kernels.specs import LowbitGemmSpec
@@ -440,6 +441,10 @@ def test_vnni_kernels_hold_vpdpbusd():
     int4 = LowbitGemmSpec(0, 100, 320, 4, 32, bias=True, mr=1, vnni=True)
     _, asm = compile_assembly(ir_text(int4, target), target)
     assert re.search(r"vpdpbusd\s[^\n]*%zmm", asm) and re.search(r"vpshufb\s[^\n]*%zmm", asm)
+    # bf16 x in two digits beside three: the two tiles' dot products (2 x 2 and 2 x 3)
+    two = LowbitGemmSpec(1, 100, 320, 4, 32, dtype="bf16", mr=1, vnni=True, digits=2)
+    _, asm = compile_assembly(ir_text(two, target), target)
+    assert len(re.findall(r"vpdpbusd\s[^\n]*%zmm", asm)) >= 2 * 8 * (2 + 3)
 
 
 @pytest.mark.parametrize("cpu, lanes", [("haswell", 8), ("znver4", 16)])
