@@ -183,7 +183,8 @@ def is_ready(b, head) -> ir.Value:
 
 
 def is_fine(b, head) -> ir.Value:
-    """The second flag of an x row's head (i1): its planes or digits are the coarser ones."""
+    """The second flag of an x row's head (i1): its two planes round x no more coarsely than
+    TF32 (``emit_planes``), or it takes two digits (int4's decode, gemm_lowbit_vnni4.py)."""
     return b.icmp_signed("!=", simd.load_scalar(b, head, const(i64, 12 // 4), i32), const(i32, 0))
 
 

@@ -28,7 +28,7 @@ Zero points (asymmetric weights) cost a ``vpmulld`` per word and chunk.
 
 bf16 activations (``LowbitGemmSpec.digits`` 2) take two digits, ``x_int = rint(x * 2**(14 -
 E))``: four ``vpdpbusd`` and one shift fewer per 128 weights, the kernel ~1.2x as fast with its
-weights in cache (Zen 4, 2 threads, 3072 x 768: 30.8 -> 25.9 us). x is then rounded to
+weights in cache (Zen 4, 2 threads, 3072 x 768: 31.1 -> 28.0 us). x is then rounded to
 ``2**(E - 15)``, which the output's bf16 rounding and eager bf16's own (of each dequantised
 weight) outweigh where the row has no large outliers (``SPREAD``); rows that have them take
 three.
