@@ -35,6 +35,7 @@ GROUP_QUADS = 8
 GROUP_ROWS = GROUP_QUADS + 2
 PLANES = 3               # planes per x row: exact to float32
 HEAD = 16                # bytes a row's head: the float64 factor, then two i32 flags
+FINE_AT = 12             # byte of the head's second flag (is_fine)
 STEP = 64                # k per vpdpbusd (bytes of a 512-bit register)
 TINY = -100              # rows with max|x| below 2**TINY take the float path
 F64 = ir.DoubleType()
@@ -118,8 +119,7 @@ def emit_planes(f: Fn, k: int, dtype: str, x, planes, heads, rows, count: int = 
                 # x's rounding (a step of 2**(E - bits + 2)) no coarser than TF32's, in the mean
                 # square: 2**E <= 16 rms(x), i.e. sum (x * mult)**2 >= K * 2**(2 bits - 12)
                 floor = ir.Constant(f32, k * 2.0 ** (2 * bits - 12))
-                fine = b.fcmp_ordered(">=", simd.hsum(b, squares.get()), floor)
-                b.store(b.zext(fine, i32), simd.gep(b, head, const(i64, 12), i8))
+                set_fine(b, head, b.fcmp_ordered(">=", simd.hsum(b, squares.get()), floor))
 
 
 def each_vector(f: Fn, k: int, dtype: str, src, body) -> None:
@@ -157,7 +157,7 @@ def scan_row(f: Fn, k: int, dtype: str, src, head) -> tuple:
                 const(i32, 126))                       # max|x| < 2**exp
     ok = b.and_(b.not_(any_bad), b.icmp_signed(">=", exp, const(i32, TINY)))
     b.store(b.zext(ok, i32), simd.gep(b, head, const(i64, 8), i8))
-    b.store(const(i32, 1), simd.gep(b, head, const(i64, 12), i8))
+    set_fine(b, head, ir.Constant(ir.IntType(1), 1))
     return ok, exp
 
 
@@ -185,7 +185,13 @@ def is_ready(b, head) -> ir.Value:
 def is_fine(b, head) -> ir.Value:
     """The second flag of an x row's head (i1): its two planes round x no more coarsely than
     TF32 (``emit_planes``), or it takes two digits (int4's decode, gemm_lowbit_vnni4.py)."""
-    return b.icmp_signed("!=", simd.load_scalar(b, head, const(i64, 12 // 4), i32), const(i32, 0))
+    return b.icmp_signed("!=", simd.load_scalar(b, head, const(i64, FINE_AT // 4), i32),
+                         const(i32, 0))
+
+
+def set_fine(b, head, fine) -> None:
+    """Store ``is_fine``'s flag (i1) in an x row's head."""
+    b.store(b.zext(fine, i32), simd.gep(b, head, const(i64, FINE_AT), i8))
 
 
 def combine_planes(b: ir.IRBuilder, sums: list, qsum, factor, scale, count: int) -> ir.Value:

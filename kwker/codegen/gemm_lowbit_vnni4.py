@@ -107,7 +107,7 @@ def emit_planes(f: Fn, k: int, kp: int, dtype: str, x, planes, heads, rows,
                 _write_digits(f, k, kp, dtype, src, row, head, exp, 3)
             else:
                 fine = _spread(f, k, dtype, src, multiplier(b, exp, 16))
-                b.store(b.zext(fine, i32), simd.gep(b, head, const(i64, 12), i8))
+                gemm_lowbit_vnni.set_fine(b, head, fine)
                 with f.if_else(fine, likely=True) as (two, three):
                     with two:
                         _write_digits(f, k, kp, dtype, src, row, head, exp, 2)

@@ -230,9 +230,8 @@ def make_append_attend(attend, views: tuple, out_shape: tuple, out_stride: tuple
         if co is None or so is None or tuple(co[1]) != tuple(so[1]) or \
                 tuple(co[2]) != tuple(so[2]):
             return None
-        cs, cst = tuple(co[1]), tuple(co[2])
-        over_q = broadcast_strides(cs, cst, tuple(q_shape))
-        over_k = broadcast_strides(cs, cst, tuple(k_shape))
+        over_q = broadcast_strides(co[1], co[2], q_shape)
+        over_k = broadcast_strides(co[1], co[2], k_shape)
         return None if over_q is None or over_k is None else (co[0], so[0], over_q, over_k)
 
     def step(q, past_k, new_k, past_v, new_v, cos=None, sin=None):

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from .ops import is_inplace
+from .ops import is_inplace, target_in
 from .shapes import TensorMeta
 
 MAX_BYTES = 16 << 20    # results kept per region, all forgotten past this; larger ones not kept
@@ -113,10 +113,7 @@ def _is_int(n: Node, metas: dict) -> bool:
 
 
 def _size_node(n: Node, metas: dict) -> bool:
-    try:
-        return n.op == "call_function" and n.target in SIZE_OPS and _is_int(n, metas)
-    except TypeError:   # an unhashable target
-        return False
+    return n.op == "call_function" and target_in(n, SIZE_OPS) and _is_int(n, metas)
 
 
 def _functional(n: Node, step: Callable, metas: dict) -> bool:

@@ -128,6 +128,14 @@ VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "expand", "expan
                 "float", "data", "requires_grad_"}
 
 
+def target_in(node: Node, table) -> bool:
+    """Whether ``node``'s target is in ``table`` (a set or dict); False for an unhashable one."""
+    try:
+        return node.target in table
+    except TypeError:  # an unhashable target
+        return False
+
+
 def canon(node: Node) -> str | None:
     """Canonical name of the operation ``node`` performs, or None if not one we know."""
     if node.op == "call_function":

@@ -19,7 +19,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import memo, views
-from .ops import is_inplace
+from .ops import is_inplace, target_in
 from .shapes import TensorMeta
 
 
@@ -196,10 +196,7 @@ _PURE_FUNCTIONS = {torch.sym_sum, operator.add, operator.sub, operator.mul, oper
 def _pure(n: Node) -> bool:
     if n.op == "call_method":
         return n.target in _PURE_METHODS
-    try:
-        return n.op == "call_function" and n.target in _PURE_FUNCTIONS
-    except TypeError:  # unhashable
-        return False
+    return n.op == "call_function" and target_in(n, _PURE_FUNCTIONS)
 
 
 def _concrete(target) -> Callable:
@@ -305,22 +302,14 @@ _MULS = {torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, operator.mul, tor
 
 
 def _times_one(n: Node) -> bool:
-    try:
-        if n.target not in _MULS or n.kwargs or len(n.args) != 2:
-            return False
-    except TypeError:  # an unhashable target
+    if not target_in(n, _MULS) or n.kwargs or len(n.args) != 2:
         return False
     one = n.args[1]
     return type(one) in (int, float) and one == 1
 
 
 def _same_layout_view(n: Node, metas: dict | None) -> bool:
-    try:
-        if n.target not in SAME_LAYOUT_VIEWS:
-            return False
-    except TypeError:  # an unhashable target
-        return False
-    return _same_layout(n, metas)
+    return target_in(n, SAME_LAYOUT_VIEWS) and _same_layout(n, metas)
 
 
 def _same_layout(n: Node, metas: dict | None) -> bool:
