@@ -370,9 +370,11 @@ def test_vpdpbusd_and_float_paths(fmt, k, dtype, monkeypatch):
     rows they hand to the float path (all zeros, below 2**-100, non-finite), in one call. int8:
     K whole steps of 64, a tail under one vector, odd; int4: groups of 32, 64 and 128 k and one
     per row, K a chunk of 128 or less, several, with a part chunk, zero points; several x rows
-    of int4 on the float tiles."""
+    of int4 on the float tiles. N is whole blocks of 8 W rows: the blocks' edges are
+    test_each_format_every_row_count's (37 and 100 rows), and here they would double the tiles
+    each of these kernels compiles (the test 77 -> 51 s)."""
     import kwker.kernels.linear_lowbit as lowbit
-    lin = quantized(fmt, 45, k, dtype)
+    lin = quantized(fmt, 48, k, dtype)
     lin.bias.data.zero_()    # each row's error is then against that row's own scale
     rows = [torch.randn(k), torch.randn(k) * 1e30, torch.zeros(k), torch.randn(k) * 1e-36,
             torch.randn(k).index_fill(0, torch.tensor([k - 1]), float("nan")),

@@ -87,6 +87,33 @@ def test_store_evicts_least_recently_used_entries_beyond_the_limit(root, monkeyp
     assert [e.key[:2] for e in cache.iter_entries(root)] == ["d4"]
 
 
+def test_stores_scan_the_cache_only_when_it_may_be_full(root, monkeypatch):
+    """A store stats every entry only when this process's running count of the cache's bytes
+    would pass the limit, or ``RESCAN_STORES`` stores after its last scan (other processes'
+    entries count too); the limit still holds, entries stored by another process included."""
+    scans = []
+    real = cache._evict
+    monkeypatch.setattr(cache, "_evict", lambda *a: scans.append(1) or real(*a))
+    monkeypatch.setattr(cache, "RESCAN_STORES", 4)
+    obj = b"\x90" * 1000
+    keys = [f"{i:02x}" * 32 for i in range(10)]
+    for key in keys[:6]:
+        assert cache.store(key, HEADER, obj)
+    assert len(scans) == 2   # the first store, then the fifth after 4 counted ones
+    size = cache.entry_path(root, keys[0]).stat().st_size
+    # another process fills the cache behind this one's count: the next scan finds it
+    cache.entry_path(root, "ff" * 32).parent.mkdir()
+    cache.entry_path(root, "ff" * 32).write_bytes(b"\0" * (20 * size))
+    monkeypatch.setenv("KWKER_CACHE_MAX_BYTES", str(int(7.5 * size)))
+    for key in keys[6:8]:    # counted: 8 entries of this process's, 7.5 allowed
+        assert cache.store(key, HEADER, obj)
+    assert len(scans) == 3   # the count passed the limit at the eighth
+    # older than the last two, and too large to keep: its 20 entries' bytes were seen
+    assert not cache.entry_path(root, "ff" * 32).exists()
+    assert {e.key for e in cache.iter_entries(root)} == set(keys[6:8])
+    assert sum(e.size for e in cache.iter_entries(root)) <= 7.5 * size
+
+
 def test_switched_off_cache_builds_and_writes_nothing(root, monkeypatch):
     monkeypatch.setenv("KWKER_CACHE", "0")
     assert cache.get_or_build("e5" * 32, HEADER, HEADER, lambda: b"obj") == (b"obj", False)
