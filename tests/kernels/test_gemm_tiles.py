@@ -67,9 +67,9 @@ MATMUL_CASES = [  # m, k, n, batch, b transposed
 # are one helper of their own (widened FMAs), the tiling, edges and epilogues around them the
 # same code that this CPU's features run on every case (K odd, over a K block, float32 out)
 SAMPLE = {(9, 40, 18, "none", False, True), (131, 521, 4097, "relu", False, True),
-                  (97, 200, 2500, "gelu_tanh", True, True),
-                  (70, 100, 300, "gelu", True, True, torch.float32),
-                  (130, 301, 70, 2, True), (70, 2300, 60, 1, True)}
+          (97, 200, 2500, "gelu_tanh", True, True),
+          (70, 100, 300, "gelu", True, True, torch.float32),
+          (130, 301, 70, 2, True), (70, 2300, 60, 1, True)}
 SAPPHIRE = make_target("sapphirerapids")
 EMULATED = make_target("sapphirerapids", tiles="emulated")
 

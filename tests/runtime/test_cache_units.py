@@ -99,7 +99,7 @@ def test_stores_scan_the_cache_only_when_it_may_be_full(root, monkeypatch):
     keys = [f"{i:02x}" * 32 for i in range(10)]
     for key in keys[:6]:
         assert cache.store(key, HEADER, obj)
-    assert len(scans) == 2   # the first store, then the fifth after 4 counted ones
+    assert len(scans) == 2   # the first store, then the sixth after 4 counted ones
     size = cache.entry_path(root, keys[0]).stat().st_size
     # another process fills the cache behind this one's count: the next scan finds it
     cache.entry_path(root, "ff" * 32).parent.mkdir()
