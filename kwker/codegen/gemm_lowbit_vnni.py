@@ -35,6 +35,7 @@ GROUP_QUADS = 8
 GROUP_ROWS = GROUP_QUADS + 2
 PLANES = 3               # planes per x row: exact to float32
 HEAD = 16                # bytes a row's head: the float64 factor, then two i32 flags
+READY_AT = 8             # byte of the head's first flag (is_ready)
 FINE_AT = 12             # byte of the head's second flag (is_fine)
 STEP = 64                # k per vpdpbusd (bytes of a 512-bit register)
 TINY = -100              # rows with max|x| below 2**TINY take the float path
@@ -156,7 +157,7 @@ def scan_row(f: Fn, k: int, dtype: str, src, head) -> tuple:
     exp = b.sub(b.and_(b.lshr(b.bitcast(top, i32), const(i32, 23)), const(i32, 255)),
                 const(i32, 126))                       # max|x| < 2**exp
     ok = b.and_(b.not_(any_bad), b.icmp_signed(">=", exp, const(i32, TINY)))
-    b.store(b.zext(ok, i32), simd.gep(b, head, const(i64, 8), i8))
+    b.store(b.zext(ok, i32), simd.gep(b, head, const(i64, READY_AT), i8))
     set_fine(b, head, ir.Constant(ir.IntType(1), 1))
     return ok, exp
 
@@ -179,7 +180,8 @@ def store_factor(b: ir.IRBuilder, head, exp, bits: int) -> ir.Value:
 
 def is_ready(b, head) -> ir.Value:
     """The flag ``emit_planes`` left in an x row's head (i1)."""
-    return b.icmp_signed("!=", simd.load_scalar(b, head, const(i64, 8 // 4), i32), const(i32, 0))
+    return b.icmp_signed("!=", simd.load_scalar(b, head, const(i64, READY_AT // 4), i32),
+                         const(i32, 0))
 
 
 def is_fine(b, head) -> ir.Value:
