@@ -9,14 +9,13 @@ min(group, chunk)`` weights) starting from its ``-(8 + zp) * sum(x)`` term, lane
 with x's sums per unit made once per call and stored, times -8, after each x row. Symmetric
 weights start from them as stored: a load where an FMA took the term off at the unit's end
 (Zen 3, one thread, int4 in groups of 32 from L2: 0.46-0.47 -> 0.44-0.45 ns per 8 weights,
-alternating processes). The term is taken
-off inside the unit, not once per W row: a row's sums of ``x u`` grow to ``8 sum x`` and
-cancel only at its end, ~10x the error where x has a mean (x ~ N(5, 1), K 2048). Nibble
-``j`` of a word is not shifted down: masked in place it converts to ``u * 16**j`` exactly, and
-x holds ``x * 16**-j`` there, so each FMA's exact product is ``x * u``: the sums are bit for
-bit those of shifted nibbles. 3 instructions per 8 weights (mask, convert, FMA) against 6-7 for
-the exact form; the products round differently from torchao's dequantised weights, within
-float32 accumulation error.
+alternating processes). The term is taken off inside the unit, not once per W row: a row's
+sums of ``x u`` grow to ``8 sum x`` and cancel only at its end, ~10x the error where x has a
+mean (x ~ N(5, 1), K 2048). Nibble ``j`` of a word is not shifted down: masked in place it
+converts to ``u * 16**j`` exactly, and x holds ``x * 16**-j`` there, so each FMA's exact
+product is ``x * u``: the sums are bit for bit those of shifted nibbles. 3 instructions per 8
+weights (mask, convert, FMA) against 6-7 for the exact form; the products round differently
+from torchao's dequantised weights, within float32 accumulation error.
 
 x the fold cannot take keeps the exact tiles (``prepare_x`` says which): inf or NaN (the
 ``(8 + zp) * sum(x)`` term would be inf - inf), |x| >= ``FOLD_LIMIT`` (15 x |x| x K near
