@@ -2,6 +2,10 @@
 on the u8s8 GEMM (emulated tiles and ``vpdpbusd``), int4's grouped panels and bf16 products
 where allowed, against torchao's dequantised weights.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -78,9 +82,6 @@ def test_bf16_prefill_on_emulated_tiles(tmp_path):
     """The bf16 cases above on emulated tiles (AVX-512 code of the tile instructions' semantics),
     where the prefill's product runs on the tile path as on a CPU with AMX: its driver
     dequantises the low-bit panels as it packs them there too."""
-    import os
-    import subprocess
-    import sys
     if host_target().vector_bits != 512:
         pytest.skip(f"emulated tiles are AVX-512 code; this CPU: {host_target().describe()}")
     env = dict(os.environ, KWKER_TILES="emulate", KWKER_CACHE_DIR=str(tmp_path / "cache"))
@@ -91,6 +92,18 @@ def test_bf16_prefill_on_emulated_tiles(tmp_path):
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, \
         r.stdout[-3000:] + r.stderr[-3000:]
 
+
+def _skip_without_vnni() -> None:
+    if not (host_target().vector_bits == 512 and host_target().has("avx512vnni")):
+        pytest.skip(f"the byte planes' u8s8 GEMM needs AVX-512 with VNNI (emulated tiles "
+                    f"too); this CPU: {host_target().describe()}")
+
+
+def _run_check(script: str, tiles: str, tmp_path) -> subprocess.CompletedProcess:
+    """``script`` in a fresh process with ``KWKER_TILES=tiles`` and a kernel cache of its own."""
+    env = dict(os.environ, KWKER_TILES=tiles, KWKER_CACHE_DIR=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, check=False)
 
 
 # the rows the byte planes hand back to the float path (zero, tiny, NaN, inf, huge) among
@@ -170,17 +183,8 @@ def test_int8_prefill_on_byte_planes(tiles, path, tmp_path):
     ``torch.set_float32_matmul_precision("high")``: two planes, within x's rounding to 2**-15 of
     its row's largest |x|, and three again for a call where a row's outlier would make two
     coarser than TF32."""
-    import os
-    import subprocess
-    import sys
-
-    from kwker.runtime.target import host_target
-    if not (host_target().vector_bits == 512 and host_target().has("avx512vnni")):
-        pytest.skip(f"the byte planes' u8s8 GEMM needs AVX-512 with VNNI (emulated tiles "
-                    f"too); this CPU: {host_target().describe()}")
-    env = dict(os.environ, KWKER_TILES=tiles, KWKER_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-c", PLANES_CHECK], env=env, capture_output=True,
-                       text=True, check=False)
+    _skip_without_vnni()
+    r = _run_check(PLANES_CHECK, tiles, tmp_path)
     assert r.returncode == 0 and f"planes ok on ['{path}']" in r.stdout, r.stdout + r.stderr
 
 
@@ -236,17 +240,8 @@ def test_int4_prefill_on_byte_planes(tiles, path, tmp_path):
     residual; K odd, over a K block (two on the tiles: 4992 k). Two planes under
     ``torch.set_float32_matmul_precision("high")``, within x's rounding to 2**-15 of its row's
     largest |x|."""
-    import os
-    import subprocess
-    import sys
-
-    from kwker.runtime.target import host_target
-    if not (host_target().vector_bits == 512 and host_target().has("avx512vnni")):
-        pytest.skip(f"the byte planes' u8s8 GEMM needs AVX-512 with VNNI; this CPU: "
-                    f"{host_target().describe()}")
-    env = dict(os.environ, KWKER_TILES=tiles, KWKER_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-c", PLANES4_CHECK], env=env, capture_output=True,
-                       text=True, check=False)
+    _skip_without_vnni()
+    r = _run_check(PLANES4_CHECK, tiles, tmp_path)
     assert r.returncode == 0 and f"int4 planes ok on ['{path}']" in r.stdout, \
         r.stdout + r.stderr
 
@@ -330,17 +325,10 @@ def test_int4_prefill_on_bf16_products_where_allowed(tiles, tmp_path):
     dequantised weights rounded to bf16, the sums, bias and residual in float32, the output
     float32. The setting is read per call: back at "highest" the same kernel is exact again.
     Without fast bf16 products (bf16 widened to float32 FMAs) the product stays exact."""
-    import os
-    import subprocess
-    import sys
-
     from kwker.kernels import blocking
-    from kwker.runtime.target import host_target
     if tiles == "emulate" and host_target().vector_bits != 512:
         pytest.skip(f"emulated tiles run as AVX-512 code; this CPU: {host_target().describe()}")
-    env = dict(os.environ, KWKER_TILES=tiles, KWKER_CACHE_DIR=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-c", BF16_PRODUCTS_CHECK], env=env,
-                       capture_output=True, text=True, check=False)
+    r = _run_check(BF16_PRODUCTS_CHECK, tiles, tmp_path)
     assert r.returncode == 0 and "bf16 products ok" in r.stdout, r.stdout + r.stderr
     paths = {"emulate": "['tile']", "off": "[]" if blocking.widens_bf16() else "['vector']"}
     assert f"bf16 products ok: {paths[tiles]}" in r.stdout, r.stdout
